@@ -1,0 +1,274 @@
+//! Configuration: a plain struct, filled from defaults, then from environment variables.
+//!
+//! Project-native names are `GLAKE_*`; GMLake's names and the tutorial's spellings are accepted
+//! as aliases (the tutorial and GMLake's code disagree, so both work). A bad value is one warning
+//! naming the variable and the value used instead, never a failure.
+
+use std::sync::{Mutex, OnceLock};
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+/// When stitching is tried for a large request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefragLevel {
+    /// Stitch free blocks before creating new physical memory (GMLake level 0).
+    BeforeGrow = 0,
+    /// Stitch only once the device (or the memory cap) is full (GMLake level 1).
+    WhenFull = 1,
+}
+
+/// Settings of one pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Stitching on (GMLake `vmmDefragment=1`); off means plain caching.
+    pub stitch: bool,
+    /// Free blocks smaller than this are not used as stitch pieces (GMLake `fragLimit`).
+    pub frag_limit: usize,
+    /// A cached stitched block is reused for a request only if it is at most this many times
+    /// the request (GMLake `reuseLimit`).
+    pub reuse_limit: f64,
+    /// When stitching is tried (GMLake `defragLevel`).
+    pub defrag_level: DefragLevel,
+    /// Bytes of cached stitched address space past which unused stitched blocks are collected
+    /// (GMLake `autoGC`, given there in GiB).
+    pub auto_gc_bytes: usize,
+    /// Largest request served by the small pool.
+    pub small_limit: usize,
+    /// Fraction of the device's total memory this pool may create (1.0 = no cap).
+    pub memory_fraction: f64,
+    /// Most pieces one stitched block may map (each costs a set-access on CUDA).
+    pub max_stitch_pieces: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            stitch: true,
+            frag_limit: 2 * MIB,
+            reuse_limit: 10.0,
+            defrag_level: DefragLevel::BeforeGrow,
+            auto_gc_bytes: 1000 * GIB,
+            small_limit: MIB,
+            memory_fraction: 1.0,
+            max_stitch_pieces: 256,
+        }
+    }
+}
+
+/// One environment variable and its aliases, first match wins.
+struct Var {
+    names: &'static [&'static str],
+}
+
+const STITCH: Var = Var {
+    names: &["GLAKE_STITCH", "vmmDefragment", "VMM_DEFRAGMENT"],
+};
+const FRAG_LIMIT: Var = Var {
+    names: &[
+        "GLAKE_FRAG_LIMIT",
+        "fragLimit",
+        "fragment_limit",
+        "FRAGMENT_LIMIT",
+    ],
+};
+const REUSE_LIMIT: Var = Var {
+    names: &["GLAKE_REUSE_LIMIT", "reuseLimit", "reuse_limit"],
+};
+const DEFRAG_LEVEL: Var = Var {
+    names: &[
+        "GLAKE_DEFRAG_LEVEL",
+        "defragLevel",
+        "defragment_level",
+        "DEFRAGMENT_LEVEL",
+    ],
+};
+const AUTO_GC: Var = Var {
+    names: &[
+        "GLAKE_AUTO_GC",
+        "autoGC",
+        "auto_gc_limits",
+        "AUTO_GC_LIMITS",
+    ],
+};
+const MEMORY_FRACTION: Var = Var {
+    names: &["GLAKE_MEMORY_FRACTION"],
+};
+const MAX_STITCH_PIECES: Var = Var {
+    names: &["GLAKE_MAX_STITCH_PIECES"],
+};
+
+impl Var {
+    fn lookup(&self) -> Option<(&'static str, String)> {
+        self.names
+            .iter()
+            .find_map(|name| std::env::var(name).ok().map(|value| (*name, value)))
+    }
+}
+
+/// Warns once per (variable, value) pair, so that a bad value read by many pools is one line.
+fn warn_bad_value(name: &str, value: &str, used: &str) {
+    static WARNED: OnceLock<Mutex<Vec<(String, String)>>> = OnceLock::new();
+    let warned = WARNED.get_or_init(|| Mutex::new(Vec::new()));
+    let mut warned = match warned.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    let key = (name.to_string(), value.to_string());
+    if !warned.contains(&key) {
+        log::warn!("glake: ignoring {name}={value:?}: not a valid value; using {used}");
+        warned.push(key);
+    }
+}
+
+/// Parses a byte count: a plain integer, or one with a K, M, G or T suffix (powers of 1024).
+pub fn parse_bytes(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let (digits, shift) = match text.char_indices().last()? {
+        (i, 'k' | 'K') => (&text[..i], 10),
+        (i, 'm' | 'M') => (&text[..i], 20),
+        (i, 'g' | 'G') => (&text[..i], 30),
+        (i, 't' | 'T') => (&text[..i], 40),
+        _ => (text, 0),
+    };
+    let value: usize = digits.trim().parse().ok()?;
+    value.checked_mul(1usize << shift)
+}
+
+/// A byte count from one environment variable, with a warning on a bad value.
+pub fn env_bytes(name: &str) -> Option<usize> {
+    let value = std::env::var(name).ok()?;
+    match parse_bytes(&value) {
+        Some(bytes) => Some(bytes),
+        None => {
+            warn_bad_value(name, &value, "the default");
+            None
+        }
+    }
+}
+
+fn parse_bool(text: &str) -> Option<bool> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+impl Config {
+    /// Defaults with every environment variable applied.
+    pub fn from_env() -> Self {
+        let mut config = Config::default();
+        config.apply_env();
+        config
+    }
+
+    /// Overrides fields with the environment variables that are set.
+    pub fn apply_env(&mut self) {
+        if let Some((name, value)) = STITCH.lookup() {
+            match parse_bool(&value) {
+                Some(on) => self.stitch = on,
+                None => warn_bad_value(name, &value, &format!("{}", self.stitch as u8)),
+            }
+        }
+        if let Some((name, value)) = FRAG_LIMIT.lookup() {
+            match parse_bytes(&value) {
+                Some(bytes) => self.frag_limit = bytes,
+                None => warn_bad_value(name, &value, &self.frag_limit.to_string()),
+            }
+        }
+        if let Some((name, value)) = REUSE_LIMIT.lookup() {
+            match value.trim().parse::<f64>() {
+                Ok(limit) if limit.is_finite() && limit >= 1.0 => self.reuse_limit = limit,
+                _ => warn_bad_value(name, &value, &self.reuse_limit.to_string()),
+            }
+        }
+        if let Some((name, value)) = DEFRAG_LEVEL.lookup() {
+            match value.trim() {
+                "0" => self.defrag_level = DefragLevel::BeforeGrow,
+                "1" => self.defrag_level = DefragLevel::WhenFull,
+                _ => warn_bad_value(name, &value, &(self.defrag_level as u8).to_string()),
+            }
+        }
+        if let Some((name, value)) = AUTO_GC.lookup() {
+            // GMLake gives this in GiB; a fractional value is accepted.
+            match value.trim().parse::<f64>() {
+                Ok(gib) if gib.is_finite() && gib > 0.0 => {
+                    self.auto_gc_bytes = (gib * GIB as f64).min(usize::MAX as f64) as usize
+                }
+                _ => warn_bad_value(
+                    name,
+                    &value,
+                    &format!("{} GiB", self.auto_gc_bytes as f64 / GIB as f64),
+                ),
+            }
+        }
+        if let Some((name, value)) = MEMORY_FRACTION.lookup() {
+            match value.trim().parse::<f64>() {
+                Ok(f) if f > 0.0 && f <= 1.0 => self.memory_fraction = f,
+                _ => warn_bad_value(name, &value, &self.memory_fraction.to_string()),
+            }
+        }
+        if let Some((name, value)) = MAX_STITCH_PIECES.lookup() {
+            match value.trim().parse::<usize>() {
+                Ok(n) if n >= 2 => self.max_stitch_pieces = n,
+                _ => warn_bad_value(name, &value, &self.max_stitch_pieces.to_string()),
+            }
+        }
+    }
+
+    /// Checks the values a program set directly (the environment path never fails).
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |what: String| Err(crate::Error::invalid_argument(what));
+        if !(self.reuse_limit.is_finite() && self.reuse_limit >= 1.0) {
+            return bad(format!("reuse_limit {} must be >= 1", self.reuse_limit));
+        }
+        if !(self.memory_fraction > 0.0 && self.memory_fraction <= 1.0) {
+            return bad(format!(
+                "memory_fraction {} must be in (0, 1]",
+                self.memory_fraction
+            ));
+        }
+        if self.small_limit == 0 || self.small_limit > 64 * MIB {
+            return bad(format!(
+                "small_limit {} must be in 1..=64 MiB",
+                self.small_limit
+            ));
+        }
+        if self.max_stitch_pieces < 2 {
+            return bad(format!(
+                "max_stitch_pieces {} must be >= 2",
+                self.max_stitch_pieces
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("512"), Some(512));
+        assert_eq!(parse_bytes("2M"), Some(2 * MIB));
+        assert_eq!(parse_bytes(" 3g "), Some(3 * GIB));
+        assert_eq!(parse_bytes("x"), None);
+        assert_eq!(parse_bytes(""), None);
+        assert_eq!(parse_bytes("99999999999999T"), None);
+    }
+
+    #[test]
+    fn validate_rejects_nonsense() {
+        let mut c = Config::default();
+        assert!(c.validate().is_ok());
+        c.reuse_limit = 0.5;
+        assert!(c.validate().is_err());
+        c = Config {
+            memory_fraction: 0.0,
+            ..Config::default()
+        };
+        assert!(c.validate().is_err());
+    }
+}

@@ -1,0 +1,224 @@
+//! The device seam: everything that touches a driver goes through [`Device`].
+//!
+//! Backends: [`cuda`] (the only module that calls CUDA), [`host`] (memfd + mmap, real bytes and
+//! real virtual-address stitching without a GPU) and [`fault`] (wraps any backend and fails
+//! chosen calls, for tests). The allocator above works on addresses and sizes only.
+
+pub mod cuda;
+pub mod fault;
+pub mod host;
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// A device virtual address.
+pub type DevicePtr = u64;
+
+/// An opaque physical-memory handle of a backend (CUDA: `CUmemGenericAllocationHandle`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PhysHandle(pub u64);
+
+/// A stream: CUDA's `CUstream` value (0 is the legacy default stream); on the host backend an id
+/// handed out by the backend, 0 being its default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    pub const DEFAULT: Stream = Stream(0);
+}
+
+/// An event handle of a backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Event(pub u64);
+
+/// Which kind of backend a device is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    Host,
+    Cuda,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Host => "host",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// Free and total memory of a device, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: usize,
+    pub total: usize,
+}
+
+/// The kinds of driver call, so that the fault backend can fail one kind at a time and tests can
+/// count calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CallKind {
+    Reserve,
+    Unreserve,
+    CreatePhysical,
+    ReleasePhysical,
+    Map,
+    Unmap,
+    SetAccess,
+    CreateStream,
+    DestroyStream,
+    CreateEvent,
+    DestroyEvent,
+    RecordEvent,
+    QueryEvent,
+    SynchronizeEvent,
+    SynchronizeStream,
+    SynchronizeDevice,
+    StreamWaitEvent,
+    Copy,
+    Pinned,
+    MemInfo,
+}
+
+impl CallKind {
+    pub const ALL: [CallKind; 20] = [
+        CallKind::Reserve,
+        CallKind::Unreserve,
+        CallKind::CreatePhysical,
+        CallKind::ReleasePhysical,
+        CallKind::Map,
+        CallKind::Unmap,
+        CallKind::SetAccess,
+        CallKind::CreateStream,
+        CallKind::DestroyStream,
+        CallKind::CreateEvent,
+        CallKind::DestroyEvent,
+        CallKind::RecordEvent,
+        CallKind::QueryEvent,
+        CallKind::SynchronizeEvent,
+        CallKind::SynchronizeStream,
+        CallKind::SynchronizeDevice,
+        CallKind::StreamWaitEvent,
+        CallKind::Copy,
+        CallKind::Pinned,
+        CallKind::MemInfo,
+    ];
+}
+
+/// One device of one backend. All methods are thread-safe; the allocator serialises its own
+/// state but may call from any thread (PyTorch frees from arbitrary threads).
+///
+/// Addresses and sizes given to the mapping calls must be multiples of [`Device::granularity`].
+pub trait Device: Send + Sync {
+    fn kind(&self) -> BackendKind;
+    /// The device ordinal this object drives.
+    fn ordinal(&self) -> i32;
+    /// Mapping granularity in bytes (2 MiB on current NVIDIA GPUs).
+    fn granularity(&self) -> usize;
+    fn mem_info(&self) -> Result<MemInfo>;
+    /// Number of devices of this backend visible to the process.
+    fn device_count(&self) -> Result<usize>;
+    /// Whether device `peer` can map memory of this device.
+    fn can_access_peer(&self, peer: i32) -> Result<bool>;
+
+    /// Reserves `size` bytes of virtual address space, aligned to `align`.
+    fn reserve(&self, size: usize, align: usize) -> Result<DevicePtr>;
+    fn unreserve(&self, va: DevicePtr, size: usize) -> Result<()>;
+    /// Creates `size` bytes of physical memory on this device.
+    fn create_physical(&self, size: usize) -> Result<PhysHandle>;
+    fn release_physical(&self, handle: PhysHandle) -> Result<()>;
+    /// Maps `size` bytes of `handle`, starting `offset` bytes in, at `va`.
+    fn map(&self, va: DevicePtr, size: usize, handle: PhysHandle, offset: usize) -> Result<()>;
+    fn unmap(&self, va: DevicePtr, size: usize) -> Result<()>;
+    /// Grants read/write access to `[va, va+size)` to each device in `devices`.
+    fn set_access(&self, va: DevicePtr, size: usize, devices: &[i32]) -> Result<()>;
+
+    fn create_stream(&self) -> Result<Stream>;
+    fn destroy_stream(&self, stream: Stream) -> Result<()>;
+    fn create_event(&self) -> Result<Event>;
+    fn destroy_event(&self, event: Event) -> Result<()>;
+    fn record_event(&self, event: Event, stream: Stream) -> Result<()>;
+    /// True once all work captured by the event's last record has completed.
+    fn query_event(&self, event: Event) -> Result<bool>;
+    fn synchronize_event(&self, event: Event) -> Result<()>;
+    fn synchronize_stream(&self, stream: Stream) -> Result<()>;
+    /// Waits for all work on the device, on every stream.
+    fn synchronize_device(&self) -> Result<()>;
+    /// Makes future work on `stream` wait for `event`.
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
+
+    /// Queues a host-to-device copy on `stream`.
+    ///
+    /// # Safety
+    /// `src` must be valid for `len` bytes until the copy has completed on the stream.
+    unsafe fn copy_to_device(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: Stream,
+    ) -> Result<()>;
+    /// Queues a device-to-host copy on `stream`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for `len` bytes until the copy has completed on the stream.
+    unsafe fn copy_to_host(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> Result<()>;
+    /// Queues a device-to-device copy (both addresses visible to this device) on `stream`.
+    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: usize, stream: Stream)
+        -> Result<()>;
+
+    /// Page-locked host memory, for staging copies.
+    fn alloc_pinned(&self, size: usize) -> Result<*mut u8>;
+    /// # Safety
+    /// `ptr` must come from [`Device::alloc_pinned`] of this backend and not be in use.
+    unsafe fn free_pinned(&self, ptr: *mut u8) -> Result<()>;
+}
+
+/// A shared device handle.
+pub type SharedDevice = Arc<dyn Device>;
+
+/// Which backend to open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// CUDA when a usable GPU is present, otherwise the host backend.
+    Auto,
+    Host,
+    Cuda,
+}
+
+/// Opens device `ordinal` of the chosen backend.
+pub fn open(choice: BackendChoice, ordinal: i32) -> Result<SharedDevice> {
+    match choice {
+        BackendChoice::Host => Ok(host::HostDevice::shared(
+            ordinal,
+            host::HostOptions::from_env(),
+        )?),
+        BackendChoice::Cuda => Ok(Arc::new(cuda::CudaDevice::open(ordinal)?)),
+        BackendChoice::Auto => match cuda::CudaDevice::open(ordinal) {
+            Ok(device) => Ok(Arc::new(device)),
+            Err(err) => {
+                log::info!("no usable CUDA device ({err}); using the host backend");
+                Ok(host::HostDevice::shared(
+                    ordinal,
+                    host::HostOptions::from_env(),
+                )?)
+            }
+        },
+    }
+}
+
+/// Rounds `value` up to a multiple of `align` (a power of two), failing on overflow.
+pub fn align_up(value: usize, align: usize) -> Result<usize> {
+    debug_assert!(align.is_power_of_two());
+    value
+        .checked_add(align - 1)
+        .map(|v| v & !(align - 1))
+        .ok_or_else(|| Error::invalid_argument(format!("size {value} overflows when aligned")))
+}

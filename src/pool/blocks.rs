@@ -1,0 +1,517 @@
+//! Segments and blocks: the bookkeeping of the caching allocator, on addresses and sizes only.
+//!
+//! A segment is one physical chunk mapped at its own virtual range. Its bytes are covered by a
+//! doubly linked list of blocks in address order; a block is free, allocated, or pending (freed
+//! but waiting for events of other streams). Free blocks sit in best-fit sets keyed by pool and
+//! owner stream, and neighbours with the same owner coalesce. No driver is called here.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use slab::Slab;
+
+use crate::device::{DevicePtr, PhysHandle, Stream};
+
+pub type SegmentId = usize;
+/// Free blocks ordered for best fit: (size, address, id).
+type FreeSet = BTreeSet<(usize, DevicePtr, BlockId)>;
+pub type BlockId = usize;
+
+/// The small pool (requests up to `small_limit`) or the large pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PoolKind {
+    Small = 0,
+    Large = 1,
+}
+
+/// Which stream may reuse a free block at once. `None`: any stream (its last use is known to be
+/// complete); `Some(s)`: only `s`, since work queued on `s` may still touch it.
+pub type Owner = Option<Stream>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockState {
+    Free,
+    Allocated,
+    /// Freed by the user, waiting for events on other streams before it becomes free.
+    Pending,
+}
+
+#[derive(Debug, Clone)]
+pub struct Segment {
+    pub va: DevicePtr,
+    pub size: usize,
+    pub handle: PhysHandle,
+    pub pool: PoolKind,
+    pub first: BlockId,
+}
+
+#[derive(Debug, Clone)]
+pub struct Block {
+    pub addr: DevicePtr,
+    pub size: usize,
+    pub segment: SegmentId,
+    pub prev: Option<BlockId>,
+    pub next: Option<BlockId>,
+    pub state: BlockState,
+    pub owner: Owner,
+}
+
+/// Change in the free-but-split ("inactive split") accounting caused by one operation.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SplitDelta {
+    pub count: i64,
+    pub bytes: i64,
+}
+
+#[derive(Debug, Default)]
+pub struct BlockMap {
+    pub segments: Slab<Segment>,
+    pub blocks: Slab<Block>,
+    /// Every block by start address (for lookups of pointers and containment).
+    by_addr: BTreeMap<DevicePtr, BlockId>,
+    /// Best-fit sets, one per (pool, owner); few streams, so a short list beats a map.
+    free: Vec<((PoolKind, Owner), FreeSet)>,
+    /// Free blocks that are part of a segment split into several blocks.
+    pub inactive_split: SplitDelta,
+}
+
+impl BlockMap {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn free_set(&mut self, key: (PoolKind, Owner)) -> &mut FreeSet {
+        let index = match self.free.iter().position(|(k, _)| *k == key) {
+            Some(index) => index,
+            None => {
+                self.free.push((key, BTreeSet::new()));
+                self.free.len() - 1
+            }
+        };
+        &mut self.free[index].1
+    }
+
+    fn is_split(&self, id: BlockId) -> bool {
+        let block = &self.blocks[id];
+        block.size < self.segments[block.segment].size
+    }
+
+    fn link_free(&mut self, id: BlockId) {
+        let (pool, owner, size, addr) = {
+            let b = &self.blocks[id];
+            (self.segments[b.segment].pool, b.owner, b.size, b.addr)
+        };
+        self.free_set((pool, owner)).insert((size, addr, id));
+        if self.is_split(id) {
+            self.inactive_split.count += 1;
+            self.inactive_split.bytes += size as i64;
+        }
+    }
+
+    fn unlink_free(&mut self, id: BlockId) {
+        let (pool, owner, size, addr) = {
+            let b = &self.blocks[id];
+            (self.segments[b.segment].pool, b.owner, b.size, b.addr)
+        };
+        self.free_set((pool, owner)).remove(&(size, addr, id));
+        if self.is_split(id) {
+            self.inactive_split.count -= 1;
+            self.inactive_split.bytes -= size as i64;
+        }
+    }
+
+    /// Adds a segment covered by one free block with no owner (new memory is idle).
+    pub fn add_segment(
+        &mut self,
+        va: DevicePtr,
+        size: usize,
+        handle: PhysHandle,
+        pool: PoolKind,
+    ) -> (SegmentId, BlockId) {
+        let segment = self.segments.insert(Segment {
+            va,
+            size,
+            handle,
+            pool,
+            first: usize::MAX,
+        });
+        let block = self.blocks.insert(Block {
+            addr: va,
+            size,
+            segment,
+            prev: None,
+            next: None,
+            state: BlockState::Free,
+            owner: None,
+        });
+        self.segments[segment].first = block;
+        self.by_addr.insert(va, block);
+        self.link_free(block);
+        (segment, block)
+    }
+
+    /// Removes a segment whose only block is free; returns it.
+    pub fn remove_segment(&mut self, segment: SegmentId) -> Option<Segment> {
+        let first = self.segments.get(segment)?.first;
+        let whole = {
+            let b = &self.blocks[first];
+            b.state == BlockState::Free && b.next.is_none()
+        };
+        if !whole {
+            return None;
+        }
+        self.unlink_free(first);
+        let block = self.blocks.remove(first);
+        self.by_addr.remove(&block.addr);
+        Some(self.segments.remove(segment))
+    }
+
+    /// Segments whose whole range is one free block.
+    pub fn idle_segments(&self) -> Vec<SegmentId> {
+        self.segments
+            .iter()
+            .filter(|(_, s)| {
+                let b = &self.blocks[s.first];
+                b.state == BlockState::Free && b.next.is_none()
+            })
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    pub fn block_at(&self, addr: DevicePtr) -> Option<BlockId> {
+        self.by_addr.get(&addr).copied()
+    }
+
+    /// The block whose range contains `addr`.
+    pub fn block_containing(&self, addr: DevicePtr) -> Option<BlockId> {
+        let (_, &id) = self.by_addr.range(..=addr).next_back()?;
+        let b = &self.blocks[id];
+        (addr < b.addr + b.size as u64).then_some(id)
+    }
+
+    /// Smallest free block of `pool` usable on `stream` with at least `size` bytes.
+    pub fn best_fit(&self, pool: PoolKind, stream: Stream, size: usize) -> Option<BlockId> {
+        let mut best: Option<(usize, DevicePtr, BlockId)> = None;
+        for ((p, owner), set) in &self.free {
+            if *p != pool || !(owner.is_none() || *owner == Some(stream)) {
+                continue;
+            }
+            if let Some(&candidate) = set.range((size, 0, 0)..).next() {
+                if best.is_none_or(|b| candidate < b) {
+                    best = Some(candidate);
+                }
+            }
+        }
+        best.map(|(_, _, id)| id)
+    }
+
+    /// Free blocks of `pool` usable on `stream`, of at least `min_size` bytes, largest first.
+    pub fn free_blocks_for(
+        &self,
+        pool: PoolKind,
+        stream: Stream,
+        min_size: usize,
+    ) -> Vec<(usize, BlockId)> {
+        let mut out: Vec<(usize, BlockId)> = self
+            .free
+            .iter()
+            .filter(|((p, owner), _)| *p == pool && (owner.is_none() || *owner == Some(stream)))
+            .flat_map(|(_, set)| set.range((min_size, 0, 0)..).map(|&(s, _, id)| (s, id)))
+            .collect();
+        out.sort_unstable_by(|a, b| b.cmp(a));
+        out
+    }
+
+    /// Total free bytes of `pool` that `stream` could use at once.
+    pub fn free_bytes_for(&self, pool: PoolKind, stream: Stream) -> usize {
+        self.free
+            .iter()
+            .filter(|((p, owner), _)| *p == pool && (owner.is_none() || *owner == Some(stream)))
+            .flat_map(|(_, set)| set.iter().map(|&(s, _, _)| s))
+            .sum()
+    }
+
+    /// Streams that own free blocks.
+    pub fn owning_streams(&self) -> Vec<Stream> {
+        let mut streams: Vec<Stream> = self
+            .free
+            .iter()
+            .filter(|(_, set)| !set.is_empty())
+            .filter_map(|((_, owner), _)| *owner)
+            .collect();
+        streams.sort_unstable();
+        streams.dedup();
+        streams
+    }
+
+    /// Splits free block `id` so that it keeps its first `size` bytes; the rest becomes a new
+    /// free block with the same owner. Returns the rest's id, if any.
+    pub fn split_front(&mut self, id: BlockId, size: usize) -> Option<BlockId> {
+        debug_assert_eq!(self.blocks[id].state, BlockState::Free);
+        let (addr, total, segment, next, owner) = {
+            let b = &self.blocks[id];
+            (b.addr, b.size, b.segment, b.next, b.owner)
+        };
+        if size >= total {
+            return None;
+        }
+        self.unlink_free(id);
+        let rest = self.blocks.insert(Block {
+            addr: addr + size as u64,
+            size: total - size,
+            segment,
+            prev: Some(id),
+            next,
+            state: BlockState::Free,
+            owner,
+        });
+        if let Some(n) = next {
+            self.blocks[n].prev = Some(rest);
+        }
+        let block = &mut self.blocks[id];
+        block.size = size;
+        block.next = Some(rest);
+        self.by_addr.insert(addr + size as u64, rest);
+        self.link_free(id);
+        self.link_free(rest);
+        Some(rest)
+    }
+
+    /// Carves `[addr, addr+size)` out of the free block containing it, returning the block that
+    /// covers exactly that range. None when the range is not inside one free block usable on
+    /// `stream`.
+    pub fn carve(&mut self, addr: DevicePtr, size: usize, stream: Stream) -> Option<BlockId> {
+        let id = self.block_containing(addr)?;
+        let (start, len, state, owner) = {
+            let b = &self.blocks[id];
+            (b.addr, b.size, b.state, b.owner)
+        };
+        let usable = owner.is_none() || owner == Some(stream);
+        if state != BlockState::Free || !usable || addr + size as u64 > start + len as u64 {
+            return None;
+        }
+        let id = if addr > start {
+            self.split_front(id, (addr - start) as usize)?
+        } else {
+            id
+        };
+        self.split_front(id, size);
+        Some(id)
+    }
+
+    /// Marks free block `id` allocated on `stream`.
+    pub fn take(&mut self, id: BlockId, stream: Stream) {
+        debug_assert_eq!(self.blocks[id].state, BlockState::Free);
+        self.unlink_free(id);
+        let block = &mut self.blocks[id];
+        block.state = BlockState::Allocated;
+        block.owner = Some(stream);
+    }
+
+    /// Marks allocated block `id` pending (freed, waiting for events).
+    pub fn set_pending(&mut self, id: BlockId) {
+        self.blocks[id].state = BlockState::Pending;
+    }
+
+    fn mergeable(&self, a: BlockId, b: BlockId) -> bool {
+        let (x, y) = (&self.blocks[a], &self.blocks[b]);
+        x.state == BlockState::Free
+            && y.state == BlockState::Free
+            && (x.owner == y.owner || x.owner.is_none() || y.owner.is_none())
+    }
+
+    /// Absorbs free block `next` into free block `id` (its neighbour after it).
+    fn absorb(&mut self, id: BlockId, next: BlockId) {
+        self.unlink_free(id);
+        self.unlink_free(next);
+        let gone = self.blocks.remove(next);
+        self.by_addr.remove(&gone.addr);
+        if let Some(n) = gone.next {
+            self.blocks[n].prev = Some(id);
+        }
+        let block = &mut self.blocks[id];
+        block.size += gone.size;
+        block.next = gone.next;
+        if block.owner.is_none() {
+            block.owner = gone.owner;
+        }
+        self.link_free(id);
+    }
+
+    /// Returns block `id` to the free sets, owned by `owner`, and merges it with free neighbours
+    /// of a compatible owner. Returns the id of the resulting block.
+    pub fn release(&mut self, id: BlockId, owner: Owner) -> BlockId {
+        {
+            let block = &mut self.blocks[id];
+            block.state = BlockState::Free;
+            block.owner = owner;
+        }
+        self.link_free(id);
+        self.coalesce(id)
+    }
+
+    fn coalesce(&mut self, mut id: BlockId) -> BlockId {
+        if let Some(next) = self.blocks[id].next {
+            if self.mergeable(id, next) {
+                self.absorb(id, next);
+            }
+        }
+        if let Some(prev) = self.blocks[id].prev {
+            if self.mergeable(prev, id) {
+                self.absorb(prev, id);
+                id = prev;
+            }
+        }
+        id
+    }
+
+    /// Gives every free block owned by `stream` to no stream (its work is known complete), and
+    /// merges what can now be merged.
+    pub fn disown(&mut self, stream: Stream) {
+        let ids: Vec<BlockId> = self
+            .free
+            .iter()
+            .filter(|((_, owner), _)| *owner == Some(stream))
+            .flat_map(|(_, set)| set.iter().map(|&(_, _, id)| id))
+            .collect();
+        for id in &ids {
+            self.unlink_free(*id);
+            self.blocks[*id].owner = None;
+            self.link_free(*id);
+        }
+        for id in ids {
+            if self.blocks.contains(id) && self.blocks[id].state == BlockState::Free {
+                self.coalesce(id);
+            }
+        }
+    }
+
+    /// Number of free blocks (all pools and owners).
+    pub fn free_block_count(&self) -> usize {
+        self.free.iter().map(|(_, set)| set.len()).sum()
+    }
+
+    /// Blocks of a segment, in address order.
+    pub fn segment_blocks(&self, segment: SegmentId) -> SegmentBlocks<'_> {
+        SegmentBlocks {
+            map: self,
+            next: self.segments.get(segment).map(|s| s.first),
+        }
+    }
+
+    /// Checks the structural invariants; used by tests.
+    pub fn check(&self) -> Result<(), String> {
+        let mut covered = 0usize;
+        for (sid, segment) in self.segments.iter() {
+            let mut at = segment.va;
+            let mut prev = None;
+            for id in self.segment_blocks(sid) {
+                let b = &self.blocks[id];
+                if b.addr != at || b.prev != prev || b.segment != sid || b.size == 0 {
+                    return Err(format!("segment {sid}: block {id} breaks the chain"));
+                }
+                if let (Some(p), BlockState::Free) = (prev, b.state) {
+                    if self.mergeable(p, id) {
+                        return Err(format!("blocks {p} and {id} should have merged"));
+                    }
+                }
+                at += b.size as u64;
+                prev = Some(id);
+                covered += 1;
+            }
+            if at != segment.va + segment.size as u64 {
+                return Err(format!("segment {sid} not covered"));
+            }
+        }
+        if covered != self.blocks.len() || covered != self.by_addr.len() {
+            return Err(format!(
+                "{} blocks, {covered} in segments, {} by address",
+                self.blocks.len(),
+                self.by_addr.len()
+            ));
+        }
+        let free_listed = self.free_block_count();
+        let free_actual = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.state == BlockState::Free)
+            .count();
+        if free_listed != free_actual {
+            return Err(format!("{free_listed} listed free, {free_actual} free"));
+        }
+        Ok(())
+    }
+}
+
+pub struct SegmentBlocks<'a> {
+    map: &'a BlockMap,
+    next: Option<BlockId>,
+}
+
+impl Iterator for SegmentBlocks<'_> {
+    type Item = BlockId;
+    fn next(&mut self) -> Option<BlockId> {
+        let id = self.next?;
+        self.next = self.map.blocks[id].next;
+        Some(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Stream = Stream(7);
+
+    #[test]
+    fn split_take_release_coalesce() {
+        let mut m = BlockMap::new();
+        let (seg, b) = m.add_segment(0x10000, 4096, PhysHandle(1), PoolKind::Small);
+        assert_eq!(m.best_fit(PoolKind::Small, S, 512), Some(b));
+        m.split_front(b, 512);
+        m.take(b, S);
+        let c = m.best_fit(PoolKind::Small, S, 512).unwrap();
+        m.split_front(c, 1024);
+        m.take(c, S);
+        assert_eq!(m.inactive_split.count, 1);
+        assert_eq!(m.inactive_split.bytes, 4096 - 1536);
+        m.check().unwrap();
+        m.release(b, Some(S));
+        m.check().unwrap();
+        assert_eq!(m.inactive_split.count, 2);
+        let merged = m.release(c, Some(S));
+        assert_eq!(merged, b);
+        assert_eq!(m.blocks[b].size, 4096);
+        assert_eq!(m.inactive_split, SplitDelta::default());
+        m.check().unwrap();
+        assert!(m.remove_segment(seg).is_some());
+        assert_eq!(m.blocks.len(), 0);
+    }
+
+    #[test]
+    fn owners_keep_streams_apart() {
+        let mut m = BlockMap::new();
+        let (_, b) = m.add_segment(0x100000, 8192, PhysHandle(1), PoolKind::Large);
+        m.split_front(b, 4096);
+        m.take(b, S);
+        m.release(b, Some(S));
+        // The first half is owned by S, the second by nobody: they merge, owned by S.
+        assert_eq!(m.blocks[b].size, 8192);
+        assert_eq!(m.best_fit(PoolKind::Large, Stream(9), 4096), None);
+        m.disown(S);
+        assert_eq!(m.best_fit(PoolKind::Large, Stream(9), 4096), Some(b));
+        m.check().unwrap();
+    }
+
+    #[test]
+    fn carve_middle() {
+        let mut m = BlockMap::new();
+        let (_, b) = m.add_segment(0x200000, 8 << 20, PhysHandle(1), PoolKind::Large);
+        let mid = m.carve(0x200000 + (2 << 20), 2 << 20, S).unwrap();
+        assert_ne!(mid, b);
+        assert_eq!(m.blocks[mid].size, 2 << 20);
+        assert_eq!(m.blocks[b].size, 2 << 20);
+        m.take(mid, S);
+        m.check().unwrap();
+        assert!(m.carve(0x200000 + (2 << 20), 2 << 20, S).is_none());
+    }
+}

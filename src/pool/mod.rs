@@ -1,0 +1,1086 @@
+//! The caching allocator of one device.
+//!
+//! Order of attempts for a large request (sizes rounded to the mapping granularity): best-fit
+//! free block of the stream (split if larger) -> a cached stitched block within `reuse_limit`
+//! -> stitch free blocks of the stream, creating only the missing bytes (defrag level 0) ->
+//! create new physical memory -> take back other streams' free memory and retry -> free cached
+//! memory and retry -> out of memory. Small requests (up to `small_limit`, rounded to 512 bytes)
+//! come from 2 MiB segments and are never stitched.
+//!
+//! Reuse is stream-ordered: a block freed on stream S is reusable at once on S; other streams
+//! get it only after the allocator has seen S's work complete. Blocks used on extra streams
+//! (`record_stream`) wait for events recorded on those streams at free time. Nothing is unmapped
+//! or released before the streams that may touch it are synchronised.
+
+pub mod blocks;
+pub mod snapshot;
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use crate::config::{Config, DefragLevel};
+use crate::device::{align_up, DevicePtr, Event, SharedDevice, Stream};
+use crate::error::{Error, ErrorKind, Result};
+use crate::stats::MemoryStats;
+use crate::stitch::{self, Piece, StitchCache, StitchId};
+use blocks::{BlockId, BlockMap, BlockState, PoolKind, SegmentId};
+
+/// Alignment and rounding unit of small requests.
+pub const MIN_BLOCK: usize = 512;
+
+/// Most idle stitched ranges kept mapped, whatever their bytes (each is a driver object).
+const MAX_IDLE_STITCHED: usize = 4096;
+
+/// Idle stitched ranges examined per reuse attempt (bounds the cost of a miss).
+const REUSE_SCAN: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Block(BlockId),
+    Stitched(StitchId),
+}
+
+#[derive(Debug, Clone)]
+struct Live {
+    target: Target,
+    size: usize,
+    requested: usize,
+    stream: Stream,
+    pool: PoolKind,
+    extra_streams: Vec<Stream>,
+}
+
+#[derive(Debug)]
+struct PendingFree {
+    live: Live,
+    events: Vec<Event>,
+}
+
+/// The pieces of a stitched allocation: block ids while in use.
+#[derive(Debug, Default)]
+struct StitchBlocks {
+    blocks: HashMap<StitchId, Vec<BlockId>>,
+}
+
+struct Inner {
+    config: Config,
+    granularity: usize,
+    total_memory: usize,
+    cap: usize,
+    map: BlockMap,
+    stitch: StitchCache,
+    stitch_blocks: StitchBlocks,
+    live: HashMap<DevicePtr, Live>,
+    pending: Vec<PendingFree>,
+    stats: MemoryStats,
+    idle_events: Vec<Event>,
+    zombies: Vec<Zombie>,
+    access: Vec<i32>,
+}
+
+/// A thread-safe caching allocator for one device.
+pub struct Pool {
+    device: SharedDevice,
+    inner: Mutex<Inner>,
+}
+
+/// What [`Pool::allocation_of`] knows about a pointer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AllocationInfo {
+    /// Start of the allocation that contains the pointer.
+    pub base: DevicePtr,
+    /// Bytes handed out (rounded).
+    pub size: usize,
+    /// Bytes asked for.
+    pub requested: usize,
+    pub stream: Stream,
+    pub stitched: bool,
+}
+
+fn lock(mutex: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    // A panic inside the allocator is a bug; the state it leaves is still the best we have.
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+impl Pool {
+    /// A pool on `device` with `config` (validated).
+    pub fn new(device: SharedDevice, config: Config) -> Result<Pool> {
+        config.validate()?;
+        let granularity = device.granularity();
+        if !granularity.is_power_of_two() || granularity < MIN_BLOCK {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("device granularity {granularity} is not a power of two >= 512"),
+            ));
+        }
+        let total_memory = device.mem_info()?.total;
+        let cap = cap_for(total_memory, config.memory_fraction);
+        let access = vec![device.ordinal()];
+        Ok(Pool {
+            device,
+            inner: Mutex::new(Inner {
+                config,
+                granularity,
+                total_memory,
+                cap,
+                map: BlockMap::new(),
+                stitch: StitchCache::default(),
+                stitch_blocks: StitchBlocks::default(),
+                live: HashMap::new(),
+                pending: Vec::new(),
+                stats: MemoryStats::default(),
+                idle_events: Vec::new(),
+                zombies: Vec::new(),
+                access,
+            }),
+        })
+    }
+
+    pub fn device(&self) -> &SharedDevice {
+        &self.device
+    }
+
+    pub fn config(&self) -> Config {
+        lock(&self.inner).config.clone()
+    }
+
+    /// Allocates `size` bytes for use on `stream`.
+    pub fn malloc(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        let mut inner = lock(&self.inner);
+        inner.malloc(&*self.device, size, stream)
+    }
+
+    /// Frees an allocation. Memory becomes reusable on its stream at once, elsewhere later.
+    pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        let mut inner = lock(&self.inner);
+        inner.free(&*self.device, ptr)
+    }
+
+    /// Records that `stream` uses the allocation at `ptr`: its memory is not reused before the
+    /// work queued on `stream` by the time of the free has completed.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        let mut inner = lock(&self.inner);
+        let live = match inner.live.get_mut(&ptr) {
+            Some(live) => live,
+            None => return Err(inner.classify_unknown(ptr)),
+        };
+        if stream != live.stream && !live.extra_streams.contains(&stream) {
+            live.extra_streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Returns unused physical memory to the driver, after waiting for the streams that may
+    /// still use it. Memory that queued work may touch is never released.
+    pub fn empty_cache(&self) -> Result<()> {
+        let mut inner = lock(&self.inner);
+        inner.release_cached(&*self.device)
+    }
+
+    /// Caps the physical memory this pool creates at `fraction` of the device's memory.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::invalid_argument(format!(
+                "memory fraction {fraction} must be in (0, 1]"
+            )));
+        }
+        let mut inner = lock(&self.inner);
+        inner.config.memory_fraction = fraction;
+        inner.cap = cap_for(inner.total_memory, fraction);
+        Ok(())
+    }
+
+    /// Grants device `peer` access to all memory of this pool, now and from now on.
+    pub fn enable_peer_access(&self, peer: i32) -> Result<()> {
+        if !self.device.can_access_peer(peer)? {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "device {peer} cannot access device {}",
+                    self.device.ordinal()
+                ),
+            ));
+        }
+        let mut inner = lock(&self.inner);
+        if inner.access.contains(&peer) {
+            return Ok(());
+        }
+        let mut access = inner.access.clone();
+        access.push(peer);
+        let ranges: Vec<(DevicePtr, usize)> = inner
+            .map
+            .segments
+            .iter()
+            .map(|(_, s)| (s.va, s.size))
+            .chain(inner.stitch.blocks.iter().map(|(_, s)| (s.va, s.size)))
+            .collect();
+        for (va, size) in ranges {
+            self.device.set_access(va, size, &access)?;
+        }
+        inner.access = access;
+        Ok(())
+    }
+
+    pub fn stats(&self) -> MemoryStats {
+        lock(&self.inner).stats
+    }
+
+    pub fn reset_peak_stats(&self) {
+        lock(&self.inner).stats.reset_peak();
+    }
+
+    pub fn reset_accumulated_stats(&self) {
+        lock(&self.inner).stats.reset_accumulated();
+    }
+
+    /// The allocation containing `ptr` (PyTorch's `base_alloc`).
+    pub fn allocation_of(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
+        let inner = lock(&self.inner);
+        let base = inner.base_of(ptr)?;
+        let live = inner.live.get(&base)?;
+        Some(AllocationInfo {
+            base,
+            size: live.size,
+            requested: live.requested,
+            stream: live.stream,
+            stitched: matches!(live.target, Target::Stitched(_)),
+        })
+    }
+
+    /// Number of live allocations.
+    pub fn live_count(&self) -> usize {
+        lock(&self.inner).live.len()
+    }
+
+    /// A picture of segments, blocks and stitched ranges.
+    pub fn snapshot(&self) -> snapshot::Snapshot {
+        let inner = lock(&self.inner);
+        let requested: HashMap<DevicePtr, usize> = inner
+            .live
+            .iter()
+            .filter(|(_, l)| matches!(l.target, Target::Block(_)))
+            .map(|(&p, l)| (p, l.requested))
+            .collect();
+        snapshot::take(
+            &inner.map,
+            &inner.stitch,
+            &inner.stats,
+            inner.cap,
+            &requested,
+        )
+    }
+
+    /// Checks internal invariants (tests).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let inner = lock(&self.inner);
+        inner.map.check()?;
+        let reserved: usize = inner.map.segments.iter().map(|(_, s)| s.size).sum();
+        if reserved as i64 != inner.stats.reserved_bytes.all.current {
+            return Err(format!(
+                "segments hold {reserved} bytes, stats say {}",
+                inner.stats.reserved_bytes.all.current
+            ));
+        }
+        let allocated: usize = inner.live.values().map(|l| l.size).sum();
+        if allocated as i64 != inner.stats.allocated_bytes.all.current {
+            return Err(format!(
+                "live allocations hold {allocated} bytes, stats say {}",
+                inner.stats.allocated_bytes.all.current
+            ));
+        }
+        if inner.map.inactive_split.bytes != inner.stats.inactive_split_bytes.all.current {
+            return Err("inactive split bytes out of step".into());
+        }
+        for (id, s) in inner.stitch.blocks.iter() {
+            if s.in_use != inner.stitch_blocks.blocks.contains_key(&id) {
+                return Err(format!("stitched block {id} use flag out of step"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let mut inner = lock(&self.inner);
+        if !inner.live.is_empty() {
+            log::warn!(
+                "glake: pool of device {} dropped with {} live allocations ({} bytes); releasing them",
+                self.device.ordinal(),
+                inner.live.len(),
+                inner.stats.allocated_bytes.all.current
+            );
+        }
+        if let Err(err) = inner.teardown(&*self.device) {
+            log::error!("glake: releasing pool memory failed: {err}");
+        }
+    }
+}
+
+fn cap_for(total: usize, fraction: f64) -> usize {
+    ((total as f64) * fraction).min(total as f64) as usize
+}
+
+impl Inner {
+    fn classify_unknown(&self, ptr: DevicePtr) -> Error {
+        if ptr == 0 {
+            return Error::new(ErrorKind::NullPointer, "pointer is NULL");
+        }
+        if let Some(id) = self.map.block_at(ptr) {
+            if self.map.blocks[id].state != BlockState::Allocated {
+                return Error::new(
+                    ErrorKind::DoubleFree,
+                    format!("{ptr:#x} was already freed (double free)"),
+                );
+            }
+        }
+        if let Some(id) = self.stitch.by_va(ptr) {
+            if !self.stitch.blocks[id].in_use {
+                return Error::new(
+                    ErrorKind::DoubleFree,
+                    format!("{ptr:#x} was already freed (double free)"),
+                );
+            }
+        }
+        if self.pending.iter().any(|p| self.live_ptr(&p.live) == ptr) {
+            return Error::new(
+                ErrorKind::DoubleFree,
+                format!("{ptr:#x} was already freed (double free)"),
+            );
+        }
+        if self.map.block_containing(ptr).is_some() || self.stitch.containing(ptr).is_some() {
+            return Error::new(
+                ErrorKind::InvalidPointer,
+                format!("{ptr:#x} points inside memory of this pool but not at an allocation"),
+            );
+        }
+        Error::new(
+            ErrorKind::InvalidPointer,
+            format!("{ptr:#x} was not allocated by this pool"),
+        )
+    }
+
+    fn live_ptr(&self, live: &Live) -> DevicePtr {
+        match live.target {
+            Target::Block(id) => self.map.blocks[id].addr,
+            Target::Stitched(id) => self.stitch.blocks[id].va,
+        }
+    }
+
+    fn base_of(&self, ptr: DevicePtr) -> Option<DevicePtr> {
+        if self.live.contains_key(&ptr) {
+            return Some(ptr);
+        }
+        if let Some(id) = self.stitch.containing(ptr) {
+            let s = &self.stitch.blocks[id];
+            return (s.in_use && self.live.contains_key(&s.va)).then_some(s.va);
+        }
+        let id = self.map.block_containing(ptr)?;
+        let block = &self.map.blocks[id];
+        (block.state == BlockState::Allocated && self.live.contains_key(&block.addr))
+            .then_some(block.addr)
+    }
+
+    fn reserved(&self) -> usize {
+        self.stats.reserved_bytes.all.current as usize
+    }
+
+    fn malloc(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+    ) -> Result<DevicePtr> {
+        if size == 0 {
+            return Err(Error::invalid_argument("size 0 requested"));
+        }
+        if size > isize::MAX as usize {
+            return Err(Error::invalid_argument(format!(
+                "size {size} is beyond any device"
+            )));
+        }
+        let pool = if size <= self.config.small_limit {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        };
+        let rounded = match pool {
+            PoolKind::Small => align_up(size, MIN_BLOCK)?,
+            PoolKind::Large => align_up(size, self.granularity)?,
+        };
+        if rounded > self.total_memory {
+            self.stats.num_ooms += 1;
+            return Err(Error::out_of_memory(format!(
+                "request of {size} bytes is larger than the device's {} bytes",
+                self.total_memory
+            )));
+        }
+        if !self.pending.is_empty() {
+            self.process_pending(device)?;
+        }
+        let ptr = match pool {
+            PoolKind::Small => self.malloc_small(device, rounded, stream)?,
+            PoolKind::Large => self.malloc_large(device, rounded, stream)?,
+        };
+        let ptr = match ptr {
+            Some(ptr) => ptr,
+            None => {
+                self.stats.num_ooms += 1;
+                return Err(Error::out_of_memory(format!(
+                    "cannot allocate {size} bytes on device {}: {} bytes reserved of a {} byte cap, {} allocated",
+                    device.ordinal(),
+                    self.reserved(),
+                    self.cap,
+                    self.stats.allocated_bytes.all.current
+                )));
+            }
+        };
+        if let Some(live) = self.live.get_mut(&ptr) {
+            live.requested = size;
+            let delta = size as i64;
+            self.stats.requested_bytes.add(pool, delta);
+        }
+        Ok(ptr)
+    }
+
+    /// Records a new allocation and its statistics.
+    fn register(
+        &mut self,
+        ptr: DevicePtr,
+        target: Target,
+        size: usize,
+        stream: Stream,
+        pool: PoolKind,
+    ) {
+        self.live.insert(
+            ptr,
+            Live {
+                target,
+                size,
+                requested: 0,
+                stream,
+                pool,
+                extra_streams: Vec::new(),
+            },
+        );
+        self.stats.allocation.add(pool, 1);
+        self.stats.allocated_bytes.add(pool, size as i64);
+        self.stats.active.add(pool, 1);
+        self.stats.active_bytes.add(pool, size as i64);
+        self.sync_split_stats(pool);
+    }
+
+    fn sync_split_stats(&mut self, pool: PoolKind) {
+        let now = self.map.inactive_split;
+        let count = now.count - self.stats.inactive_split.all.current;
+        let bytes = now.bytes - self.stats.inactive_split_bytes.all.current;
+        self.stats.inactive_split.add(pool, count);
+        self.stats.inactive_split_bytes.add(pool, bytes);
+    }
+
+    /// Takes free block `id` (split to `size`) as a plain allocation.
+    fn allocate_block(
+        &mut self,
+        id: BlockId,
+        size: usize,
+        stream: Stream,
+        pool: PoolKind,
+    ) -> DevicePtr {
+        let remainder = self.map.blocks[id].size - size;
+        let split = match pool {
+            PoolKind::Small => remainder >= MIN_BLOCK,
+            PoolKind::Large => remainder >= self.granularity,
+        };
+        let size = if split {
+            self.map.split_front(id, size);
+            size
+        } else {
+            self.map.blocks[id].size
+        };
+        self.map.take(id, stream);
+        let ptr = self.map.blocks[id].addr;
+        self.register(ptr, Target::Block(id), size, stream, pool);
+        ptr
+    }
+
+    fn malloc_small(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+    ) -> Result<Option<DevicePtr>> {
+        for attempt in 0..3 {
+            if let Some(id) = self.map.best_fit(PoolKind::Small, stream, size) {
+                return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
+            }
+            let segment_size = align_up(self.granularity.max(size), self.granularity)?;
+            if let Some(id) = self.grow(device, PoolKind::Small, segment_size)? {
+                return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
+            }
+            match attempt {
+                0 => self.reclaim_other_streams(device, stream)?,
+                1 => {
+                    self.stats.num_alloc_retries += 1;
+                    self.release_cached(device)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(None)
+    }
+
+    fn malloc_large(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+    ) -> Result<Option<DevicePtr>> {
+        let stitch = self.config.stitch;
+        for attempt in 0..3 {
+            if let Some(id) = self.map.best_fit(PoolKind::Large, stream, size) {
+                return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
+            }
+            if stitch {
+                if let Some(ptr) = self.reuse_stitched(size, stream) {
+                    return Ok(Some(ptr));
+                }
+                let eager = self.config.defrag_level == DefragLevel::BeforeGrow || attempt > 0;
+                if eager {
+                    if let Some(ptr) = self.stitch_new(device, size, stream)? {
+                        return Ok(Some(ptr));
+                    }
+                }
+            }
+            if let Some(id) = self.grow(device, PoolKind::Large, size)? {
+                return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
+            }
+            if stitch && self.config.defrag_level == DefragLevel::WhenFull && attempt == 0 {
+                if let Some(ptr) = self.stitch_new(device, size, stream)? {
+                    return Ok(Some(ptr));
+                }
+            }
+            match attempt {
+                0 => self.reclaim_other_streams(device, stream)?,
+                1 => {
+                    self.stats.num_alloc_retries += 1;
+                    self.release_cached(device)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether `bytes` more physical memory fits under the cap.
+    fn fits_cap(&self, bytes: usize) -> bool {
+        self.reserved().saturating_add(bytes) <= self.cap
+    }
+
+    /// Creates a segment of `size` bytes: reserve, create, map, set access. Returns its free
+    /// block, or None when the cap or the device is full. Undoes each step if a later one fails.
+    fn grow(
+        &mut self,
+        device: &dyn crate::device::Device,
+        pool: PoolKind,
+        size: usize,
+    ) -> Result<Option<BlockId>> {
+        if !self.fits_cap(size) {
+            return Ok(None);
+        }
+        let handle = match device.create_physical(size) {
+            Ok(handle) => handle,
+            Err(err) if err.kind() == ErrorKind::OutOfMemory => return Ok(None),
+            Err(err) => return Err(err.context("creating physical memory")),
+        };
+        let va = match device.reserve(size, self.granularity) {
+            Ok(va) => va,
+            Err(err) => {
+                undo(device.release_physical(handle));
+                return Err(err.context("reserving address space"));
+            }
+        };
+        if let Err(err) = device.map(va, size, handle, 0) {
+            undo(device.unreserve(va, size));
+            undo(device.release_physical(handle));
+            return Err(err.context("mapping a new segment"));
+        }
+        if let Err(err) = device.set_access(va, size, &self.access) {
+            undo(device.unmap(va, size));
+            undo(device.unreserve(va, size));
+            undo(device.release_physical(handle));
+            return Err(err.context("setting access to a new segment"));
+        }
+        let (_, block) = self.map.add_segment(va, size, handle, pool);
+        self.stats.segment.add(pool, 1);
+        self.stats.reserved_bytes.add(pool, size as i64);
+        self.stats.num_device_alloc += 1;
+        Ok(Some(block))
+    }
+
+    /// Releases one idle segment. The handle is released first (the driver frees it once it is
+    /// unmapped), so a failure there leaves the segment whole and usable.
+    fn release_segment(
+        &mut self,
+        device: &dyn crate::device::Device,
+        segment: SegmentId,
+    ) -> Result<()> {
+        let (va, size, handle, pool) = {
+            let s = &self.map.segments[segment];
+            (s.va, s.size, s.handle, s.pool)
+        };
+        device.release_physical(handle)?;
+        self.map.remove_segment(segment);
+        self.stats.segment.add(pool, -1);
+        self.stats.reserved_bytes.add(pool, -(size as i64));
+        self.stats.num_device_free += 1;
+        self.sync_split_stats(pool);
+        self.bury(
+            device,
+            Zombie {
+                unmaps: vec![(va, size)],
+                handle: None,
+                reservation: Some((va, size)),
+            },
+        );
+        Ok(())
+    }
+
+    /// Serves `size` from an idle stitched range whose pieces are all free for `stream`.
+    fn reuse_stitched(&mut self, size: usize, stream: Stream) -> Option<DevicePtr> {
+        let max = ((size as f64) * self.config.reuse_limit) as usize;
+        let found = self
+            .stitch
+            .idle_candidates(size, max.max(size))
+            .take(REUSE_SCAN)
+            .find(|&id| {
+                self.stitch.blocks[id].pieces.iter().all(|p| {
+                    self.map.block_containing(p.addr).is_some_and(|b| {
+                        let b = &self.map.blocks[b];
+                        b.state == BlockState::Free
+                            && (b.owner.is_none() || b.owner == Some(stream))
+                            && p.addr + p.len as u64 <= b.addr + b.size as u64
+                    })
+                })
+            })?;
+        let pieces = self.stitch.blocks[found].pieces.clone();
+        let mut ids = Vec::with_capacity(pieces.len());
+        for p in &pieces {
+            // Checked above: each piece lies inside one free block usable on `stream`.
+            let id = self.map.carve(p.addr, p.len, stream)?;
+            self.map.take(id, stream);
+            ids.push(id);
+        }
+        self.stitch.acquire(found, stream);
+        self.stitch_blocks.blocks.insert(found, ids);
+        let s = &self.stitch.blocks[found];
+        let (va, stitched_size) = (s.va, s.size);
+        self.register(
+            va,
+            Target::Stitched(found),
+            stitched_size,
+            stream,
+            PoolKind::Large,
+        );
+        self.stats.stitch_reuse_hits += 1;
+        self.stats.stitched_allocations += 1;
+        Some(va)
+    }
+
+    /// Builds a new stitched range of `size` bytes from free blocks of `stream` (pieces of at
+    /// least `frag_limit` bytes), creating new physical memory for any shortfall.
+    fn stitch_new(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+    ) -> Result<Option<DevicePtr>> {
+        let min_piece = self.config.frag_limit.max(self.granularity);
+        let candidates = self.map.free_blocks_for(PoolKind::Large, stream, min_piece);
+        let plan = match stitch::plan(&candidates, size, self.config.max_stitch_pieces) {
+            Some(plan) => plan,
+            None => return Ok(None),
+        };
+        if plan.shortfall > 0 && !self.fits_cap(plan.shortfall) {
+            return Ok(None);
+        }
+        // Take the planned fronts of the free blocks first, so that growth cannot merge them.
+        let mut ids: Vec<BlockId> = Vec::with_capacity(plan.take.len() + 1);
+        for &(id, bytes) in &plan.take {
+            self.map.split_front(id, bytes);
+            self.map.take(id, stream);
+            ids.push(id);
+        }
+        if plan.shortfall > 0 {
+            match self.grow(device, PoolKind::Large, plan.shortfall) {
+                Ok(Some(id)) => {
+                    self.map.take(id, stream);
+                    ids.push(id);
+                }
+                other => {
+                    for &id in &ids {
+                        self.map.release(id, Some(stream));
+                    }
+                    self.sync_split_stats(PoolKind::Large);
+                    return other.map(|_| None);
+                }
+            }
+        }
+        let pieces: Vec<Piece> = ids
+            .iter()
+            .map(|&id| {
+                let b = &self.map.blocks[id];
+                let seg = &self.map.segments[b.segment];
+                Piece {
+                    addr: b.addr,
+                    len: b.size,
+                    handle: seg.handle,
+                    handle_offset: (b.addr - seg.va) as usize,
+                }
+            })
+            .collect();
+        let va = match map_stitched(device, &pieces, size, self.granularity, &self.access) {
+            Ok(va) => va,
+            Err((err, zombie)) => {
+                for &id in &ids {
+                    self.map.release(id, Some(stream));
+                }
+                self.sync_split_stats(PoolKind::Large);
+                self.zombies.extend(zombie);
+                return Err(err);
+            }
+        };
+        let piece_count = pieces.len();
+        let id = self.stitch.insert(va, pieces, stream);
+        self.stitch_blocks.blocks.insert(id, ids);
+        self.register(va, Target::Stitched(id), size, stream, PoolKind::Large);
+        self.stats.stitches += 1;
+        self.stats.stitched_bytes += size as i64;
+        self.stats.stitched_pieces += piece_count as i64;
+        self.stats.stitched_allocations += 1;
+        self.stats.stitched_blocks.add(1);
+        self.stats.stitched_mapped_bytes.add(size as i64);
+        log::debug!(
+            "glake: fuse {piece_count} pieces into {size} bytes at {va:#x} on device {}",
+            device.ordinal()
+        );
+        if let Err(err) = self.collect_stitched(device, false) {
+            log::warn!("glake: collecting stitched blocks failed: {err}");
+        }
+        Ok(Some(va))
+    }
+
+    /// Unmaps idle stitched ranges: all of them when `all`, else the least recently used ones
+    /// past the auto-GC byte limit or the idle-count limit.
+    fn collect_stitched(&mut self, device: &dyn crate::device::Device, all: bool) -> Result<()> {
+        let over_bytes = self.stitch.mapped_bytes > self.config.auto_gc_bytes;
+        let over_count = self.stitch.idle_count() > MAX_IDLE_STITCHED;
+        if !all && !over_bytes && !over_count {
+            return Ok(());
+        }
+        let mut victims = Vec::new();
+        let mut mapped = self.stitch.mapped_bytes;
+        let mut idle = self.stitch.idle_count();
+        for id in self.stitch.idle_lru() {
+            if !all && mapped <= self.config.auto_gc_bytes && idle <= MAX_IDLE_STITCHED {
+                break;
+            }
+            mapped -= self.stitch.blocks[id].size;
+            idle -= 1;
+            victims.push(id);
+        }
+        if victims.is_empty() {
+            return Ok(());
+        }
+        // The ranges were last used on some stream whose work may still be queued.
+        device.synchronize_device()?;
+        self.stats.num_sync_all_streams += 1;
+        for id in victims {
+            let s = self.stitch.remove(id);
+            self.stats.stitch_collections += 1;
+            self.stats.stitched_blocks.add(-1);
+            self.stats.stitched_mapped_bytes.add(-(s.size as i64));
+            let zombie = Zombie {
+                unmaps: s
+                    .pieces
+                    .iter()
+                    .scan(s.va, |at, p| {
+                        let range = (*at, p.len);
+                        *at += p.len as u64;
+                        Some(range)
+                    })
+                    .collect(),
+                handle: None,
+                reservation: Some((s.va, s.size)),
+            };
+            self.bury(device, zombie);
+        }
+        Ok(())
+    }
+
+    /// Finishes tearing down a driver object; what fails is kept and retried later, so that a
+    /// failed unmap neither loses track of memory nor leaves the books wrong.
+    fn bury(&mut self, device: &dyn crate::device::Device, mut zombie: Zombie) {
+        if let Err(err) = zombie.finish(device) {
+            log::warn!("glake: releasing driver memory failed, will retry: {err}");
+            self.zombies.push(zombie);
+        }
+    }
+
+    fn retry_zombies(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        let mut first_error = None;
+        for mut zombie in std::mem::take(&mut self.zombies) {
+            if let Err(err) = zombie.finish(device) {
+                first_error.get_or_insert(err);
+                self.zombies.push(zombie);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Makes the free memory of other streams usable by `stream`, by waiting for the device
+    /// when another stream owns free memory or frees are pending.
+    fn reclaim_other_streams(
+        &mut self,
+        device: &dyn crate::device::Device,
+        stream: Stream,
+    ) -> Result<()> {
+        self.process_pending(device)?;
+        let others = self.map.owning_streams().iter().any(|&s| s != stream);
+        if others || !self.pending.is_empty() {
+            self.synchronize_all(device)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for all work on the device, then makes all free memory unowned and completes all
+    /// pending frees. A device-wide wait also covers streams the caller has destroyed since.
+    fn synchronize_all(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        device.synchronize_device()?;
+        self.stats.num_sync_all_streams += 1;
+        for stream in self.map.owning_streams() {
+            self.map.disown(stream);
+        }
+        for pending in std::mem::take(&mut self.pending) {
+            self.idle_events.extend(pending.events);
+            self.finish_free(pending.live, None);
+        }
+        self.sync_split_stats(PoolKind::Large);
+        Ok(())
+    }
+
+    /// Frees all cached memory: idle stitched ranges and idle segments.
+    fn release_cached(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        self.synchronize_all(device)?;
+        self.collect_stitched(device, true)?;
+        for segment in self.map.idle_segments() {
+            self.release_segment(device, segment)?;
+        }
+        self.retry_zombies(device)
+    }
+
+    fn free(&mut self, device: &dyn crate::device::Device, ptr: DevicePtr) -> Result<()> {
+        let live = match self.live.remove(&ptr) {
+            Some(live) => live,
+            None => return Err(self.classify_unknown(ptr)),
+        };
+        self.stats.allocation.add(live.pool, -1);
+        self.stats
+            .allocated_bytes
+            .add(live.pool, -(live.size as i64));
+        self.stats
+            .requested_bytes
+            .add(live.pool, -(live.requested as i64));
+        if live.extra_streams.is_empty() {
+            let stream = live.stream;
+            self.finish_free(live, Some(stream));
+            return Ok(());
+        }
+        let mut events = Vec::with_capacity(live.extra_streams.len());
+        for &stream in &live.extra_streams {
+            let event = match self.idle_events.pop() {
+                Some(event) => event,
+                None => match device.create_event() {
+                    Ok(event) => event,
+                    Err(err) => {
+                        self.pending.push(PendingFree { live, events });
+                        return self.fail_pending(device, err);
+                    }
+                },
+            };
+            if let Err(err) = device.record_event(event, stream) {
+                self.idle_events.push(event);
+                self.pending.push(PendingFree { live, events });
+                return self.fail_pending(device, err);
+            }
+            events.push(event);
+        }
+        self.set_target_pending(live.target);
+        self.pending.push(PendingFree { live, events });
+        Ok(())
+    }
+
+    /// A free whose events could not be recorded: wait for the device instead, so the memory is
+    /// neither lost nor reused early, and report the error.
+    fn fail_pending(&mut self, device: &dyn crate::device::Device, err: Error) -> Result<()> {
+        if let Some(pending) = self.pending.last() {
+            self.set_target_pending(pending.live.target);
+        }
+        if device.synchronize_device().is_ok() {
+            if let Some(pending) = self.pending.pop() {
+                self.idle_events.extend(pending.events);
+                self.finish_free(pending.live, None);
+            }
+        }
+        Err(err.context("recording a stream event for a free"))
+    }
+
+    fn set_target_pending(&mut self, target: Target) {
+        match target {
+            Target::Block(id) => self.map.set_pending(id),
+            Target::Stitched(id) => {
+                if let Some(ids) = self.stitch_blocks.blocks.get(&id) {
+                    for &b in ids {
+                        self.map.set_pending(b);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Returns the memory of a freed allocation to the free sets, owned by `owner`.
+    fn finish_free(&mut self, live: Live, owner: Option<Stream>) {
+        match live.target {
+            Target::Block(id) => {
+                self.map.release(id, owner);
+            }
+            Target::Stitched(id) => {
+                for b in self.stitch_blocks.blocks.remove(&id).unwrap_or_default() {
+                    self.map.release(b, owner);
+                }
+                self.stitch.park(id);
+            }
+        }
+        self.stats.active.add(live.pool, -1);
+        self.stats.active_bytes.add(live.pool, -(live.size as i64));
+        self.sync_split_stats(live.pool);
+    }
+
+    /// Completes pending frees whose events have all completed.
+    fn process_pending(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        let mut index = 0;
+        while index < self.pending.len() {
+            let mut done = true;
+            for &event in &self.pending[index].events {
+                if !device.query_event(event)? {
+                    done = false;
+                    break;
+                }
+            }
+            if done {
+                let pending = self.pending.swap_remove(index);
+                self.idle_events.extend(pending.events);
+                let stream = pending.live.stream;
+                self.finish_free(pending.live, Some(stream));
+            } else {
+                index += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases everything: called when the pool is dropped.
+    fn teardown(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        let ptrs: Vec<DevicePtr> = self.live.keys().copied().collect();
+        for ptr in ptrs {
+            if let Some(live) = self.live.remove(&ptr) {
+                self.stats.allocation.add(live.pool, -1);
+                self.stats
+                    .allocated_bytes
+                    .add(live.pool, -(live.size as i64));
+                self.finish_free(live, None);
+            }
+        }
+        self.release_cached(device)?;
+        for event in self.idle_events.drain(..) {
+            undo(device.destroy_event(event));
+        }
+        Ok(())
+    }
+}
+
+/// Driver objects still to be torn down: mappings to unmap, then a handle to release and a
+/// reservation to free. Each step that succeeds is dropped from the list.
+#[derive(Debug)]
+struct Zombie {
+    unmaps: Vec<(DevicePtr, usize)>,
+    handle: Option<crate::device::PhysHandle>,
+    reservation: Option<(DevicePtr, usize)>,
+}
+
+impl Zombie {
+    fn finish(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        while let Some(&(va, len)) = self.unmaps.first() {
+            device.unmap(va, len)?;
+            self.unmaps.remove(0);
+        }
+        if let Some(handle) = self.handle {
+            device.release_physical(handle)?;
+            self.handle = None;
+        }
+        if let Some((va, size)) = self.reservation {
+            device.unreserve(va, size)?;
+            self.reservation = None;
+        }
+        Ok(())
+    }
+}
+
+/// Reserves a range and maps `pieces` into it, in order. On failure, what was done is undone
+/// (or handed back as a zombie to retry).
+fn map_stitched(
+    device: &dyn crate::device::Device,
+    pieces: &[Piece],
+    size: usize,
+    granularity: usize,
+    access: &[i32],
+) -> std::result::Result<DevicePtr, (Error, Option<Zombie>)> {
+    let va = device.reserve(size, granularity).map_err(|e| (e, None))?;
+    let mut mapped = Vec::with_capacity(pieces.len());
+    let mut offset = 0u64;
+    let mut failure = None;
+    for piece in pieces {
+        if let Err(err) = device.map(va + offset, piece.len, piece.handle, piece.handle_offset) {
+            failure = Some(err.context("mapping a stitched piece"));
+            break;
+        }
+        mapped.push((va + offset, piece.len));
+        offset += piece.len as u64;
+    }
+    if failure.is_none() {
+        match device.set_access(va, size, access) {
+            Ok(()) => return Ok(va),
+            Err(err) => failure = Some(err.context("setting access to a stitched range")),
+        }
+    }
+    let mut zombie = Zombie {
+        unmaps: mapped,
+        handle: None,
+        reservation: Some((va, size)),
+    };
+    let err = failure.unwrap_or_else(|| Error::internal("stitch failed without an error"));
+    match zombie.finish(device) {
+        Ok(()) => Err((err, None)),
+        Err(_) => Err((err, Some(zombie))),
+    }
+}
+
+/// Logs the failure of a clean-up step taken after an earlier failure (the first error is the
+/// one reported).
+fn undo(result: Result<()>) {
+    if let Err(err) = result {
+        log::error!("glake: clean-up after a failed driver call also failed: {err}");
+    }
+}

@@ -1,0 +1,111 @@
+//! Helpers shared by the integration tests: the backend under test and byte patterns written
+//! and read back through the device's own copy calls, so the same tests run on every backend.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use glake::device::host::{HostDevice, HostOptions};
+use glake::device::{BackendKind, DevicePtr, SharedDevice, Stream};
+
+/// `GLAKE_TEST_BACKEND=cuda` runs the suite on the GPU; the default is the host backend.
+pub fn backend_is_cuda() -> bool {
+    std::env::var("GLAKE_TEST_BACKEND").is_ok_and(|v| v == "cuda")
+}
+
+/// A fresh device of the backend under test.
+pub fn device() -> SharedDevice {
+    if backend_is_cuda() {
+        Arc::new(glake::device::cuda::CudaDevice::open(0).expect("CUDA device 0"))
+    } else {
+        Arc::new(HostDevice::new(0, HostOptions::default()).expect("host device"))
+    }
+}
+
+/// A host device with `total` bytes of memory (for budget tests that must run anywhere).
+pub fn host_device(total: usize) -> Arc<HostDevice> {
+    Arc::new(
+        HostDevice::new(
+            0,
+            HostOptions {
+                total_memory: total,
+                ..HostOptions::default()
+            },
+        )
+        .expect("host device"),
+    )
+}
+
+pub fn is_host(device: &SharedDevice) -> bool {
+    device.kind() == BackendKind::Host
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// The sample of offsets that a pattern covers: all of a small range, else its head, middle and
+/// tail (whole multi-megabyte buffers would make the tests slow without finding more).
+fn spans(len: usize) -> Vec<(usize, usize)> {
+    const SPAN: usize = 4096;
+    if len <= 3 * SPAN {
+        return vec![(0, len)];
+    }
+    vec![(0, SPAN), (len / 2 - SPAN / 2, SPAN), (len - SPAN, SPAN)]
+}
+
+/// Writes the pattern of `seed` into `[ptr, ptr+len)` and waits for it.
+pub fn write_pattern(device: &SharedDevice, ptr: DevicePtr, len: usize, seed: u64) {
+    for (offset, n) in spans(len) {
+        let bytes = pattern(seed ^ offset as u64, n);
+        unsafe {
+            device
+                .copy_to_device(ptr + offset as u64, bytes.as_ptr(), n, Stream::DEFAULT)
+                .expect("copy to device");
+        }
+        device.synchronize_stream(Stream::DEFAULT).expect("sync");
+    }
+}
+
+/// True when `[ptr, ptr+len)` still holds the pattern of `seed`.
+pub fn has_pattern(device: &SharedDevice, ptr: DevicePtr, len: usize, seed: u64) -> bool {
+    spans(len).into_iter().all(|(offset, n)| {
+        let mut back = vec![0u8; n];
+        unsafe {
+            device
+                .copy_to_host(back.as_mut_ptr(), ptr + offset as u64, n, Stream::DEFAULT)
+                .expect("copy to host");
+        }
+        device.synchronize_stream(Stream::DEFAULT).expect("sync");
+        back == pattern(seed ^ offset as u64, n)
+    })
+}
+
+/// Reads `len` bytes at `ptr`.
+pub fn read(device: &SharedDevice, ptr: DevicePtr, len: usize) -> Vec<u8> {
+    let mut back = vec![0u8; len];
+    unsafe {
+        device
+            .copy_to_host(back.as_mut_ptr(), ptr, len, Stream::DEFAULT)
+            .expect("copy to host");
+    }
+    device.synchronize_stream(Stream::DEFAULT).expect("sync");
+    back
+}
+
+/// Writes `bytes` at `ptr`.
+pub fn write(device: &SharedDevice, ptr: DevicePtr, bytes: &[u8]) {
+    unsafe {
+        device
+            .copy_to_device(ptr, bytes.as_ptr(), bytes.len(), Stream::DEFAULT)
+            .expect("copy to device");
+    }
+    device.synchronize_stream(Stream::DEFAULT).expect("sync");
+}

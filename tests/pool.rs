@@ -1,0 +1,443 @@
+//! Behaviour of the caching allocator, on the backend chosen by `GLAKE_TEST_BACKEND`.
+
+mod common;
+
+use std::sync::Arc;
+
+use glake::config::{Config, DefragLevel};
+use glake::device::{SharedDevice, Stream};
+use glake::pool::snapshot::BlockUse;
+use glake::{ErrorKind, Pool};
+
+const MIB: usize = 1 << 20;
+
+fn pool_with(device: &SharedDevice, config: Config) -> Pool {
+    Pool::new(device.clone(), config).expect("pool")
+}
+
+fn pool(device: &SharedDevice) -> Pool {
+    pool_with(device, Config::default())
+}
+
+fn stitch_off() -> Config {
+    Config {
+        stitch: false,
+        ..Config::default()
+    }
+}
+
+/// A pool whose physical memory is capped at `budget` bytes.
+fn budget_pool(device: &SharedDevice, config: Config, budget: usize) -> Pool {
+    let total = device.mem_info().unwrap().total;
+    let p = pool_with(device, config);
+    p.set_memory_fraction(budget as f64 / total as f64).unwrap();
+    p
+}
+
+#[test]
+fn small_and_large_requests_are_aligned_and_hold_bytes() {
+    let device = common::device();
+    let p = pool(&device);
+    let mut live = Vec::new();
+    for (i, size) in [
+        1usize,
+        511,
+        512,
+        513,
+        4096,
+        MIB,
+        MIB + 1,
+        3 * MIB + 5,
+        17 * MIB,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let ptr = p.malloc(size, Stream::DEFAULT).unwrap();
+        assert_eq!(ptr % 512, 0, "{size} bytes at {ptr:#x}");
+        common::write_pattern(&device, ptr, size, i as u64);
+        live.push((ptr, size, i as u64));
+    }
+    for &(ptr, size, seed) in &live {
+        assert!(common::has_pattern(&device, ptr, size, seed));
+        let info = p.allocation_of(ptr + size as u64 - 1).unwrap();
+        assert_eq!((info.base, info.requested), (ptr, size));
+    }
+    let stats = p.stats();
+    assert_eq!(stats.allocation.all.current, live.len() as i64);
+    assert_eq!(stats.allocation.small_pool.current, 6);
+    assert_eq!(stats.allocation.large_pool.current, 3);
+    assert_eq!(
+        stats.requested_bytes.all.current,
+        live.iter().map(|l| l.1 as i64).sum::<i64>()
+    );
+    for (ptr, _, _) in live {
+        p.free(ptr).unwrap();
+    }
+    p.check_invariants().unwrap();
+    assert_eq!(p.stats().allocated_bytes.all.current, 0);
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+}
+
+#[test]
+fn freed_memory_is_reused_on_the_same_stream() {
+    let device = common::device();
+    let p = pool(&device);
+    let a = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    p.free(a).unwrap();
+    let b = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(p.stats().segment.all.current, 1);
+    let c = p.malloc(1000, Stream::DEFAULT).unwrap();
+    p.free(c).unwrap();
+    let d = p.malloc(1000, Stream::DEFAULT).unwrap();
+    assert_eq!(c, d);
+    p.free(b).unwrap();
+    p.free(d).unwrap();
+}
+
+/// Fills a budget with blocks, frees every other one, then asks for one block larger than any
+/// free one. Returns the pool's result and the peak reserved bytes.
+fn fragment_then_ask(device: &SharedDevice, config: Config) -> (Result<u64, glake::Error>, i64) {
+    const BUDGET: usize = 64 * MIB;
+    let p = budget_pool(device, config, BUDGET);
+    // One segment of the whole budget, then split into 16 blocks inside it.
+    let whole = p.malloc(BUDGET, Stream::DEFAULT).unwrap();
+    p.free(whole).unwrap();
+    let blocks: Vec<u64> = (0..16)
+        .map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    for (i, &b) in blocks.iter().enumerate() {
+        common::write_pattern(device, b, 4 * MIB, i as u64);
+    }
+    for &b in blocks.iter().step_by(2) {
+        p.free(b).unwrap();
+    }
+    let result = p.malloc(16 * MIB, Stream::DEFAULT);
+    if let Ok(ptr) = result {
+        common::write_pattern(device, ptr, 16 * MIB, 99);
+        for (i, &b) in blocks.iter().enumerate().skip(1).step_by(2) {
+            assert!(common::has_pattern(device, b, 4 * MIB, i as u64));
+        }
+        assert!(common::has_pattern(device, ptr, 16 * MIB, 99));
+    }
+    p.check_invariants().unwrap();
+    let peak = p.stats().reserved_bytes.all.peak;
+    (result, peak)
+}
+
+#[test]
+fn fixed_budget_fragmented_fits_with_stitching_only() {
+    let device = common::device();
+    let (with, peak_with) = fragment_then_ask(&device, Config::default());
+    let (without, peak_without) = fragment_then_ask(&device, stitch_off());
+    println!(
+        "fragmented 64 MiB budget: stitch ok={} peak reserved {} MiB; caching ok={} peak reserved {} MiB",
+        with.is_ok(),
+        peak_with >> 20,
+        without.is_ok(),
+        peak_without >> 20
+    );
+    assert!(with.is_ok(), "stitching failed: {with:?}");
+    assert_eq!(without.unwrap_err().kind(), ErrorKind::OutOfMemory);
+    assert!(peak_with <= 64 * MIB as i64);
+}
+
+#[test]
+fn stitched_bytes_are_the_bytes_of_the_pieces() {
+    let device = common::device();
+    let p = pool(&device);
+    let blocks: Vec<u64> = (0..6)
+        .map(|_| p.malloc(6 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    for &b in blocks.iter().step_by(2) {
+        p.free(b).unwrap();
+    }
+    let reserved = p.stats().reserved_bytes.all.current;
+    let big = p.malloc(18 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, reserved, "no growth");
+    assert_eq!(p.stats().stitches, 1);
+    let snap = p.snapshot();
+    let stitched = snap.stitched.iter().find(|s| s.address == big).unwrap();
+    assert!(stitched.in_use);
+    assert_eq!(stitched.size, 18 * MIB);
+    assert_eq!(stitched.pieces.len(), 3);
+    // Write through the stitched range; read each piece at its home address, and back.
+    let data: Vec<u8> = (0..18 * MIB).map(|i| (i / 4096 % 251) as u8).collect();
+    common::write(&device, big, &data);
+    let mut offset = 0;
+    for &(home, len) in &stitched.pieces {
+        assert_eq!(common::read(&device, home, len), data[offset..offset + len]);
+        offset += len;
+    }
+    let piece = stitched.pieces[1];
+    common::write(&device, piece.0, &[7u8; 4096]);
+    assert_eq!(
+        common::read(&device, big + stitched.pieces[0].1 as u64, 4096),
+        vec![7u8; 4096]
+    );
+    assert!(snap
+        .segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .any(|b| b.state == BlockUse::Stitched));
+    p.free(big).unwrap();
+    // The same request again reuses the cached stitched range: no new stitch.
+    let again = p.malloc(18 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(again, big);
+    let stats = p.stats();
+    assert_eq!((stats.stitches, stats.stitch_reuse_hits), (1, 1));
+    p.free(again).unwrap();
+    for &b in blocks.iter().skip(1).step_by(2) {
+        p.free(b).unwrap();
+    }
+    p.check_invariants().unwrap();
+    p.empty_cache().unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.reserved_bytes.all.current, 0);
+    assert_eq!(stats.stitched_blocks.current, 0);
+    assert_eq!(stats.stitch_collections, 1);
+}
+
+#[test]
+fn defrag_level_one_grows_before_stitching() {
+    let device = common::device();
+    let config = Config {
+        defrag_level: DefragLevel::WhenFull,
+        ..Config::default()
+    };
+    let p = pool_with(&device, config.clone());
+    let blocks: Vec<u64> = (0..4)
+        .map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    p.free(blocks[0]).unwrap();
+    p.free(blocks[2]).unwrap();
+    let big = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(p.stats().stitches, 0, "room to grow: no stitch");
+    p.free(big).unwrap();
+    // Under a cap that is full, level 1 stitches.
+    let q = budget_pool(&device, config, 16 * MIB);
+    let blocks: Vec<u64> = (0..4)
+        .map(|_| q.malloc(4 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    q.free(blocks[0]).unwrap();
+    q.free(blocks[2]).unwrap();
+    let big = q.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(q.stats().stitches, 1);
+    assert_eq!(q.stats().reserved_bytes.all.peak, 16 * MIB as i64);
+    q.free(big).unwrap();
+}
+
+#[test]
+fn frag_limit_keeps_small_pieces_out_of_stitches() {
+    let device = common::device();
+    let p = pool_with(
+        &device,
+        Config {
+            frag_limit: 8 * MIB,
+            ..Config::default()
+        },
+    );
+    let blocks: Vec<u64> = (0..4)
+        .map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    p.free(blocks[0]).unwrap();
+    p.free(blocks[2]).unwrap();
+    let big = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(p.stats().stitches, 0, "4 MiB pieces are below fragLimit");
+    assert_eq!(p.stats().reserved_bytes.all.current, 24 * MIB as i64);
+    p.free(big).unwrap();
+}
+
+#[test]
+fn memory_fraction_caps_growth_and_oom_is_an_error() {
+    let device = common::device();
+    let p = budget_pool(&device, Config::default(), 32 * MIB);
+    let a = p.malloc(20 * MIB, Stream::DEFAULT).unwrap();
+    let err = p.malloc(20 * MIB, Stream::DEFAULT).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    assert!(err.message().contains("cap"), "{err}");
+    let stats = p.stats();
+    assert_eq!(stats.num_ooms, 1);
+    assert!(stats.num_alloc_retries >= 1);
+    // The pool keeps working.
+    let b = p.malloc(10 * MIB, Stream::DEFAULT).unwrap();
+    p.free(a).unwrap();
+    p.free(b).unwrap();
+    assert!(p.set_memory_fraction(0.0).is_err());
+    assert!(p.set_memory_fraction(1.5).is_err());
+}
+
+#[test]
+fn bad_inputs_are_errors_with_messages() {
+    let device = common::device();
+    let p = pool(&device);
+    let zero = p.malloc(0, Stream::DEFAULT).unwrap_err();
+    assert_eq!(zero.kind(), ErrorKind::InvalidArgument);
+    assert!(zero.message().contains("size 0"));
+    let huge = p.malloc(usize::MAX - 10, Stream::DEFAULT).unwrap_err();
+    assert_eq!(huge.kind(), ErrorKind::InvalidArgument);
+    let total = device.mem_info().unwrap().total;
+    let beyond = p.malloc(total + 4096, Stream::DEFAULT).unwrap_err();
+    assert_eq!(beyond.kind(), ErrorKind::OutOfMemory);
+    assert!(beyond.message().contains("larger than the device"));
+    let a = p.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    let inner = p.free(a + 512).unwrap_err();
+    assert_eq!(inner.kind(), ErrorKind::InvalidPointer);
+    assert!(inner.message().contains("inside memory of this pool"));
+    p.free(a).unwrap();
+    let twice = p.free(a).unwrap_err();
+    assert_eq!(twice.kind(), ErrorKind::DoubleFree);
+    assert!(twice.message().contains("double free"));
+    let foreign = p.free(0x1000).unwrap_err();
+    assert_eq!(foreign.kind(), ErrorKind::InvalidPointer);
+    assert!(foreign.message().contains("not allocated by this pool"));
+    assert_eq!(p.free(0).unwrap_err().kind(), ErrorKind::NullPointer);
+    assert_eq!(
+        p.record_stream(0x1000, Stream(1)).unwrap_err().kind(),
+        ErrorKind::InvalidPointer
+    );
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn other_streams_wait_for_the_freeing_stream() {
+    let device = common::device();
+    let s1 = device.create_stream().unwrap();
+    let s2 = device.create_stream().unwrap();
+    let p = pool(&device);
+    let a = p.malloc(8 * MIB, s1).unwrap();
+    p.free(a).unwrap();
+    let b = p.malloc(8 * MIB, s2).unwrap();
+    assert_ne!(a, b, "memory freed on s1 is not reused on s2 unseen");
+    let c = p.malloc(8 * MIB, s1).unwrap();
+    assert_eq!(a, c, "but at once on s1");
+    p.free(b).unwrap();
+    p.free(c).unwrap();
+    drop(p);
+    device.destroy_stream(s1).unwrap();
+    device.destroy_stream(s2).unwrap();
+}
+
+/// Host only: holds a stream busy with a gate so the test can see what waits for it.
+#[test]
+fn record_stream_delays_reuse_until_the_stream_is_done() {
+    let device = common::device();
+    if !common::is_host(&device) {
+        return;
+    }
+    let host = common::host_device(1 << 30);
+    let shared: SharedDevice = host.clone();
+    let s1 = shared.create_stream().unwrap();
+    let s2 = shared.create_stream().unwrap();
+    let p = Pool::new(shared.clone(), Config::default()).unwrap();
+    let a = p.malloc(4 * MIB, s1).unwrap();
+    p.record_stream(a, s2).unwrap();
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    host.enqueue_host_fn(
+        s2,
+        Box::new(move || {
+            let _ = gate.recv();
+        }),
+    )
+    .unwrap();
+    p.free(a).unwrap();
+    assert_eq!(p.stats().active.all.current, 1, "pending free stays active");
+    assert_eq!(
+        p.free(a).unwrap_err().kind(),
+        ErrorKind::DoubleFree,
+        "a pending free is freed already"
+    );
+    let b = p.malloc(4 * MIB, s1).unwrap();
+    assert_ne!(a, b, "s2 may still use it");
+    open.send(()).unwrap();
+    shared.synchronize_stream(s2).unwrap();
+    let c = p.malloc(4 * MIB, s1).unwrap();
+    assert_eq!(a, c, "reused once s2 is done");
+    assert_eq!(p.stats().active.all.current, 2);
+    p.free(b).unwrap();
+    p.free(c).unwrap();
+    p.check_invariants().unwrap();
+}
+
+/// Host only: under a full cap, a request on s2 waits for s1's queued work rather than failing.
+#[test]
+fn cross_stream_reuse_under_a_full_cap_waits_for_the_other_stream() {
+    let device = common::device();
+    if !common::is_host(&device) {
+        return;
+    }
+    let host = common::host_device(16 * MIB);
+    let shared: SharedDevice = host.clone();
+    let s1 = shared.create_stream().unwrap();
+    let s2 = shared.create_stream().unwrap();
+    let p = Pool::new(shared.clone(), Config::default()).unwrap();
+    let a = p.malloc(16 * MIB, s1).unwrap();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = done.clone();
+    host.enqueue_host_fn(
+        s1,
+        Box::new(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        }),
+    )
+    .unwrap();
+    p.free(a).unwrap();
+    let b = p.malloc(16 * MIB, s2).unwrap();
+    assert!(done.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(a, b);
+    p.free(b).unwrap();
+}
+
+#[test]
+fn empty_cache_releases_everything_unused() {
+    let device = common::device();
+    let p = pool(&device);
+    let keep = p.malloc(3 * MIB, Stream::DEFAULT).unwrap();
+    let ptrs: Vec<u64> = (0..8)
+        .map(|i| p.malloc((i + 1) * MIB + 7, Stream::DEFAULT).unwrap())
+        .collect();
+    for ptr in ptrs {
+        p.free(ptr).unwrap();
+    }
+    p.empty_cache().unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.reserved_bytes.all.current, 4 * MIB as i64);
+    assert!(stats.num_device_free >= 1);
+    p.free(keep).unwrap();
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+}
+
+#[test]
+fn peak_stats_reset() {
+    let device = common::device();
+    let p = pool(&device);
+    let a = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    p.free(a).unwrap();
+    assert_eq!(p.stats().allocated_bytes.all.peak, 8 * MIB as i64);
+    p.reset_peak_stats();
+    assert_eq!(p.stats().allocated_bytes.all.peak, 0);
+    assert_eq!(p.stats().reserved_bytes.all.peak, 8 * MIB as i64);
+    p.reset_accumulated_stats();
+    assert_eq!(p.stats().allocated_bytes.all.allocated, 0);
+}
+
+#[test]
+fn snapshot_json_names_segments_blocks_and_stitches() {
+    let device = common::device();
+    let p = pool(&device);
+    let a = p.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    let b = p.malloc(700, Stream::DEFAULT).unwrap();
+    let json = p.snapshot().to_json();
+    assert!(json.starts_with("{\"segments\":["));
+    assert!(json.contains("\"segment_type\":\"large\""));
+    assert!(json.contains("\"segment_type\":\"small\""));
+    assert!(json.contains("\"state\":\"active_allocated\""));
+    assert!(json.contains("\"requested_size\":700"));
+    assert!(json.contains("\"allocated_bytes.all.current\":"));
+    p.free(a).unwrap();
+    p.free(b).unwrap();
+}

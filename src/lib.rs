@@ -8,6 +8,7 @@
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod ffi;
 pub mod pool;
 pub mod stats;
 pub mod stitch;
@@ -16,3 +17,10 @@ pub use config::Config;
 pub use device::{BackendChoice, Stream};
 pub use error::{Error, ErrorKind, Result};
 pub use pool::Pool;
+
+/// Installs the `env_logger` logger reading `GLAKE_LOG` (for example `GLAKE_LOG=debug` shows
+/// stitch events). Does nothing if the program already installed a logger.
+pub fn init_logging() {
+    let env = env_logger::Env::new().filter_or("GLAKE_LOG", "warn");
+    let _ = env_logger::Builder::from_env(env).try_init();
+}

@@ -1,0 +1,300 @@
+/* GLake C API: GPU memory pools with virtual-memory stitching.
+ * Generated from the Rust sources by cbindgen; do not edit (see tests/header.rs). */
+
+#ifndef GLAKE_H
+#define GLAKE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+// `glake_config.flags`: apply the environment variables (GLAKE_*, GMLake's names) on top of
+// the struct's values.
+#define GLAKE_CONFIG_READ_ENV 1
+
+// Result of every C API call.
+enum glake_status
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GLAKE_STATUS_SUCCESS = 0,
+  // A value is out of range, or flag bits are unknown.
+  GLAKE_STATUS_INVALID_ARGUMENT = 1,
+  // A required pointer argument is NULL.
+  GLAKE_STATUS_NULL_POINTER = 2,
+  // The pointer was not allocated by this pool (or points inside an allocation).
+  GLAKE_STATUS_INVALID_POINTER = 3,
+  // The pointer was already freed.
+  GLAKE_STATUS_DOUBLE_FREE = 4,
+  // Not enough device memory within the pool's cap.
+  GLAKE_STATUS_OUT_OF_MEMORY = 5,
+  // A driver call failed.
+  GLAKE_STATUS_DRIVER_ERROR = 6,
+  // No usable device of the requested backend.
+  GLAKE_STATUS_NO_DEVICE = 7,
+  // Not supported by this backend or driver.
+  GLAKE_STATUS_UNSUPPORTED = 8,
+  // A platform limit was reached (for example the number of memory mappings).
+  GLAKE_STATUS_RESOURCE_LIMIT = 9,
+  // The call is not allowed in the current state.
+  GLAKE_STATUS_INVALID_STATE = 10,
+  // The pool handle is not (or no longer) valid.
+  GLAKE_STATUS_INVALID_HANDLE = 11,
+  // An internal panic was caught; the library stays usable but the call did nothing.
+  GLAKE_STATUS_PANIC = 12,
+  // An internal invariant failed.
+  GLAKE_STATUS_INTERNAL = 13,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum glake_status glake_status;
+#else
+typedef uint32_t glake_status;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Which device backend a pool uses.
+enum glake_backend
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // CUDA when a usable GPU is present, else the host backend.
+  GLAKE_BACKEND_AUTO = 0,
+  // Host memory (memfd + mmap): runs anywhere, for tests and examples.
+  GLAKE_BACKEND_HOST = 1,
+  GLAKE_BACKEND_CUDA = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum glake_backend glake_backend;
+#else
+typedef uint32_t glake_backend;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Opaque pool handle.
+typedef struct glake_pool glake_pool;
+
+// Pool settings. Fill with `glake_config_default`, then change fields.
+typedef struct glake_config {
+  // `sizeof(glake_config)`, set by `glake_config_default`; guards against header mismatch.
+  uint32_t struct_size;
+  // `GLAKE_CONFIG_*` bits.
+  uint32_t flags;
+  // Device ordinal.
+  int32_t device;
+  // A `glake_backend` value.
+  uint32_t backend;
+  // 1: stitch free blocks (GMLake vmmDefragment=1); 0: plain caching.
+  uint32_t stitch;
+  // 0: stitch before creating memory; 1: only when the device is full (GMLake defragLevel).
+  uint32_t defrag_level;
+  // Free blocks smaller than this are not stitched (bytes; GMLake fragLimit).
+  uint64_t frag_limit;
+  // A cached stitched block serves requests down to 1/reuse_limit of its size (reuseLimit).
+  double reuse_limit;
+  // Cached stitched address space collected past this many bytes (GMLake autoGC, in bytes).
+  uint64_t auto_gc_bytes;
+  // Cap on physical memory as a fraction of the device, in (0, 1].
+  double memory_fraction;
+  // Largest request of the small pool, in bytes.
+  uint64_t small_limit;
+  // Most pieces one stitched block maps.
+  uint32_t max_stitch_pieces;
+  // Must be 0.
+  uint32_t reserved;
+} glake_config;
+
+// A stream: a `cudaStream_t`/`CUstream` on the CUDA backend (NULL is the default stream), a
+// value from `glake_stream_create` on the host backend.
+typedef void *glake_stream;
+
+// One statistic: current value, peak since the last reset, and running totals of increases and
+// decreases since the last accumulated reset.
+typedef struct glake_stat {
+  int64_t current;
+  int64_t peak;
+  int64_t allocated;
+  int64_t freed;
+} glake_stat;
+
+// A statistic split as PyTorch splits it: all, small pool, large pool.
+typedef struct glake_stat_array {
+  struct glake_stat all;
+  struct glake_stat small_pool;
+  struct glake_stat large_pool;
+} glake_stat_array;
+
+// Everything `memory_stats()` reports, plus the stitch counters.
+typedef struct glake_stats {
+  // Live allocations (count).
+  struct glake_stat_array allocation;
+  // Physical segments (count).
+  struct glake_stat_array segment;
+  // Allocated or waiting for other streams (count).
+  struct glake_stat_array active;
+  // Free blocks inside split segments (count).
+  struct glake_stat_array inactive_split;
+  struct glake_stat_array allocated_bytes;
+  struct glake_stat_array reserved_bytes;
+  struct glake_stat_array active_bytes;
+  struct glake_stat_array inactive_split_bytes;
+  struct glake_stat_array requested_bytes;
+  // Times an allocation had to free cached memory and try again.
+  int64_t num_alloc_retries;
+  // Allocations that failed for lack of memory.
+  int64_t num_ooms;
+  // Times the allocator waited for all streams.
+  int64_t num_sync_all_streams;
+  // Physical memory creations and releases.
+  int64_t num_device_alloc;
+  int64_t num_device_free;
+  // Allocations served by a stitched block (new or reused).
+  int64_t stitched_allocations;
+  // Stitched blocks built (each maps pieces into a new range).
+  int64_t stitches;
+  // Bytes of all stitched blocks built.
+  int64_t stitched_bytes;
+  // Pieces mapped by all stitches.
+  int64_t stitched_pieces;
+  // Allocations served by reusing a cached stitched block.
+  int64_t stitch_reuse_hits;
+  // Stitched blocks unmapped by collection or `empty_cache`.
+  int64_t stitch_collections;
+  // Stitched blocks mapped now (in use or cached), and their bytes.
+  struct glake_stat stitched_blocks;
+  struct glake_stat stitched_mapped_bytes;
+} glake_stats;
+
+
+
+
+
+#ifdef __cplusplus
+extern "C" {
+#endif // __cplusplus
+
+// The message of the last failed call on this thread ("" after a success). The pointer stays
+// valid until the next glake call on the same thread.
+const char *glake_last_error_message(void);
+
+// A constant name for a status code ("GLAKE_STATUS_OUT_OF_MEMORY"), or "GLAKE_STATUS_UNKNOWN".
+const char *glake_status_name(uint32_t status);
+
+// Initialises logging (`GLAKE_LOG`, e.g. `GLAKE_LOG=debug`); safe to call many times, and a
+// logger installed by the program is kept.
+glake_status glake_init(void);
+
+// The library version as "MAJOR.MINOR.PATCH".
+const char *glake_version(void);
+
+// Fills `out` with the default settings (stitching on, GMLake's defaults).
+//
+// # Safety
+// `out` must be NULL or valid for writing a `glake_config`.
+glake_status glake_config_default(struct glake_config *out);
+
+// Creates a pool on the configured device and backend.
+//
+// # Safety
+// `config` must be NULL or point to a `glake_config`; `out` NULL or valid for a write.
+glake_status glake_pool_create(const struct glake_config *config, struct glake_pool **out);
+
+// Destroys a pool: waits for the device, then releases all its memory (live allocations too,
+// with a warning). The handle is invalid afterwards.
+glake_status glake_pool_destroy(struct glake_pool *pool);
+
+// The backend a pool runs on (`glake_backend`).
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_pool_backend(struct glake_pool *pool, uint32_t *out);
+
+// Allocates `size` bytes for use on `stream`; at least 512-byte aligned.
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_malloc(struct glake_pool *pool, size_t size, glake_stream stream, void **out);
+
+// Frees an allocation; its memory is reused on its stream at once, elsewhere once safe.
+glake_status glake_free(struct glake_pool *pool, void *ptr);
+
+// Marks the allocation at `ptr` as used on `stream` as well (like `Tensor.record_stream`).
+glake_status glake_record_stream(struct glake_pool *pool, void *ptr, glake_stream stream);
+
+// Returns cached, unused memory to the driver (after waiting for the device).
+glake_status glake_empty_cache(struct glake_pool *pool);
+
+// Caps the pool's physical memory at `fraction` of the device's memory, in (0, 1].
+glake_status glake_set_memory_fraction(struct glake_pool *pool, double fraction);
+
+// Copies the pool's statistics (PyTorch's memory_stats fields plus stitch counters).
+//
+// # Safety
+// `out` must be NULL or valid for writing a `glake_stats`.
+glake_status glake_get_stats(struct glake_pool *pool, struct glake_stats *out);
+
+// Sets every peak statistic to its current value.
+glake_status glake_reset_peak_stats(struct glake_pool *pool);
+
+// Zeroes the running totals (allocated/freed) and event counters.
+glake_status glake_reset_accumulated_stats(struct glake_pool *pool);
+
+// A JSON snapshot of segments, blocks, stitched ranges and statistics. Free the string with
+// `glake_string_free`.
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_snapshot_json(struct glake_pool *pool, char **out);
+
+// The statistics as a JSON object with PyTorch's `memory_stats()` key names. Free the string
+// with `glake_string_free`.
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_stats_json(struct glake_pool *pool, char **out);
+
+// Frees a string returned by this library; NULL is ignored.
+//
+// # Safety
+// `text` must be NULL or a string from this library, not freed before.
+void glake_string_free(char *text);
+
+// Creates a stream on the pool's device.
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_stream_create(struct glake_pool *pool, glake_stream *out);
+
+// Destroys a stream made by `glake_stream_create`; queued work still completes.
+glake_status glake_stream_destroy(struct glake_pool *pool, glake_stream stream);
+
+// Waits for all work queued on `stream`.
+glake_status glake_stream_synchronize(struct glake_pool *pool, glake_stream stream);
+
+// Queues a copy of `size` bytes from host memory to device memory of the pool on `stream`.
+//
+// # Safety
+// `src` must stay valid for `size` bytes until the stream has run the copy.
+glake_status glake_copy_to_device(struct glake_pool *pool,
+                                  void *dst,
+                                  const void *src,
+                                  size_t size,
+                                  glake_stream stream);
+
+// Queues a copy of `size` bytes from device memory to host memory on `stream`.
+//
+// # Safety
+// `dst` must stay valid for `size` bytes until the stream has run the copy.
+glake_status glake_copy_to_host(struct glake_pool *pool,
+                                void *dst,
+                                const void *src,
+                                size_t size,
+                                glake_stream stream);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif  // __cplusplus
+
+#endif  /* GLAKE_H */

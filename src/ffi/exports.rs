@@ -1,0 +1,506 @@
+//! The exported functions and the structs that cross the boundary.
+
+use std::ffi::{c_char, c_void, CString};
+
+use bitflags::bitflags;
+use static_assertions::{assert_eq_size, const_assert_eq};
+
+use super::{glake_status, guard, handles, Failure};
+use crate::config::{Config, DefragLevel};
+use crate::device::{self, BackendChoice, BackendKind, Stream};
+use crate::stats::{MemoryStats, Stat, StatArray};
+
+/// Opaque pool handle.
+pub struct glake_pool {
+    _private: [u8; 0],
+}
+
+/// A stream: a `cudaStream_t`/`CUstream` on the CUDA backend (NULL is the default stream), a
+/// value from `glake_stream_create` on the host backend.
+pub type glake_stream = *mut c_void;
+
+/// Which device backend a pool uses.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum glake_backend {
+    /// CUDA when a usable GPU is present, else the host backend.
+    GLAKE_BACKEND_AUTO = 0,
+    /// Host memory (memfd + mmap): runs anywhere, for tests and examples.
+    GLAKE_BACKEND_HOST = 1,
+    GLAKE_BACKEND_CUDA = 2,
+}
+
+/// `glake_config.flags`: apply the environment variables (GLAKE_*, GMLake's names) on top of
+/// the struct's values.
+pub const GLAKE_CONFIG_READ_ENV: u32 = 1;
+
+bitflags! {
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct ConfigFlags: u32 {
+        const READ_ENV = GLAKE_CONFIG_READ_ENV;
+    }
+}
+
+/// Pool settings. Fill with `glake_config_default`, then change fields.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct glake_config {
+    /// `sizeof(glake_config)`, set by `glake_config_default`; guards against header mismatch.
+    pub struct_size: u32,
+    /// `GLAKE_CONFIG_*` bits.
+    pub flags: u32,
+    /// Device ordinal.
+    pub device: i32,
+    /// A `glake_backend` value.
+    pub backend: u32,
+    /// 1: stitch free blocks (GMLake vmmDefragment=1); 0: plain caching.
+    pub stitch: u32,
+    /// 0: stitch before creating memory; 1: only when the device is full (GMLake defragLevel).
+    pub defrag_level: u32,
+    /// Free blocks smaller than this are not stitched (bytes; GMLake fragLimit).
+    pub frag_limit: u64,
+    /// A cached stitched block serves requests down to 1/reuse_limit of its size (reuseLimit).
+    pub reuse_limit: f64,
+    /// Cached stitched address space collected past this many bytes (GMLake autoGC, in bytes).
+    pub auto_gc_bytes: u64,
+    /// Cap on physical memory as a fraction of the device, in (0, 1].
+    pub memory_fraction: f64,
+    /// Largest request of the small pool, in bytes.
+    pub small_limit: u64,
+    /// Most pieces one stitched block maps.
+    pub max_stitch_pieces: u32,
+    /// Must be 0.
+    pub reserved: u32,
+}
+
+const_assert_eq!(std::mem::size_of::<glake_config>(), 72);
+assert_eq_size!(Stat, [i64; 4]);
+assert_eq_size!(StatArray, [i64; 12]);
+const_assert_eq!(std::mem::size_of::<MemoryStats>(), (9 * 12 + 11 + 8) * 8);
+
+impl glake_config {
+    fn from_config(config: &Config) -> Self {
+        glake_config {
+            struct_size: std::mem::size_of::<glake_config>() as u32,
+            flags: 0,
+            device: 0,
+            backend: glake_backend::GLAKE_BACKEND_AUTO as u32,
+            stitch: config.stitch as u32,
+            defrag_level: config.defrag_level as u32,
+            frag_limit: config.frag_limit as u64,
+            reuse_limit: config.reuse_limit,
+            auto_gc_bytes: config.auto_gc_bytes as u64,
+            memory_fraction: config.memory_fraction,
+            small_limit: config.small_limit as u64,
+            max_stitch_pieces: config.max_stitch_pieces as u32,
+            reserved: 0,
+        }
+    }
+
+    fn to_config(self) -> Result<(Config, BackendChoice, i32), Failure> {
+        let invalid =
+            |what: String| Failure::new(glake_status::GLAKE_STATUS_INVALID_ARGUMENT, what);
+        if self.struct_size as usize != std::mem::size_of::<glake_config>() {
+            return Err(invalid(format!(
+                "glake_config.struct_size is {}, expected {} (fill the struct with glake_config_default)",
+                self.struct_size,
+                std::mem::size_of::<glake_config>()
+            )));
+        }
+        let flags = ConfigFlags::from_bits(self.flags).ok_or_else(|| {
+            invalid(format!(
+                "glake_config.flags has unknown bits {:#x}",
+                self.flags
+            ))
+        })?;
+        if self.reserved != 0 {
+            return Err(invalid("glake_config.reserved must be 0".into()));
+        }
+        let backend = match self.backend {
+            0 => BackendChoice::Auto,
+            1 => BackendChoice::Host,
+            2 => BackendChoice::Cuda,
+            other => return Err(invalid(format!("unknown backend {other}"))),
+        };
+        let stitch = match self.stitch {
+            0 => false,
+            1 => true,
+            other => return Err(invalid(format!("stitch must be 0 or 1, not {other}"))),
+        };
+        let defrag_level = match self.defrag_level {
+            0 => DefragLevel::BeforeGrow,
+            1 => DefragLevel::WhenFull,
+            other => return Err(invalid(format!("defrag_level must be 0 or 1, not {other}"))),
+        };
+        let mut config = Config {
+            stitch,
+            frag_limit: self.frag_limit as usize,
+            reuse_limit: self.reuse_limit,
+            defrag_level,
+            auto_gc_bytes: self.auto_gc_bytes as usize,
+            small_limit: self.small_limit as usize,
+            memory_fraction: self.memory_fraction,
+            max_stitch_pieces: self.max_stitch_pieces as usize,
+        };
+        if flags.contains(ConfigFlags::READ_ENV) {
+            config.apply_env();
+        }
+        config.validate()?;
+        Ok((config, backend, self.device))
+    }
+}
+
+fn stream_of(stream: glake_stream) -> Stream {
+    Stream(stream as u64)
+}
+
+fn pool_id(pool: *mut glake_pool) -> usize {
+    pool as usize
+}
+
+/// Writes `value` through `out`, failing on NULL.
+///
+/// # Safety
+/// A non-NULL `out` must be valid for a write of `T`.
+unsafe fn write_out<T>(out: *mut T, what: &str, value: T) -> Result<(), Failure> {
+    if out.is_null() {
+        return Err(Failure::null(what));
+    }
+    // SAFETY: non-NULL and valid per the caller's contract.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Initialises logging (`GLAKE_LOG`, e.g. `GLAKE_LOG=debug`); safe to call many times, and a
+/// logger installed by the program is kept.
+#[no_mangle]
+pub extern "C" fn glake_init() -> glake_status {
+    guard(|| {
+        crate::init_logging();
+        Ok(())
+    })
+}
+
+/// The library version as "MAJOR.MINOR.PATCH".
+#[no_mangle]
+pub extern "C" fn glake_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// Fills `out` with the default settings (stitching on, GMLake's defaults).
+///
+/// # Safety
+/// `out` must be NULL or valid for writing a `glake_config`.
+#[no_mangle]
+pub unsafe extern "C" fn glake_config_default(out: *mut glake_config) -> glake_status {
+    guard(|| unsafe { write_out(out, "out", glake_config::from_config(&Config::default())) })
+}
+
+/// Creates a pool on the configured device and backend.
+///
+/// # Safety
+/// `config` must be NULL or point to a `glake_config`; `out` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_pool_create(
+    config: *const glake_config,
+    out: *mut *mut glake_pool,
+) -> glake_status {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        if config.is_null() {
+            return Err(Failure::null("config"));
+        }
+        // SAFETY: non-NULL, and points to a glake_config per the contract.
+        let (config, backend, ordinal) = unsafe { config.read() }.to_config()?;
+        let device = device::open(backend, ordinal)?;
+        let pool = crate::pool::Pool::new(device, config)?;
+        let id = handles::insert(pool);
+        // SAFETY: checked non-NULL above.
+        unsafe { out.write(id as *mut glake_pool) };
+        Ok(())
+    })
+}
+
+/// Destroys a pool: waits for the device, then releases all its memory (live allocations too,
+/// with a warning). The handle is invalid afterwards.
+#[no_mangle]
+pub extern "C" fn glake_pool_destroy(pool: *mut glake_pool) -> glake_status {
+    guard(|| {
+        drop(handles::remove(pool_id(pool))?);
+        Ok(())
+    })
+}
+
+/// The backend a pool runs on (`glake_backend`).
+///
+/// # Safety
+/// `out` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_pool_backend(pool: *mut glake_pool, out: *mut u32) -> glake_status {
+    guard(|| {
+        let pool = handles::get(pool_id(pool))?;
+        let backend = match pool.device().kind() {
+            BackendKind::Host => glake_backend::GLAKE_BACKEND_HOST,
+            BackendKind::Cuda => glake_backend::GLAKE_BACKEND_CUDA,
+        };
+        unsafe { write_out(out, "out", backend as u32) }
+    })
+}
+
+/// Allocates `size` bytes for use on `stream`; at least 512-byte aligned.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_malloc(
+    pool: *mut glake_pool,
+    size: usize,
+    stream: glake_stream,
+    out: *mut *mut c_void,
+) -> glake_status {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let pool = handles::get(pool_id(pool))?;
+        let ptr = pool.malloc(size, stream_of(stream))?;
+        unsafe { write_out(out, "out", ptr as *mut c_void) }
+    })
+}
+
+/// Frees an allocation; its memory is reused on its stream at once, elsewhere once safe.
+#[no_mangle]
+pub extern "C" fn glake_free(pool: *mut glake_pool, ptr: *mut c_void) -> glake_status {
+    guard(|| {
+        let pool = handles::get(pool_id(pool))?;
+        if ptr.is_null() {
+            return Err(Failure::null("ptr"));
+        }
+        pool.free(ptr as u64)?;
+        Ok(())
+    })
+}
+
+/// Marks the allocation at `ptr` as used on `stream` as well (like `Tensor.record_stream`).
+#[no_mangle]
+pub extern "C" fn glake_record_stream(
+    pool: *mut glake_pool,
+    ptr: *mut c_void,
+    stream: glake_stream,
+) -> glake_status {
+    guard(|| {
+        let pool = handles::get(pool_id(pool))?;
+        if ptr.is_null() {
+            return Err(Failure::null("ptr"));
+        }
+        pool.record_stream(ptr as u64, stream_of(stream))?;
+        Ok(())
+    })
+}
+
+/// Returns cached, unused memory to the driver (after waiting for the device).
+#[no_mangle]
+pub extern "C" fn glake_empty_cache(pool: *mut glake_pool) -> glake_status {
+    guard(|| {
+        handles::get(pool_id(pool))?.empty_cache()?;
+        Ok(())
+    })
+}
+
+/// Caps the pool's physical memory at `fraction` of the device's memory, in (0, 1].
+#[no_mangle]
+pub extern "C" fn glake_set_memory_fraction(pool: *mut glake_pool, fraction: f64) -> glake_status {
+    guard(|| {
+        handles::get(pool_id(pool))?.set_memory_fraction(fraction)?;
+        Ok(())
+    })
+}
+
+/// Copies the pool's statistics (PyTorch's memory_stats fields plus stitch counters).
+///
+/// # Safety
+/// `out` must be NULL or valid for writing a `glake_stats`.
+#[no_mangle]
+pub unsafe extern "C" fn glake_get_stats(
+    pool: *mut glake_pool,
+    out: *mut MemoryStats,
+) -> glake_status {
+    guard(|| {
+        let stats = handles::get(pool_id(pool))?.stats();
+        unsafe { write_out(out, "out", stats) }
+    })
+}
+
+/// Sets every peak statistic to its current value.
+#[no_mangle]
+pub extern "C" fn glake_reset_peak_stats(pool: *mut glake_pool) -> glake_status {
+    guard(|| {
+        handles::get(pool_id(pool))?.reset_peak_stats();
+        Ok(())
+    })
+}
+
+/// Zeroes the running totals (allocated/freed) and event counters.
+#[no_mangle]
+pub extern "C" fn glake_reset_accumulated_stats(pool: *mut glake_pool) -> glake_status {
+    guard(|| {
+        handles::get(pool_id(pool))?.reset_accumulated_stats();
+        Ok(())
+    })
+}
+
+fn into_c_string(text: String) -> *mut c_char {
+    CString::new(text.replace('\0', " "))
+        .unwrap_or_default()
+        .into_raw()
+}
+
+/// A JSON snapshot of segments, blocks, stitched ranges and statistics. Free the string with
+/// `glake_string_free`.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_snapshot_json(
+    pool: *mut glake_pool,
+    out: *mut *mut c_char,
+) -> glake_status {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let json = handles::get(pool_id(pool))?.snapshot().to_json();
+        unsafe { write_out(out, "out", into_c_string(json)) }
+    })
+}
+
+/// The statistics as a JSON object with PyTorch's `memory_stats()` key names. Free the string
+/// with `glake_string_free`.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_stats_json(
+    pool: *mut glake_pool,
+    out: *mut *mut c_char,
+) -> glake_status {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let json = handles::get(pool_id(pool))?.stats().to_json();
+        unsafe { write_out(out, "out", into_c_string(json)) }
+    })
+}
+
+/// Frees a string returned by this library; NULL is ignored.
+///
+/// # Safety
+/// `text` must be NULL or a string from this library, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn glake_string_free(text: *mut c_char) {
+    if !text.is_null() {
+        // SAFETY: made by CString::into_raw in this library, per the contract.
+        let _ = std::panic::catch_unwind(|| drop(unsafe { CString::from_raw(text) }));
+    }
+}
+
+/// Creates a stream on the pool's device.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_stream_create(
+    pool: *mut glake_pool,
+    out: *mut glake_stream,
+) -> glake_status {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let stream = handles::get(pool_id(pool))?.device().create_stream()?;
+        unsafe { write_out(out, "out", stream.0 as glake_stream) }
+    })
+}
+
+/// Destroys a stream made by `glake_stream_create`; queued work still completes.
+#[no_mangle]
+pub extern "C" fn glake_stream_destroy(
+    pool: *mut glake_pool,
+    stream: glake_stream,
+) -> glake_status {
+    guard(|| {
+        handles::get(pool_id(pool))?
+            .device()
+            .destroy_stream(stream_of(stream))?;
+        Ok(())
+    })
+}
+
+/// Waits for all work queued on `stream`.
+#[no_mangle]
+pub extern "C" fn glake_stream_synchronize(
+    pool: *mut glake_pool,
+    stream: glake_stream,
+) -> glake_status {
+    guard(|| {
+        handles::get(pool_id(pool))?
+            .device()
+            .synchronize_stream(stream_of(stream))?;
+        Ok(())
+    })
+}
+
+/// Queues a copy of `size` bytes from host memory to device memory of the pool on `stream`.
+///
+/// # Safety
+/// `src` must stay valid for `size` bytes until the stream has run the copy.
+#[no_mangle]
+pub unsafe extern "C" fn glake_copy_to_device(
+    pool: *mut glake_pool,
+    dst: *mut c_void,
+    src: *const c_void,
+    size: usize,
+    stream: glake_stream,
+) -> glake_status {
+    guard(|| {
+        let pool = handles::get(pool_id(pool))?;
+        if dst.is_null() || src.is_null() {
+            return Err(Failure::null(if dst.is_null() { "dst" } else { "src" }));
+        }
+        // SAFETY: the caller keeps `src` valid until the copy completes.
+        unsafe {
+            pool.device()
+                .copy_to_device(dst as u64, src.cast(), size, stream_of(stream))?
+        };
+        Ok(())
+    })
+}
+
+/// Queues a copy of `size` bytes from device memory to host memory on `stream`.
+///
+/// # Safety
+/// `dst` must stay valid for `size` bytes until the stream has run the copy.
+#[no_mangle]
+pub unsafe extern "C" fn glake_copy_to_host(
+    pool: *mut glake_pool,
+    dst: *mut c_void,
+    src: *const c_void,
+    size: usize,
+    stream: glake_stream,
+) -> glake_status {
+    guard(|| {
+        let pool = handles::get(pool_id(pool))?;
+        if dst.is_null() || src.is_null() {
+            return Err(Failure::null(if dst.is_null() { "dst" } else { "src" }));
+        }
+        // SAFETY: the caller keeps `dst` valid until the copy completes.
+        unsafe {
+            pool.device()
+                .copy_to_host(dst.cast(), src as u64, size, stream_of(stream))?
+        };
+        Ok(())
+    })
+}

@@ -1,0 +1,264 @@
+//! The C API: status codes and messages for each bad input, and a full round trip.
+
+use std::ffi::{c_void, CStr};
+use std::ptr::null_mut;
+
+use glake::ffi::*;
+use glake_status::*;
+
+const MIB: usize = 1 << 20;
+
+fn message() -> String {
+    unsafe { CStr::from_ptr(glake_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn host_config() -> glake_config {
+    let mut config = std::mem::MaybeUninit::<glake_config>::zeroed();
+    assert_eq!(
+        unsafe { glake_config_default(config.as_mut_ptr()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let mut config = unsafe { config.assume_init() };
+    config.backend = glake_backend::GLAKE_BACKEND_HOST as u32;
+    config
+}
+
+fn create(config: &glake_config) -> *mut glake_pool {
+    let mut pool = null_mut();
+    let status = unsafe { glake_pool_create(config, &mut pool) };
+    assert_eq!(status, GLAKE_STATUS_SUCCESS, "{}", message());
+    pool
+}
+
+fn malloc(pool: *mut glake_pool, size: usize) -> (glake_status, *mut c_void) {
+    let mut ptr = null_mut();
+    let status = unsafe { glake_malloc(pool, size, null_mut(), &mut ptr) };
+    (status, ptr)
+}
+
+#[test]
+fn round_trip_with_stats_and_snapshot() {
+    assert_eq!(glake_init(), GLAKE_STATUS_SUCCESS);
+    let pool = create(&host_config());
+    let mut backend = 0u32;
+    assert_eq!(
+        unsafe { glake_pool_backend(pool, &mut backend) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(backend, glake_backend::GLAKE_BACKEND_HOST as u32);
+    let (status, ptr) = malloc(pool, 5 * MIB);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    assert_eq!(ptr as usize % 512, 0);
+    let data = [42u8; 256];
+    let mut back = [0u8; 256];
+    unsafe {
+        assert_eq!(
+            glake_copy_to_device(pool, ptr, data.as_ptr().cast(), 256, null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+        assert_eq!(
+            glake_copy_to_host(pool, back.as_mut_ptr().cast(), ptr, 256, null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+    }
+    assert_eq!(
+        glake_stream_synchronize(pool, null_mut()),
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(back, data);
+    let mut stats = std::mem::MaybeUninit::<glake::stats::MemoryStats>::zeroed();
+    assert_eq!(
+        unsafe { glake_get_stats(pool, stats.as_mut_ptr()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let stats = unsafe { stats.assume_init() };
+    assert_eq!(stats.allocated_bytes.all.current, 6 * MIB as i64);
+    assert_eq!(stats.requested_bytes.all.current, 5 * MIB as i64);
+    let mut json = null_mut();
+    assert_eq!(
+        unsafe { glake_snapshot_json(pool, &mut json) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let text = unsafe { CStr::from_ptr(json) }
+        .to_string_lossy()
+        .into_owned();
+    unsafe { glake_string_free(json) };
+    assert!(text.contains("\"segments\":[{"), "{text}");
+    let mut stream = null_mut();
+    assert_eq!(
+        unsafe { glake_stream_create(pool, &mut stream) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(glake_record_stream(pool, ptr, stream), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_stream_destroy(pool, stream), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_empty_cache(pool), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_reset_peak_stats(pool), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_reset_accumulated_stats(pool), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+}
+
+#[test]
+fn each_bad_input_has_its_status_and_message() {
+    let pool = create(&host_config());
+
+    // NULL out-pointers and NULL pointers.
+    assert_eq!(
+        unsafe { glake_malloc(pool, 64, null_mut(), null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert!(message().contains("out is NULL"), "{}", message());
+    assert_eq!(glake_free(pool, null_mut()), GLAKE_STATUS_NULL_POINTER);
+    assert!(message().contains("ptr is NULL"));
+    assert_eq!(
+        unsafe { glake_pool_create(null_mut(), &mut null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert!(message().contains("config is NULL"));
+    assert_eq!(
+        unsafe { glake_config_default(null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+
+    // Size 0 and absurd sizes.
+    assert_eq!(malloc(pool, 0).0, GLAKE_STATUS_INVALID_ARGUMENT);
+    assert!(message().contains("size 0"), "{}", message());
+    assert_eq!(malloc(pool, usize::MAX).0, GLAKE_STATUS_INVALID_ARGUMENT);
+    assert!(message().contains("beyond any device"), "{}", message());
+    assert_eq!(malloc(pool, 1 << 50).0, GLAKE_STATUS_OUT_OF_MEMORY);
+    assert!(
+        message().contains("larger than the device"),
+        "{}",
+        message()
+    );
+
+    // Foreign pointer, interior pointer, double free.
+    let mut local = 0u64;
+    assert_eq!(
+        glake_free(pool, (&mut local as *mut u64).cast()),
+        GLAKE_STATUS_INVALID_POINTER
+    );
+    assert!(
+        message().contains("not allocated by this pool"),
+        "{}",
+        message()
+    );
+    let (status, ptr) = malloc(pool, 4 * MIB);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    let inside = unsafe { ptr.cast::<u8>().add(4096) }.cast();
+    assert_eq!(glake_free(pool, inside), GLAKE_STATUS_INVALID_POINTER);
+    assert!(
+        message().contains("inside memory of this pool"),
+        "{}",
+        message()
+    );
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(message(), "", "success clears the message");
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_DOUBLE_FREE);
+    assert!(message().contains("double free"), "{}", message());
+    assert_eq!(
+        glake_record_stream(pool, ptr, null_mut()),
+        GLAKE_STATUS_DOUBLE_FREE
+    );
+
+    // Out of range values.
+    assert_eq!(
+        glake_set_memory_fraction(pool, 1.5),
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert!(message().contains("memory fraction"));
+    assert_eq!(
+        glake_set_memory_fraction(pool, f64::NAN),
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+
+    // Memory fraction: a request past the cap is out of memory, and the pool goes on.
+    assert_eq!(glake_set_memory_fraction(pool, 1e-3), GLAKE_STATUS_SUCCESS);
+    assert_eq!(malloc(pool, 512 * MIB).0, GLAKE_STATUS_OUT_OF_MEMORY);
+    assert!(message().contains("cap"), "{}", message());
+    let (status, small) = malloc(pool, 1000);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_free(pool, small), GLAKE_STATUS_SUCCESS);
+
+    // Unknown streams on the host backend.
+    assert_eq!(
+        glake_stream_synchronize(pool, 0xdead0 as glake_stream),
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+
+    // Use after destroy, and a made-up handle.
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+    assert_eq!(malloc(pool, 64).0, GLAKE_STATUS_INVALID_HANDLE);
+    assert!(message().contains("not a live pool"), "{}", message());
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_INVALID_HANDLE);
+    assert_eq!(
+        glake_empty_cache(0x1234 as *mut glake_pool),
+        GLAKE_STATUS_INVALID_HANDLE
+    );
+    assert_eq!(glake_empty_cache(null_mut()), GLAKE_STATUS_NULL_POINTER);
+}
+
+#[test]
+fn bad_configs_are_rejected() {
+    let mut pool = null_mut();
+    let mut config = host_config();
+    config.flags = 0x80;
+    assert_eq!(
+        unsafe { glake_pool_create(&config, &mut pool) },
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert!(message().contains("unknown bits 0x80"), "{}", message());
+    let mut config = host_config();
+    config.struct_size = 12;
+    assert_eq!(
+        unsafe { glake_pool_create(&config, &mut pool) },
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert!(message().contains("struct_size"));
+    let mut config = host_config();
+    config.backend = 9;
+    assert_eq!(
+        unsafe { glake_pool_create(&config, &mut pool) },
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    let mut config = host_config();
+    config.reuse_limit = 0.1;
+    assert_eq!(
+        unsafe { glake_pool_create(&config, &mut pool) },
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert!(message().contains("reuse_limit"));
+    let mut config = host_config();
+    config.device = 5;
+    assert_eq!(
+        unsafe { glake_pool_create(&config, &mut pool) },
+        GLAKE_STATUS_NO_DEVICE
+    );
+    assert!(pool.is_null(), "nothing written on failure");
+    let mut config = host_config();
+    config.backend = glake_backend::GLAKE_BACKEND_CUDA as u32;
+    let status = unsafe { glake_pool_create(&config, &mut pool) };
+    if status == GLAKE_STATUS_SUCCESS {
+        assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+    } else {
+        assert_eq!(status, GLAKE_STATUS_NO_DEVICE, "{}", message());
+    }
+}
+
+#[test]
+fn status_names() {
+    let name = |s: u32| {
+        unsafe { CStr::from_ptr(glake_status_name(s)) }
+            .to_str()
+            .unwrap()
+    };
+    assert_eq!(
+        name(GLAKE_STATUS_DOUBLE_FREE as u32),
+        "GLAKE_STATUS_DOUBLE_FREE"
+    );
+    assert_eq!(name(999), "GLAKE_STATUS_UNKNOWN");
+    let version = unsafe { CStr::from_ptr(glake_version()) }.to_str().unwrap();
+    assert_eq!(version, env!("CARGO_PKG_VERSION"));
+}

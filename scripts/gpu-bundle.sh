@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds the test binaries and examples here (release) and copies them into gpu-bundle/, so a
+# GPU machine without a Rust toolchain can run them with scripts/gpu-run.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf gpu-bundle && mkdir -p gpu-bundle
+cargo build --release --locked --examples --bins
+cargo test --release --locked --no-run --message-format=json 2>/dev/null |
+  python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        name = m["target"]["name"] + ("-lib" if "lib" in m["target"]["kind"] else "")
+        shutil.copy(m["executable"], "gpu-bundle/test-" + name)
+'
+for f in target/release/examples/quickstart; do cp "$f" gpu-bundle/; done
+find target/release -maxdepth 1 -type f -executable -name 'glake-*' -exec cp {} gpu-bundle/ \;
+strip --strip-debug gpu-bundle/* 2>/dev/null || true
+du -sh gpu-bundle

@@ -1,0 +1,81 @@
+//! Environment variables, GMLake's names and the tutorial's spellings. One test function, since
+//! the environment is shared by the whole process.
+
+use glake::config::{Config, DefragLevel};
+
+const ALL_NAMES: &[&str] = &[
+    "GLAKE_STITCH",
+    "vmmDefragment",
+    "GLAKE_FRAG_LIMIT",
+    "fragLimit",
+    "fragment_limit",
+    "GLAKE_REUSE_LIMIT",
+    "reuseLimit",
+    "GLAKE_DEFRAG_LEVEL",
+    "defragLevel",
+    "defragment_level",
+    "GLAKE_AUTO_GC",
+    "autoGC",
+    "auto_gc_limits",
+    "GLAKE_MEMORY_FRACTION",
+];
+
+fn clear() {
+    for name in ALL_NAMES {
+        unsafe { std::env::remove_var(name) };
+    }
+}
+
+fn set(name: &str, value: &str) {
+    unsafe { std::env::set_var(name, value) };
+}
+
+#[test]
+fn environment_names_and_aliases() {
+    clear();
+    assert_eq!(Config::from_env(), Config::default());
+
+    // GMLake's code names, as in the tutorial's export lines.
+    set("vmmDefragment", "1");
+    set("autoGC", "10000");
+    set("fragLimit", "268435456");
+    set("reuseLimit", "10");
+    set("defragLevel", "0");
+    let c = Config::from_env();
+    assert!(c.stitch);
+    assert_eq!(c.frag_limit, 268435456);
+    assert_eq!(c.reuse_limit, 10.0);
+    assert_eq!(c.defrag_level, DefragLevel::BeforeGrow);
+    assert_eq!(c.auto_gc_bytes, 10000usize << 30);
+    clear();
+
+    // The tutorial's spellings.
+    set("vmmDefragment", "0");
+    set("fragment_limit", "64M");
+    set("defragment_level", "1");
+    set("auto_gc_limits", "0.5");
+    let c = Config::from_env();
+    assert!(!c.stitch);
+    assert_eq!(c.frag_limit, 64 << 20);
+    assert_eq!(c.defrag_level, DefragLevel::WhenFull);
+    assert_eq!(c.auto_gc_bytes, 512 << 20);
+    clear();
+
+    // Project names win over aliases.
+    set("GLAKE_FRAG_LIMIT", "4M");
+    set("fragLimit", "8M");
+    assert_eq!(Config::from_env().frag_limit, 4 << 20);
+    clear();
+
+    // Bad values keep the default and never fail.
+    set("reuseLimit", "lots");
+    set("defragLevel", "7");
+    set("vmmDefragment", "maybe");
+    set("GLAKE_MEMORY_FRACTION", "2");
+    assert_eq!(Config::from_env(), Config::default());
+    clear();
+
+    set("GLAKE_MEMORY_FRACTION", "0.25");
+    assert_eq!(Config::from_env().memory_fraction, 0.25);
+    clear();
+}

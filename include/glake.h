@@ -11,6 +11,14 @@
 // the struct's values.
 #define GLAKE_CONFIG_READ_ENV 1
 
+// `glake_config.flags`: wrap the device so that `glake_pool_inject_fault` can make chosen
+// driver calls fail (for testing a program's error handling).
+#define GLAKE_CONFIG_FAULT_INJECTION 2
+
+// Device memory of the host backend when no budget is given: far more than any trace needs.
+// The host backend never touches the pages, so this costs nothing.
+#define HOST_MEMORY (1 << 40)
+
 // Result of every C API call.
 enum glake_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -70,6 +78,41 @@ enum glake_backend
 typedef enum glake_backend glake_backend;
 #else
 typedef uint32_t glake_backend;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Driver calls that `glake_pool_inject_fault` can fail.
+enum glake_driver_call
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GLAKE_CALL_RESERVE = 0,
+  GLAKE_CALL_UNRESERVE = 1,
+  GLAKE_CALL_CREATE_PHYSICAL = 2,
+  GLAKE_CALL_RELEASE_PHYSICAL = 3,
+  GLAKE_CALL_MAP = 4,
+  GLAKE_CALL_UNMAP = 5,
+  GLAKE_CALL_SET_ACCESS = 6,
+  GLAKE_CALL_CREATE_STREAM = 7,
+  GLAKE_CALL_DESTROY_STREAM = 8,
+  GLAKE_CALL_CREATE_EVENT = 9,
+  GLAKE_CALL_DESTROY_EVENT = 10,
+  GLAKE_CALL_RECORD_EVENT = 11,
+  GLAKE_CALL_QUERY_EVENT = 12,
+  GLAKE_CALL_SYNCHRONIZE_EVENT = 13,
+  GLAKE_CALL_SYNCHRONIZE_STREAM = 14,
+  GLAKE_CALL_SYNCHRONIZE_DEVICE = 15,
+  GLAKE_CALL_STREAM_WAIT_EVENT = 16,
+  GLAKE_CALL_COPY = 17,
+  GLAKE_CALL_PINNED = 18,
+  GLAKE_CALL_MEM_INFO = 19,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum glake_driver_call glake_driver_call;
+#else
+typedef uint32_t glake_driver_call;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -292,6 +335,14 @@ glake_status glake_copy_to_host(struct glake_pool *pool,
                                 const void *src,
                                 size_t size,
                                 glake_stream stream);
+
+// Makes the `nth` next call of kind `call` made by the pool fail with `status` (or panic
+// inside the library, for `GLAKE_STATUS_PANIC`). The pool must have been created with
+// `GLAKE_CONFIG_FAULT_INJECTION`. For testing how a program handles failures.
+glake_status glake_pool_inject_fault(struct glake_pool *pool,
+                                     uint32_t call,
+                                     uint64_t nth,
+                                     uint32_t status);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -12,3 +12,34 @@ cargo clippy --all-targets --locked -- -D warnings
 
 echo "== cargo test"
 cargo test --all-targets --locked
+
+echo "== CMake package: build, install, relocate"
+rm -rf build/install build/relocated
+cmake -S cmake -B build/glake -DCMAKE_BUILD_TYPE=Release
+cmake --build build/glake
+cmake --install build/glake --prefix build/install
+# The package must work from wherever it is copied to.
+cp -a build/install build/relocated
+prefix="$PWD/build/relocated"
+
+echo "== C examples and C++ tests against the installed package"
+cmake -S c_examples -B build/c_examples -DCMAKE_PREFIX_PATH="$prefix"
+cmake --build build/c_examples
+cmake -S cpp_tests -B build/cpp_tests -DCMAKE_PREFIX_PATH="$prefix"
+cmake --build build/cpp_tests -j 2
+ctest --test-dir build/c_examples --output-on-failure
+ctest --test-dir build/cpp_tests --output-on-failure
+
+echo "== pkg-config"
+export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
+# shellcheck disable=SC2046
+cc -std=c99 -Wall -Werror c_examples/alloc_free.c $(pkg-config --cflags --libs glake) \
+  -Wl,-rpath,"$prefix/lib" -o build/alloc_free_pkgconfig
+build/alloc_free_pkgconfig
+# Static: libglake.a plus the system libraries pkg-config lists as private.
+# shellcheck disable=SC2046
+cc -std=c99 -Wall -Werror c_examples/alloc_free.c $(pkg-config --cflags glake) \
+  -Wl,-Bstatic $(pkg-config --libs glake) -Wl,-Bdynamic \
+  $(pkg-config --static --libs-only-l glake | sed 's/-lglake//') -o build/alloc_free_static
+build/alloc_free_static
+echo "all tests passed"

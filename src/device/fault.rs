@@ -9,11 +9,19 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 
+/// What an injected failure does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Injected {
+    Fail(ErrorKind),
+    /// Panics inside the call: checks that panics never cross the C boundary.
+    Panic,
+}
+
 #[derive(Debug, Default)]
 struct Plan {
     calls: HashMap<CallKind, u64>,
-    /// kind -> (call number that fails, error kind to return)
-    failures: HashMap<CallKind, (u64, ErrorKind)>,
+    /// kind -> (call number that fails, what it does)
+    failures: HashMap<CallKind, (u64, Injected)>,
     injected: u64,
 }
 
@@ -45,9 +53,18 @@ impl FaultDevice {
 
     /// Like [`FaultDevice::fail_nth`], returning an error of `error` kind.
     pub fn fail_nth_with(&self, kind: CallKind, nth: u64, error: ErrorKind) {
+        self.plan_nth(kind, nth, Injected::Fail(error));
+    }
+
+    /// Makes the `nth` call of `kind` from now panic.
+    pub fn panic_nth(&self, kind: CallKind, nth: u64) {
+        self.plan_nth(kind, nth, Injected::Panic);
+    }
+
+    fn plan_nth(&self, kind: CallKind, nth: u64, what: Injected) {
         let mut plan = self.plan();
         let done = plan.calls.get(&kind).copied().unwrap_or(0);
-        plan.failures.insert(kind, (done + nth.max(1), error));
+        plan.failures.insert(kind, (done + nth.max(1), what));
     }
 
     /// Forgets all planned failures.
@@ -74,14 +91,18 @@ impl FaultDevice {
         let count = plan.calls.entry(kind).or_insert(0);
         *count += 1;
         let count = *count;
-        if let Some(&(at, error)) = plan.failures.get(&kind) {
+        if let Some(&(at, what)) = plan.failures.get(&kind) {
             if at == count {
                 plan.failures.remove(&kind);
                 plan.injected += 1;
-                return Err(Error::new(
-                    error,
-                    format!("injected failure of {kind:?} call {count}"),
-                ));
+                let message = format!("injected failure of {kind:?} call {count}");
+                match what {
+                    Injected::Fail(error) => return Err(Error::new(error, message)),
+                    Injected::Panic => {
+                        drop(plan);
+                        panic!("{message}");
+                    }
+                }
             }
         }
         Ok(())

@@ -168,9 +168,24 @@ impl Memory {
 }
 
 enum Op {
-    Copy { dst: usize, src: usize, len: usize },
-    Record { event: u64, generation: u64 },
-    Wait { event: u64, generation: u64 },
+    Copy {
+        dst: usize,
+        src: usize,
+        len: usize,
+    },
+    /// A host-to-device copy whose source was staged at enqueue time.
+    Upload {
+        dst: usize,
+        data: Vec<u8>,
+    },
+    Record {
+        event: u64,
+        generation: u64,
+    },
+    Wait {
+        event: u64,
+        generation: u64,
+    },
     Host(Box<dyn FnOnce() + Send>),
 }
 
@@ -424,6 +439,10 @@ fn run_stream(shared: &StreamShared, events: &Events) {
             // host memory, per the unsafe contract of the copy calls) when the copy was queued.
             Op::Copy { dst, src, len } => unsafe {
                 std::ptr::copy(src as *const u8, dst as *mut u8, len)
+            },
+            // SAFETY: the destination was checked to be mapped and accessible when queued.
+            Op::Upload { dst, data } => unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len())
             },
             Op::Record { event, generation } => events.complete(event, generation),
             Op::Wait { event, generation } => events.wait(event, generation),
@@ -852,6 +871,8 @@ impl Device for HostDevice {
         )
     }
 
+    /// Like CUDA's copies from pageable memory, the source is staged before the call returns,
+    /// so the caller may reuse it at once.
     unsafe fn copy_to_device(
         &self,
         dst: DevicePtr,
@@ -864,16 +885,18 @@ impl Device for HostDevice {
                 "copy_to_device: {dst:#x}+{len} is not accessible device memory"
             )));
         }
+        // SAFETY: the caller guarantees `src` is valid for `len` bytes during this call.
+        let data = unsafe { std::slice::from_raw_parts(src, len) }.to_vec();
         self.enqueue(
             stream,
-            Op::Copy {
+            Op::Upload {
                 dst: dst as usize,
-                src: src as usize,
-                len,
+                data,
             },
         )
     }
 
+    /// Like CUDA's copies into pageable memory, the call returns once the bytes have landed.
     unsafe fn copy_to_host(
         &self,
         dst: *mut u8,
@@ -893,7 +916,8 @@ impl Device for HostDevice {
                 src: src as usize,
                 len,
             },
-        )
+        )?;
+        self.synchronize_stream(stream)
     }
 
     fn copy_device(

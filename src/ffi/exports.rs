@@ -34,12 +34,48 @@ pub enum glake_backend {
 /// the struct's values.
 pub const GLAKE_CONFIG_READ_ENV: u32 = 1;
 
+/// `glake_config.flags`: wrap the device so that `glake_pool_inject_fault` can make chosen
+/// driver calls fail (for testing a program's error handling).
+pub const GLAKE_CONFIG_FAULT_INJECTION: u32 = 2;
+
 bitflags! {
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     struct ConfigFlags: u32 {
         const READ_ENV = GLAKE_CONFIG_READ_ENV;
+        const FAULT_INJECTION = GLAKE_CONFIG_FAULT_INJECTION;
     }
 }
+
+/// Driver calls that `glake_pool_inject_fault` can fail.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum glake_driver_call {
+    GLAKE_CALL_RESERVE = 0,
+    GLAKE_CALL_UNRESERVE = 1,
+    GLAKE_CALL_CREATE_PHYSICAL = 2,
+    GLAKE_CALL_RELEASE_PHYSICAL = 3,
+    GLAKE_CALL_MAP = 4,
+    GLAKE_CALL_UNMAP = 5,
+    GLAKE_CALL_SET_ACCESS = 6,
+    GLAKE_CALL_CREATE_STREAM = 7,
+    GLAKE_CALL_DESTROY_STREAM = 8,
+    GLAKE_CALL_CREATE_EVENT = 9,
+    GLAKE_CALL_DESTROY_EVENT = 10,
+    GLAKE_CALL_RECORD_EVENT = 11,
+    GLAKE_CALL_QUERY_EVENT = 12,
+    GLAKE_CALL_SYNCHRONIZE_EVENT = 13,
+    GLAKE_CALL_SYNCHRONIZE_STREAM = 14,
+    GLAKE_CALL_SYNCHRONIZE_DEVICE = 15,
+    GLAKE_CALL_STREAM_WAIT_EVENT = 16,
+    GLAKE_CALL_COPY = 17,
+    GLAKE_CALL_PINNED = 18,
+    GLAKE_CALL_MEM_INFO = 19,
+}
+
+const_assert_eq!(
+    glake_driver_call::GLAKE_CALL_MEM_INFO as usize + 1,
+    device::CallKind::ALL.len()
+);
 
 /// Pool settings. Fill with `glake_config_default`, then change fields.
 #[repr(C)]
@@ -213,10 +249,18 @@ pub unsafe extern "C" fn glake_pool_create(
             return Err(Failure::null("config"));
         }
         // SAFETY: non-NULL, and points to a glake_config per the contract.
-        let (config, backend, ordinal) = unsafe { config.read() }.to_config()?;
-        let device = device::open(backend, ordinal)?;
+        let raw = unsafe { config.read() };
+        let (config, backend, ordinal) = raw.to_config()?;
+        let flags = ConfigFlags::from_bits_truncate(raw.flags);
+        let mut device = device::open(backend, ordinal)?;
+        let mut fault = None;
+        if flags.contains(ConfigFlags::FAULT_INJECTION) {
+            let wrapped = std::sync::Arc::new(device::fault::FaultDevice::new(device));
+            device = wrapped.clone();
+            fault = Some(wrapped);
+        }
         let pool = crate::pool::Pool::new(device, config)?;
-        let id = handles::insert(pool);
+        let id = handles::insert(pool, fault);
         // SAFETY: checked non-NULL above.
         unsafe { out.write(id as *mut glake_pool) };
         Ok(())
@@ -501,6 +545,45 @@ pub unsafe extern "C" fn glake_copy_to_host(
             pool.device()
                 .copy_to_host(dst.cast(), src as u64, size, stream_of(stream))?
         };
+        Ok(())
+    })
+}
+
+/// Makes the `nth` next call of kind `call` made by the pool fail with `status` (or panic
+/// inside the library, for `GLAKE_STATUS_PANIC`). The pool must have been created with
+/// `GLAKE_CONFIG_FAULT_INJECTION`. For testing how a program handles failures.
+#[no_mangle]
+pub extern "C" fn glake_pool_inject_fault(
+    pool: *mut glake_pool,
+    call: u32,
+    nth: u64,
+    status: u32,
+) -> glake_status {
+    guard(|| {
+        let entry = handles::entry(pool_id(pool))?;
+        let fault = entry.fault.ok_or_else(|| {
+            Failure::new(
+                glake_status::GLAKE_STATUS_INVALID_STATE,
+                "the pool was not created with GLAKE_CONFIG_FAULT_INJECTION",
+            )
+        })?;
+        let kind = *device::CallKind::ALL.get(call as usize).ok_or_else(|| {
+            Failure::new(
+                glake_status::GLAKE_STATUS_INVALID_ARGUMENT,
+                format!("unknown driver call {call}"),
+            )
+        })?;
+        if status == glake_status::GLAKE_STATUS_PANIC as u32 {
+            fault.panic_nth(kind, nth);
+            return Ok(());
+        }
+        let error = super::kind_of_status(status).ok_or_else(|| {
+            Failure::new(
+                glake_status::GLAKE_STATUS_INVALID_ARGUMENT,
+                format!("status {status} cannot be injected"),
+            )
+        })?;
+        fault.fail_nth_with(kind, nth, error);
         Ok(())
     })
 }

@@ -7,14 +7,24 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{glake_status, Failure};
+use crate::device::fault::FaultDevice;
 use crate::pool::Pool;
 
-fn registry() -> &'static Mutex<HashMap<usize, Arc<Pool>>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<usize, Arc<Pool>>>> = OnceLock::new();
+/// A registered pool, with its fault injector when it was created with one.
+#[derive(Clone)]
+pub(crate) struct Entry {
+    pub pool: Arc<Pool>,
+    pub fault: Option<Arc<FaultDevice>>,
+}
+
+type Registry = HashMap<usize, Entry>;
+
+fn registry() -> &'static Mutex<Registry> {
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
     REGISTRY.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-fn locked() -> std::sync::MutexGuard<'static, HashMap<usize, Arc<Pool>>> {
+fn locked() -> std::sync::MutexGuard<'static, Registry> {
     match registry().lock() {
         Ok(guard) => guard,
         Err(poisoned) => poisoned.into_inner(),
@@ -22,12 +32,18 @@ fn locked() -> std::sync::MutexGuard<'static, HashMap<usize, Arc<Pool>>> {
 }
 
 /// Registers a pool and returns its handle value (never 0, never reused).
-pub(crate) fn insert(pool: Pool) -> usize {
+pub(crate) fn insert(pool: Pool, fault: Option<Arc<FaultDevice>>) -> usize {
     // Start high and step by 16 so that handles look like aligned pointers and never collide
     // with small integers a caller might pass by mistake.
     static NEXT: AtomicUsize = AtomicUsize::new(0x6c_0000);
     let id = NEXT.fetch_add(16, Ordering::Relaxed);
-    locked().insert(id, Arc::new(pool));
+    locked().insert(
+        id,
+        Entry {
+            pool: Arc::new(pool),
+            fault,
+        },
+    );
     id
 }
 
@@ -44,10 +60,17 @@ fn invalid(id: usize) -> Failure {
 
 /// The pool behind a handle.
 pub(crate) fn get(id: usize) -> Result<Arc<Pool>, Failure> {
+    entry(id).map(|e| e.pool)
+}
+
+pub(crate) fn entry(id: usize) -> Result<Entry, Failure> {
     locked().get(&id).cloned().ok_or_else(|| invalid(id))
 }
 
 /// Removes a handle; the pool is dropped once no call still uses it.
 pub(crate) fn remove(id: usize) -> Result<Arc<Pool>, Failure> {
-    locked().remove(&id).ok_or_else(|| invalid(id))
+    locked()
+        .remove(&id)
+        .map(|e| e.pool)
+        .ok_or_else(|| invalid(id))
 }

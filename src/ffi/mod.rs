@@ -48,22 +48,60 @@ pub enum glake_status {
     GLAKE_STATUS_INTERNAL = 13,
 }
 
+/// Each error kind and the status it is reported as (one table, read both ways).
+const STATUS_OF_KIND: [(ErrorKind, glake_status); 11] = [
+    (
+        ErrorKind::InvalidArgument,
+        glake_status::GLAKE_STATUS_INVALID_ARGUMENT,
+    ),
+    (
+        ErrorKind::NullPointer,
+        glake_status::GLAKE_STATUS_NULL_POINTER,
+    ),
+    (
+        ErrorKind::InvalidPointer,
+        glake_status::GLAKE_STATUS_INVALID_POINTER,
+    ),
+    (
+        ErrorKind::DoubleFree,
+        glake_status::GLAKE_STATUS_DOUBLE_FREE,
+    ),
+    (
+        ErrorKind::OutOfMemory,
+        glake_status::GLAKE_STATUS_OUT_OF_MEMORY,
+    ),
+    (ErrorKind::Driver, glake_status::GLAKE_STATUS_DRIVER_ERROR),
+    (ErrorKind::NoDevice, glake_status::GLAKE_STATUS_NO_DEVICE),
+    (
+        ErrorKind::Unsupported,
+        glake_status::GLAKE_STATUS_UNSUPPORTED,
+    ),
+    (
+        ErrorKind::ResourceLimit,
+        glake_status::GLAKE_STATUS_RESOURCE_LIMIT,
+    ),
+    (
+        ErrorKind::InvalidState,
+        glake_status::GLAKE_STATUS_INVALID_STATE,
+    ),
+    (ErrorKind::Internal, glake_status::GLAKE_STATUS_INTERNAL),
+];
+
 impl From<ErrorKind> for glake_status {
     fn from(kind: ErrorKind) -> Self {
-        match kind {
-            ErrorKind::InvalidArgument => glake_status::GLAKE_STATUS_INVALID_ARGUMENT,
-            ErrorKind::NullPointer => glake_status::GLAKE_STATUS_NULL_POINTER,
-            ErrorKind::InvalidPointer => glake_status::GLAKE_STATUS_INVALID_POINTER,
-            ErrorKind::DoubleFree => glake_status::GLAKE_STATUS_DOUBLE_FREE,
-            ErrorKind::OutOfMemory => glake_status::GLAKE_STATUS_OUT_OF_MEMORY,
-            ErrorKind::Driver => glake_status::GLAKE_STATUS_DRIVER_ERROR,
-            ErrorKind::NoDevice => glake_status::GLAKE_STATUS_NO_DEVICE,
-            ErrorKind::Unsupported => glake_status::GLAKE_STATUS_UNSUPPORTED,
-            ErrorKind::ResourceLimit => glake_status::GLAKE_STATUS_RESOURCE_LIMIT,
-            ErrorKind::InvalidState => glake_status::GLAKE_STATUS_INVALID_STATE,
-            ErrorKind::Internal => glake_status::GLAKE_STATUS_INTERNAL,
-        }
+        STATUS_OF_KIND
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or(glake_status::GLAKE_STATUS_INTERNAL, |(_, s)| *s)
     }
+}
+
+/// The error kind a status stands for, if it stands for one.
+pub(crate) fn kind_of_status(status: u32) -> Option<ErrorKind> {
+    STATUS_OF_KIND
+        .iter()
+        .find(|(_, s)| *s as u32 == status)
+        .map(|(k, _)| *k)
 }
 
 /// A failure as the C API reports it.

@@ -1,0 +1,16 @@
+//! Gives the shared library a versioned soname (libglake.so.MAJOR, or .0.MINOR before 1.0), so
+//! that the installed package can carry the usual version symlinks.
+
+fn main() {
+    let major = std::env::var("CARGO_PKG_VERSION_MAJOR").unwrap_or_else(|_| "0".into());
+    let minor = std::env::var("CARGO_PKG_VERSION_MINOR").unwrap_or_else(|_| "0".into());
+    let soversion = if major == "0" {
+        format!("0.{minor}")
+    } else {
+        major
+    };
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libglake.so.{soversion}");
+    }
+    println!("cargo:rerun-if-changed=build.rs");
+}

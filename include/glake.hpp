@@ -1,0 +1,213 @@
+// GLake C++ API: header-only C++17 RAII wrappers over the C API in glake.h.
+// They do nothing the C API cannot do; every failure throws glake::Error, which carries the
+// status code and the library's message.
+#ifndef GLAKE_HPP
+#define GLAKE_HPP
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "glake.h"
+
+namespace glake {
+
+/// A failed call: the status code and the message of glake_last_error_message().
+class Error : public std::runtime_error {
+ public:
+  Error(glake_status status, const std::string& message)
+      : std::runtime_error(std::string(glake_status_name(status)) + ": " + message),
+        status_(status),
+        message_(message) {}
+  glake_status status() const noexcept { return status_; }
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  glake_status status_;
+  std::string message_;
+};
+
+/// Throws glake::Error unless `status` is success.
+inline void check(glake_status status) {
+  if (status != GLAKE_STATUS_SUCCESS) throw Error(status, glake_last_error_message());
+}
+
+/// Pool settings, starting from the library's defaults.
+struct Config : glake_config {
+  Config() : glake_config() { check(glake_config_default(this)); }
+  /// Applies the GLAKE_* and GMLake environment variables on top of the fields.
+  Config& read_env() {
+    flags |= GLAKE_CONFIG_READ_ENV;
+    return *this;
+  }
+  Config& host() {
+    backend = GLAKE_BACKEND_HOST;
+    return *this;
+  }
+  Config& cuda(int ordinal = 0) {
+    backend = GLAKE_BACKEND_CUDA;
+    device = ordinal;
+    return *this;
+  }
+  Config& stitching(bool on) {
+    stitch = on ? 1u : 0u;
+    return *this;
+  }
+};
+
+class Pool;
+
+/// Owns one allocation; frees it when destroyed (errors on that path are swallowed, as a
+/// destructor cannot throw: call free() to see them).
+class Allocation {
+ public:
+  Allocation() noexcept = default;
+  Allocation(const Allocation&) = delete;
+  Allocation& operator=(const Allocation&) = delete;
+  Allocation(Allocation&& other) noexcept { swap(other); }
+  Allocation& operator=(Allocation&& other) noexcept {
+    if (this != &other) {
+      reset();
+      swap(other);
+    }
+    return *this;
+  }
+  ~Allocation() { reset(); }
+
+  void* get() const noexcept { return ptr_; }
+  template <typename T>
+  T* as() const noexcept {
+    return static_cast<T*>(ptr_);
+  }
+  std::size_t size() const noexcept { return size_; }
+  glake_stream stream() const noexcept { return stream_; }
+  explicit operator bool() const noexcept { return ptr_ != nullptr; }
+
+  /// Also used on `stream`: reuse waits for that stream's work queued before the free.
+  void record_stream(glake_stream stream) const { check(glake_record_stream(pool_, ptr_, stream)); }
+
+  /// Frees now, reporting errors.
+  void free() {
+    if (ptr_ != nullptr) {
+      void* ptr = std::exchange(ptr_, nullptr);
+      check(glake_free(pool_, ptr));
+    }
+  }
+
+  /// Gives up ownership without freeing.
+  void* release() noexcept { return std::exchange(ptr_, nullptr); }
+
+ private:
+  friend class Pool;
+  Allocation(glake_pool* pool, void* ptr, std::size_t size, glake_stream stream) noexcept
+      : pool_(pool), ptr_(ptr), size_(size), stream_(stream) {}
+  void reset() noexcept {
+    if (ptr_ != nullptr) (void)glake_free(pool_, std::exchange(ptr_, nullptr));
+  }
+  void swap(Allocation& other) noexcept {
+    std::swap(pool_, other.pool_);
+    std::swap(ptr_, other.ptr_);
+    std::swap(size_, other.size_);
+    std::swap(stream_, other.stream_);
+  }
+
+  glake_pool* pool_ = nullptr;
+  void* ptr_ = nullptr;
+  std::size_t size_ = 0;
+  glake_stream stream_ = nullptr;
+};
+
+/// Owns a pool; destroying it releases all of its memory.
+class Pool {
+ public:
+  explicit Pool(const Config& config = Config()) { check(glake_pool_create(&config, &pool_)); }
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+  Pool(Pool&& other) noexcept : pool_(std::exchange(other.pool_, nullptr)) {}
+  Pool& operator=(Pool&& other) noexcept {
+    if (this != &other) {
+      destroy();
+      pool_ = std::exchange(other.pool_, nullptr);
+    }
+    return *this;
+  }
+  ~Pool() { destroy(); }
+
+  glake_pool* handle() const noexcept { return pool_; }
+
+  glake_backend backend() const {
+    uint32_t out = 0;
+    check(glake_pool_backend(pool_, &out));
+    return static_cast<glake_backend>(out);
+  }
+
+  /// An owned allocation of `size` bytes for use on `stream`.
+  Allocation allocate(std::size_t size, glake_stream stream = nullptr) {
+    return Allocation(pool_, malloc(size, stream), size, stream);
+  }
+  /// A raw allocation; pair with free().
+  void* malloc(std::size_t size, glake_stream stream = nullptr) {
+    void* ptr = nullptr;
+    check(glake_malloc(pool_, size, stream, &ptr));
+    return ptr;
+  }
+  void free(void* ptr) { check(glake_free(pool_, ptr)); }
+  void record_stream(void* ptr, glake_stream stream) { check(glake_record_stream(pool_, ptr, stream)); }
+  void empty_cache() { check(glake_empty_cache(pool_)); }
+  void set_memory_fraction(double fraction) { check(glake_set_memory_fraction(pool_, fraction)); }
+
+  glake_stats stats() const {
+    glake_stats out{};
+    check(glake_get_stats(pool_, &out));
+    return out;
+  }
+  void reset_peak_stats() { check(glake_reset_peak_stats(pool_)); }
+  void reset_accumulated_stats() { check(glake_reset_accumulated_stats(pool_)); }
+  std::string snapshot_json() const { return take_string(glake_snapshot_json); }
+  std::string stats_json() const { return take_string(glake_stats_json); }
+
+  void copy_to_device(void* dst, const void* src, std::size_t size, glake_stream stream = nullptr) {
+    check(glake_copy_to_device(pool_, dst, src, size, stream));
+  }
+  void copy_to_host(void* dst, const void* src, std::size_t size, glake_stream stream = nullptr) {
+    check(glake_copy_to_host(pool_, dst, src, size, stream));
+  }
+  void synchronize(glake_stream stream = nullptr) { check(glake_stream_synchronize(pool_, stream)); }
+
+ private:
+  void destroy() noexcept {
+    if (pool_ != nullptr) (void)glake_pool_destroy(std::exchange(pool_, nullptr));
+  }
+  std::string take_string(glake_status (*fn)(glake_pool*, char**)) const {
+    char* text = nullptr;
+    check(fn(pool_, &text));
+    std::string out(text);
+    glake_string_free(text);
+    return out;
+  }
+
+  glake_pool* pool_ = nullptr;
+};
+
+/// A stream created on a pool's device, destroyed with this object.
+class Stream {
+ public:
+  explicit Stream(Pool& pool) : pool_(pool.handle()) { check(glake_stream_create(pool_, &stream_)); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  ~Stream() {
+    if (stream_ != nullptr) (void)glake_stream_destroy(pool_, stream_);
+  }
+  glake_stream get() const noexcept { return stream_; }
+  operator glake_stream() const noexcept { return stream_; }
+  void synchronize() const { check(glake_stream_synchronize(pool_, stream_)); }
+
+ private:
+  glake_pool* pool_;
+  glake_stream stream_ = nullptr;
+};
+
+}  // namespace glake
+
+#endif  // GLAKE_HPP

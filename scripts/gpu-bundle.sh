@@ -18,6 +18,15 @@ for line in sys.stdin:
         shutil.copy(m["executable"], "gpu-bundle/test-" + name)
 '
 for f in target/release/examples/quickstart; do cp "$f" gpu-bundle/; done
+# C examples and C++ tests, built by scripts/test.sh against the installed package.
+if [ -d build/cpp_tests ] && [ -d build/c_examples ]; then
+  mkdir -p gpu-bundle/lib
+  cp -a build/relocated/lib/libglake.so* gpu-bundle/lib/
+  cp build/cpp_tests/glake_tests_static build/cpp_tests/glake_tests_shared gpu-bundle/
+  for e in alloc_free fragment_stitch multi_stream snapshot; do cp "build/c_examples/$e" "gpu-bundle/c-$e"; done
+else
+  echo "run scripts/test.sh first to include the C examples and C++ tests" >&2
+fi
 find target/release -maxdepth 1 -type f -executable -name 'glake-*' -exec cp {} gpu-bundle/ \;
 strip --strip-debug gpu-bundle/* 2>/dev/null || true
 du -sh gpu-bundle

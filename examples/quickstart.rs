@@ -49,7 +49,11 @@ fn run(device: &SharedDevice, config: Config, label: &str) -> glake::Result<()> 
         let again = pool.malloc(256 * MIB, Stream::DEFAULT)?;
         println!(
             "again: {} (stitched-cache hits {})",
-            if again == ptr { "same range" } else { "new range" },
+            if again == ptr {
+                "same range"
+            } else {
+                "new range"
+            },
             pool.stats().stitch_reuse_hits
         );
         pool.free(again)?;
@@ -86,7 +90,10 @@ fn main() {
         stitch: false,
         ..stitching.clone()
     };
-    for (config, label) in [(stitching, "stitching (default)"), (caching, "plain caching")] {
+    for (config, label) in [
+        (stitching, "stitching (default)"),
+        (caching, "plain caching"),
+    ] {
         if let Err(err) = run(&device, config, label) {
             eprintln!("{label}: {err}");
             std::process::exit(1);

@@ -72,6 +72,8 @@ pub struct BlockMap {
     free: Vec<((PoolKind, Owner), FreeSet)>,
     /// Free blocks that are part of a segment split into several blocks.
     pub inactive_split: SplitDelta,
+    /// The same, per pool (indexed by `PoolKind as usize`).
+    pub inactive_split_by_pool: [SplitDelta; 2],
 }
 
 impl BlockMap {
@@ -104,6 +106,8 @@ impl BlockMap {
         if self.is_split(id) {
             self.inactive_split.count += 1;
             self.inactive_split.bytes += size as i64;
+            self.inactive_split_by_pool[pool as usize].count += 1;
+            self.inactive_split_by_pool[pool as usize].bytes += size as i64;
         }
     }
 
@@ -116,6 +120,8 @@ impl BlockMap {
         if self.is_split(id) {
             self.inactive_split.count -= 1;
             self.inactive_split.bytes -= size as i64;
+            self.inactive_split_by_pool[pool as usize].count -= 1;
+            self.inactive_split_by_pool[pool as usize].bytes -= size as i64;
         }
     }
 

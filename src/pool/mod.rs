@@ -470,15 +470,27 @@ impl Inner {
         self.stats.allocated_bytes.add(pool, size as i64);
         self.stats.active.add(pool, 1);
         self.stats.active_bytes.add(pool, size as i64);
-        self.sync_split_stats(pool);
+        self.sync_split_stats();
     }
 
-    fn sync_split_stats(&mut self, pool: PoolKind) {
-        let now = self.map.inactive_split;
-        let count = now.count - self.stats.inactive_split.all.current;
-        let bytes = now.bytes - self.stats.inactive_split_bytes.all.current;
-        self.stats.inactive_split.add(pool, count);
-        self.stats.inactive_split_bytes.add(pool, bytes);
+    /// Brings the inactive-split statistics of both pools in step with the block map (one
+    /// operation, such as merging after a wait for all streams, may change both pools).
+    fn sync_split_stats(&mut self) {
+        for pool in [PoolKind::Small, PoolKind::Large] {
+            let now = self.map.inactive_split_by_pool[pool as usize];
+            let (count, bytes) = match pool {
+                PoolKind::Small => (
+                    self.stats.inactive_split.small_pool.current,
+                    self.stats.inactive_split_bytes.small_pool.current,
+                ),
+                PoolKind::Large => (
+                    self.stats.inactive_split.large_pool.current,
+                    self.stats.inactive_split_bytes.large_pool.current,
+                ),
+            };
+            self.stats.inactive_split.add(pool, now.count - count);
+            self.stats.inactive_split_bytes.add(pool, now.bytes - bytes);
+        }
     }
 
     /// Takes free block `id` (split to `size`) as a plain allocation.
@@ -636,7 +648,7 @@ impl Inner {
         self.stats.segment.add(pool, -1);
         self.stats.reserved_bytes.add(pool, -(size as i64));
         self.stats.num_device_free += 1;
-        self.sync_split_stats(pool);
+        self.sync_split_stats();
         self.bury(
             device,
             Zombie {
@@ -723,7 +735,7 @@ impl Inner {
                     for &id in &ids {
                         self.map.release(id, Some(stream));
                     }
-                    self.sync_split_stats(PoolKind::Large);
+                    self.sync_split_stats();
                     return other.map(|_| None);
                 }
             }
@@ -747,7 +759,7 @@ impl Inner {
                 for &id in &ids {
                     self.map.release(id, Some(stream));
                 }
-                self.sync_split_stats(PoolKind::Large);
+                self.sync_split_stats();
                 self.zombies.extend(zombie);
                 return Err(err);
             }
@@ -867,7 +879,7 @@ impl Inner {
             self.idle_events.extend(pending.events);
             self.finish_free(pending.live, None);
         }
-        self.sync_split_stats(PoolKind::Large);
+        self.sync_split_stats();
         Ok(())
     }
 
@@ -965,7 +977,7 @@ impl Inner {
         }
         self.stats.active.add(live.pool, -1);
         self.stats.active_bytes.add(live.pool, -(live.size as i64));
-        self.sync_split_stats(live.pool);
+        self.sync_split_stats();
     }
 
     /// Completes pending frees whose events have all completed.
@@ -1003,11 +1015,15 @@ impl Inner {
                 self.finish_free(live, None);
             }
         }
-        self.release_cached(device)?;
+        // Nothing can retry after this: a failed step (and all it left untried) gets one more
+        // pass. Memory that may still be in use stays if that fails; the idle events go anyway.
+        let released = self
+            .release_cached(device)
+            .or_else(|_| self.release_cached(device));
         for event in self.idle_events.drain(..) {
             undo(device.destroy_event(event));
         }
-        Ok(())
+        released
     }
 }
 

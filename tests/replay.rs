@@ -1,0 +1,283 @@
+//! End-to-end checks of trace replay: the library API and the `glake-replay` binary on a small
+//! synthetic trace whose fragmentation forces stitching.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use glake::trace::{self, configs, ReplayOptions};
+
+const MIB: u64 = 1 << 20;
+
+/// A few hundred events: each round fills a 64 MiB segment with eight blocks of about 8 MiB,
+/// frees every other one and asks for 32 MiB, which only stitching serves without growing.
+/// Small allocations, a second stream, segment events and a free of an allocation made before
+/// recording are mixed in.
+fn synthetic() -> String {
+    let mut t = String::from("# action addr size stream\n");
+    let mut line = |action: &str, addr: u64, size: u64, stream: u64| {
+        t += &format!("{action} {addr} {size} {stream}\n");
+    };
+    line("free_completed", 999_999, 4096, 0);
+    line("segment_alloc", 1, 64 * MIB, 0);
+    line("alloc", 1, 64 * MIB, 0);
+    line("free_requested", 1, 64 * MIB, 0);
+    line("free_completed", 1, 64 * MIB, 0);
+    for round in 0..12u64 {
+        let base = 1000 * (round + 1);
+        let big: Vec<(u64, u64)> = (0..8)
+            .map(|i| (base + i, 8 * MIB - 512 * (round + i)))
+            .collect();
+        for &(addr, size) in &big {
+            line("alloc", addr, size, 0);
+        }
+        let small: Vec<(u64, u64)> = (0..5).map(|k| (base + 100 + k, 1000 + 37 * k)).collect();
+        for &(addr, size) in &small {
+            line("alloc", addr, size, 0);
+        }
+        for &(addr, size) in big.iter().skip(1).step_by(2) {
+            line("free_requested", addr, size, 0);
+            line("free_completed", addr, size, 0);
+        }
+        line("segment_alloc", base + 500, 32 * MIB, 0);
+        line("alloc", base + 200, 32 * MIB - 1000 * round, 0);
+        line("alloc", base + 300, 3 * MIB, 7);
+        line("free_completed", base + 300, 3 * MIB, 7);
+        line("free_completed", base + 200, 32 * MIB - 1000 * round, 0);
+        line("segment_free", base + 500, 32 * MIB, 0);
+        for &(addr, size) in big.iter().step_by(2).chain(&small) {
+            line("free_completed", addr, size, 0);
+        }
+    }
+    t
+}
+
+/// Peak live bytes counted straight from the text, independently of the library.
+fn independent_peak_live(text: &str) -> u64 {
+    let mut live: HashMap<u64, u64> = HashMap::new();
+    let (mut current, mut peak) = (0u64, 0u64);
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (addr, size): (u64, u64) = (f[1].parse().unwrap(), f[2].parse().unwrap());
+        match f[0] {
+            "alloc" => {
+                live.insert(addr, size);
+                current += size;
+                peak = peak.max(current);
+            }
+            "free_completed" => {
+                if let Some(size) = live.remove(&addr) {
+                    current -= size;
+                }
+            }
+            _ => {}
+        }
+    }
+    peak
+}
+
+fn temp_path(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("glake-replay-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn write_gzip(path: &Path, text: &str) {
+    let file = std::fs::File::create(path).unwrap();
+    let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
+    gz.write_all(text.as_bytes()).unwrap();
+    gz.finish().unwrap();
+}
+
+fn run_binary(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_glake-replay"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "glake-replay {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The value of `key` in a one-line JSON object (numbers and strings only).
+fn field(line: &str, key: &str) -> String {
+    let start = line
+        .find(&format!("\"{key}\":"))
+        .unwrap_or_else(|| panic!("{key} missing in {line}"))
+        + key.len()
+        + 3;
+    let rest = &line[start..];
+    let end = rest.find([',', '}']).unwrap();
+    rest[..end].trim_matches('"').to_string()
+}
+
+fn number(line: &str, key: &str) -> f64 {
+    field(line, key).parse().unwrap()
+}
+
+#[test]
+fn api_and_binary_agree_with_an_independent_count() {
+    let text = synthetic();
+    assert!(text.lines().count() > 300);
+    let expected = independent_peak_live(&text);
+    let path = temp_path("synthetic.txt.gz");
+    write_gzip(&path, &text);
+
+    let trace = trace::load(&path, 0).unwrap();
+    assert_eq!(trace.skipped_frees, 1);
+    assert_eq!(trace.peak_live_bytes, expected);
+    assert_eq!(trace.streams, vec![0, 7]);
+    assert!(trace.native_peak_reserved_bytes >= 96 * MIB);
+    for name in ["caching", "stitch"] {
+        let r = trace::replay(
+            &trace,
+            &configs::named(name).unwrap(),
+            &ReplayOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(r.peak_live_bytes, expected, "{name}");
+        assert_eq!(r.ooms, 0, "{name}");
+        assert_eq!(r.pairs, trace.frees, "{name}");
+        if name == "stitch" {
+            assert!(r.stitches >= 1 && r.reuse_hits >= 1, "{r:?}");
+        }
+    }
+
+    let out = run_binary(&["--json", path.to_str().unwrap()]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    let mut reserved = HashMap::new();
+    for line in &lines {
+        let live = number(line, "peak_live_bytes");
+        let peak_reserved = number(line, "peak_reserved_bytes");
+        assert_eq!(live, expected as f64, "{line}");
+        assert_eq!(number(line, "ooms"), 0.0, "{line}");
+        let utilization = number(line, "utilization");
+        assert!((utilization - live / peak_reserved).abs() < 1e-5, "{line}");
+        assert_eq!(field(line, "trace"), "synthetic.txt.gz");
+        for key in [
+            "alloc_free_ns_median",
+            "alloc_free_ns_p99",
+            "driver_ns_total",
+            "stitches",
+            "reuse_hits",
+            "collections",
+            "native_peak_reserved_bytes",
+        ] {
+            assert!(number(line, key) >= 0.0, "{key} in {line}");
+        }
+        reserved.insert(field(line, "config"), peak_reserved);
+    }
+    assert!(reserved["stitch"] < reserved["caching"], "{reserved:?}");
+
+    let table = run_binary(&[path.to_str().unwrap()]);
+    assert!(table.contains("native (trace segments)"), "{table}");
+    assert!(table.lines().any(|l| l.starts_with("stitch ")), "{table}");
+}
+
+#[test]
+fn tight_budget_ooms_caching_but_not_stitch() {
+    let text = synthetic();
+    let path = temp_path("budget.txt");
+    std::fs::write(&path, &text).unwrap();
+    let trace = trace::load(&path, 0).unwrap();
+    let stitch = trace::replay(
+        &trace,
+        &configs::named("stitch").unwrap(),
+        &ReplayOptions::default(),
+    )
+    .unwrap();
+    let budget = stitch.peak_reserved_bytes.to_string();
+    let out = run_binary(&["--json", "--budget", &budget, path.to_str().unwrap()]);
+    for line in out.lines() {
+        let ooms = number(line, "ooms");
+        match field(line, "config").as_str() {
+            "caching" => assert!(ooms > 0.0, "{line}"),
+            "stitch" => assert_eq!(ooms, 0.0, "{line}"),
+            other => panic!("unexpected config {other}"),
+        }
+        assert_eq!(field(line, "budget_bytes"), budget);
+    }
+
+    let out = run_binary(&["--json", "--find-min-budget", path.to_str().unwrap()]);
+    let min: HashMap<String, f64> = out
+        .lines()
+        .filter(|l| l.contains("min_budget_bytes"))
+        .map(|l| (field(l, "config"), number(l, "min_budget_bytes")))
+        .collect();
+    assert_eq!(min.len(), 2, "{out}");
+    assert!(min["stitch"] < min["caching"], "{min:?}");
+    assert!(min["stitch"] >= trace.peak_live_bytes as f64);
+}
+
+#[test]
+fn plots_are_written_per_config() {
+    let path = temp_path("plot.txt");
+    std::fs::write(&path, synthetic()).unwrap();
+    let svg = temp_path("timeline.svg");
+    run_binary(&["--plot", svg.to_str().unwrap(), path.to_str().unwrap()]);
+    for config in ["caching", "stitch"] {
+        let file = temp_path(&format!("timeline-{config}.svg"));
+        let body = std::fs::read_to_string(&file).unwrap();
+        assert!(
+            body.starts_with("<svg") && body.contains("reserved"),
+            "{config}"
+        );
+    }
+    let png = temp_path("one.png");
+    run_binary(&[
+        "--config",
+        "stitch",
+        "--plot",
+        png.to_str().unwrap(),
+        path.to_str().unwrap(),
+    ]);
+    let bytes = std::fs::read(&png).unwrap();
+    assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
+}
+
+#[test]
+fn snapshot_pickles_replay_like_text() {
+    use serde_pickle::{HashableValue, Value};
+    use std::collections::BTreeMap;
+    let key = |k: &str| HashableValue::String(k.to_string());
+    let entry = |action: &str, addr: i64, size: i64| {
+        let mut d = BTreeMap::new();
+        d.insert(key("action"), Value::String(action.to_string()));
+        d.insert(key("addr"), Value::I64(addr));
+        d.insert(key("size"), Value::I64(size));
+        d.insert(key("stream"), Value::I64(0));
+        d.insert(key("frames"), Value::List(vec![]));
+        Value::Dict(d)
+    };
+    let events = vec![
+        entry("segment_alloc", 1 << 40, 8 << 20),
+        entry("alloc", 1 << 40, 3 << 20),
+        entry("alloc", (1 << 40) + (4 << 20), 1 << 20),
+        entry("free_requested", 1 << 40, 3 << 20),
+        entry("free_completed", 1 << 40, 3 << 20),
+        entry("free_completed", 5, 512),
+    ];
+    let mut top = BTreeMap::new();
+    top.insert(key("segments"), Value::List(vec![]));
+    top.insert(key("device_traces"), Value::List(vec![Value::List(events)]));
+    let bytes =
+        serde_pickle::value_to_vec(&Value::Dict(top), serde_pickle::SerOptions::new()).unwrap();
+    let path = temp_path("snapshot.pickle");
+    std::fs::write(&path, bytes).unwrap();
+    let out = run_binary(&["--json", "--config", "stitch", path.to_str().unwrap()]);
+    assert_eq!(
+        number(&out, "peak_live_bytes"),
+        (4u64 << 20) as f64,
+        "{out}"
+    );
+    assert_eq!(
+        number(&out, "native_peak_reserved_bytes"),
+        (8u64 << 20) as f64
+    );
+    assert_eq!(number(&out, "ooms"), 0.0);
+}

@@ -14,7 +14,8 @@
 //! must have been destroyed. A failure that fired must be reported as an error by a pool call of
 //! the step in which it fired, except on the paths that deliberately keep quiet:
 //!
-//! * `Unmap` and `Unreserve` are only called to tear down driver objects (released segments,
+//! * `Unmap`, `ReleasePhysical` and `Unreserve` are only called to tear down driver objects
+//!   (released segments,
 //!   collected stitched ranges, and the undo of a failed stitch). A failure there keeps the object
 //!   as a "zombie" that `empty_cache` (and so the free-and-retry path and the tear-down) retries,
 //!   so it is never lost; the retry succeeds, and nothing is reported.
@@ -171,9 +172,14 @@ impl Run {
         // The pool's books against the device's objects: equal in a clean run; a failed
         // tear-down may leave extra objects on the device (kept to retry), never fewer.
         let snap = pool.snapshot();
+        // One physical handle and one mapping per granule of each segment; one mapping per
+        // granule of each stitched range.
+        let granule = self.bytes.granularity();
+        let segment_granules: usize = snap.segments.iter().map(|s| s.total_size / granule).sum();
+        let stitched_granules: usize = snap.stitched.iter().map(|s| s.size / granule).sum();
         let pool_objects = (
-            snap.segments.len(),
-            snap.segments.len() + snap.stitched.iter().map(|s| s.pieces.len()).sum::<usize>(),
+            segment_granules,
+            segment_granules + stitched_granules,
             snap.segments.len() + snap.stitched.len(),
         );
         let device_objects = self.host.live_objects();
@@ -502,8 +508,10 @@ fn fail_each(kind: CallKind) -> Vec<(u64, &'static str)> {
         let record = &run.steps[step];
         // Reported by a call of the step in which it happened, not later.
         let reported = record.errors.iter().any(|e| e.contains("injected failure"));
-        let quiet_allowed = matches!(kind, CallKind::Unmap | CallKind::Unreserve)
-            || record.name == "drop the pool"
+        let quiet_allowed = matches!(
+            kind,
+            CallKind::Unmap | CallKind::ReleasePhysical | CallKind::Unreserve
+        ) || record.name == "drop the pool"
             || (kind == CallKind::SynchronizeDevice && clean.steps[step].auto_collected);
         assert!(
             reported || quiet_allowed,
@@ -633,6 +641,7 @@ macro_rules! fault_tests {
                 if !matches!(
                     CallKind::$kind,
                     CallKind::Unmap
+                        | CallKind::ReleasePhysical
                         | CallKind::Unreserve
                         | CallKind::SynchronizeDevice
                         | CallKind::DestroyEvent

@@ -621,14 +621,16 @@ impl Device for HostDevice {
         self.check_aligned("map", &[va, size as u64, offset as u64])?;
         let mut memory = lock(&self.memory);
         let file_offset = match memory.chunks.get(&handle.0) {
-            Some(chunk) if !chunk.released && offset + size <= chunk.size && size > 0 => {
-                chunk.offset + offset
-            }
+            // Like CUDA, only a whole handle maps (cuMemMap's offset must be 0).
+            Some(chunk) if !chunk.released && offset == 0 && size == chunk.size => chunk.offset,
             _ => {
-                return Err(Error::invalid_argument(format!(
-                    "map: handle {} cannot back {size} bytes at offset {offset}",
-                    handle.0
-                )))
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "map: handle {} cannot back {size} bytes at offset {offset}: only whole handles map",
+                        handle.0
+                    ),
+                ))
             }
         };
         if !memory.reservation_contains(va, size) || memory.overlaps_mapping(va, size) {

@@ -39,7 +39,8 @@ pub enum BlockState {
 pub struct Segment {
     pub va: DevicePtr,
     pub size: usize,
-    pub handle: PhysHandle,
+    /// One physical handle per granule, in address order.
+    pub handles: Vec<PhysHandle>,
     pub pool: PoolKind,
     pub first: BlockId,
 }
@@ -130,13 +131,13 @@ impl BlockMap {
         &mut self,
         va: DevicePtr,
         size: usize,
-        handle: PhysHandle,
+        handles: Vec<PhysHandle>,
         pool: PoolKind,
     ) -> (SegmentId, BlockId) {
         let segment = self.segments.insert(Segment {
             va,
             size,
-            handle,
+            handles,
             pool,
             first: usize::MAX,
         });
@@ -471,7 +472,7 @@ mod tests {
     #[test]
     fn split_take_release_coalesce() {
         let mut m = BlockMap::new();
-        let (seg, b) = m.add_segment(0x10000, 4096, PhysHandle(1), PoolKind::Small);
+        let (seg, b) = m.add_segment(0x10000, 4096, vec![PhysHandle(1)], PoolKind::Small);
         assert_eq!(m.best_fit(PoolKind::Small, S, 512), Some(b));
         m.split_front(b, 512);
         m.take(b, S);
@@ -496,7 +497,7 @@ mod tests {
     #[test]
     fn owners_keep_streams_apart() {
         let mut m = BlockMap::new();
-        let (_, b) = m.add_segment(0x100000, 8192, PhysHandle(1), PoolKind::Large);
+        let (_, b) = m.add_segment(0x100000, 8192, vec![PhysHandle(1)], PoolKind::Large);
         m.split_front(b, 4096);
         m.take(b, S);
         m.release(b, Some(S));
@@ -511,7 +512,7 @@ mod tests {
     #[test]
     fn carve_middle() {
         let mut m = BlockMap::new();
-        let (_, b) = m.add_segment(0x200000, 8 << 20, PhysHandle(1), PoolKind::Large);
+        let (_, b) = m.add_segment(0x200000, 8 << 20, vec![PhysHandle(1)], PoolKind::Large);
         let mid = m.carve(0x200000 + (2 << 20), 2 << 20, S).unwrap();
         assert_ne!(mid, b);
         assert_eq!(m.blocks[mid].size, 2 << 20);

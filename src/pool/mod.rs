@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::config::{Config, DefragLevel};
-use crate::device::{align_up, DevicePtr, Event, SharedDevice, Stream};
+use crate::device::{align_up, DevicePtr, Event, PhysHandle, SharedDevice, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use crate::stats::MemoryStats;
 use crate::stitch::{self, Piece, StitchCache, StitchId};
@@ -591,8 +591,10 @@ impl Inner {
         self.reserved().saturating_add(bytes) <= self.cap
     }
 
-    /// Creates a segment of `size` bytes: reserve, create, map, set access. Returns its free
-    /// block, or None when the cap or the device is full. Undoes each step if a later one fails.
+    /// Creates a segment of `size` bytes: one physical handle per granule (CUDA maps only
+    /// whole handles, and stitching must be able to map any granule of a free block), mapped
+    /// at a new range with access set once. Returns its free block, or None when the cap or
+    /// the device is full. Undoes every step if a later one fails.
     fn grow(
         &mut self,
         device: &dyn crate::device::Device,
@@ -602,61 +604,58 @@ impl Inner {
         if !self.fits_cap(size) {
             return Ok(None);
         }
-        let handle = match device.create_physical(size) {
-            Ok(handle) => handle,
-            Err(err) if err.kind() == ErrorKind::OutOfMemory => return Ok(None),
-            Err(err) => return Err(err.context("creating physical memory")),
-        };
-        let va = match device.reserve(size, self.granularity) {
+        let unit = self.granularity;
+        let mut handles = Vec::with_capacity(size / unit);
+        for _ in 0..size / unit {
+            match device.create_physical(unit) {
+                Ok(handle) => handles.push(handle),
+                Err(err) => {
+                    self.bury(device, Zombie::handles(handles));
+                    if err.kind() == ErrorKind::OutOfMemory {
+                        return Ok(None);
+                    }
+                    return Err(err.context("creating physical memory"));
+                }
+            }
+        }
+        let va = match map_range(device, &handles, unit, &self.access) {
             Ok(va) => va,
-            Err(err) => {
-                undo(device.release_physical(handle));
-                return Err(err.context("reserving address space"));
+            Err((err, zombie)) => {
+                self.zombies.extend(zombie);
+                self.bury(device, Zombie::handles(handles));
+                return Err(err.context("mapping a new segment"));
             }
         };
-        if let Err(err) = device.map(va, size, handle, 0) {
-            undo(device.unreserve(va, size));
-            undo(device.release_physical(handle));
-            return Err(err.context("mapping a new segment"));
-        }
-        if let Err(err) = device.set_access(va, size, &self.access) {
-            undo(device.unmap(va, size));
-            undo(device.unreserve(va, size));
-            undo(device.release_physical(handle));
-            return Err(err.context("setting access to a new segment"));
-        }
-        let (_, block) = self.map.add_segment(va, size, handle, pool);
+        let count = handles.len() as i64;
+        let (_, block) = self.map.add_segment(va, size, handles, pool);
         self.stats.segment.add(pool, 1);
         self.stats.reserved_bytes.add(pool, size as i64);
-        self.stats.num_device_alloc += 1;
+        self.stats.num_device_alloc += count;
         Ok(Some(block))
     }
 
-    /// Releases one idle segment. The handle is released first (the driver frees it once it is
-    /// unmapped), so a failure there leaves the segment whole and usable.
+    /// Releases one idle segment: it leaves the books at once, and its mappings, handles and
+    /// range are torn down now or, where a driver call fails, retried later.
     fn release_segment(
         &mut self,
         device: &dyn crate::device::Device,
         segment: SegmentId,
     ) -> Result<()> {
-        let (va, size, handle, pool) = {
-            let s = &self.map.segments[segment];
-            (s.va, s.size, s.handle, s.pool)
+        let Some(removed) = self.map.remove_segment(segment) else {
+            return Err(Error::internal("released a segment that is in use"));
         };
-        device.release_physical(handle)?;
-        self.map.remove_segment(segment);
-        self.stats.segment.add(pool, -1);
-        self.stats.reserved_bytes.add(pool, -(size as i64));
-        self.stats.num_device_free += 1;
+        self.stats.segment.add(removed.pool, -1);
+        self.stats
+            .reserved_bytes
+            .add(removed.pool, -(removed.size as i64));
+        self.stats.num_device_free += removed.handles.len() as i64;
         self.sync_split_stats();
-        self.bury(
-            device,
-            Zombie {
-                unmaps: vec![(va, size)],
-                handle: None,
-                reservation: Some((va, size)),
-            },
-        );
+        let zombie = Zombie {
+            unmaps: granules(removed.va, removed.size, self.granularity),
+            handles: removed.handles,
+            reservation: Some((removed.va, removed.size)),
+        };
+        self.bury(device, zombie);
         Ok(())
     }
 
@@ -740,20 +739,25 @@ impl Inner {
                 }
             }
         }
+        let unit = self.granularity;
         let pieces: Vec<Piece> = ids
             .iter()
             .map(|&id| {
                 let b = &self.map.blocks[id];
                 let seg = &self.map.segments[b.segment];
+                let first = (b.addr - seg.va) as usize / unit;
                 Piece {
                     addr: b.addr,
                     len: b.size,
-                    handle: seg.handle,
-                    handle_offset: (b.addr - seg.va) as usize,
+                    handles: seg.handles[first..first + b.size / unit].to_vec(),
                 }
             })
             .collect();
-        let va = match map_stitched(device, &pieces, size, self.granularity, &self.access) {
+        let handles: Vec<PhysHandle> = pieces
+            .iter()
+            .flat_map(|p| p.handles.iter().copied())
+            .collect();
+        let va = match map_range(device, &handles, unit, &self.access) {
             Ok(va) => va,
             Err((err, zombie)) => {
                 for &id in &ids {
@@ -815,16 +819,8 @@ impl Inner {
             self.stats.stitched_blocks.add(-1);
             self.stats.stitched_mapped_bytes.add(-(s.size as i64));
             let zombie = Zombie {
-                unmaps: s
-                    .pieces
-                    .iter()
-                    .scan(s.va, |at, p| {
-                        let range = (*at, p.len);
-                        *at += p.len as u64;
-                        Some(range)
-                    })
-                    .collect(),
-                handle: None,
+                unmaps: granules(s.va, s.size, self.granularity),
+                handles: Vec::new(),
                 reservation: Some((s.va, s.size)),
             };
             self.bury(device, zombie);
@@ -1027,24 +1023,32 @@ impl Inner {
     }
 }
 
-/// Driver objects still to be torn down: mappings to unmap, then a handle to release and a
-/// reservation to free. Each step that succeeds is dropped from the list.
+/// Driver objects still to be torn down: mappings to unmap, then handles to release and a
+/// range to free. Each step that succeeds is dropped from the lists, so a retry resumes.
 #[derive(Debug)]
 struct Zombie {
     unmaps: Vec<(DevicePtr, usize)>,
-    handle: Option<crate::device::PhysHandle>,
+    handles: Vec<PhysHandle>,
     reservation: Option<(DevicePtr, usize)>,
 }
 
 impl Zombie {
-    fn finish(&mut self, device: &dyn crate::device::Device) -> Result<()> {
-        while let Some(&(va, len)) = self.unmaps.first() {
-            device.unmap(va, len)?;
-            self.unmaps.remove(0);
+    fn handles(handles: Vec<PhysHandle>) -> Self {
+        Zombie {
+            unmaps: Vec::new(),
+            handles,
+            reservation: None,
         }
-        if let Some(handle) = self.handle {
+    }
+
+    fn finish(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        while let Some(&(va, len)) = self.unmaps.last() {
+            device.unmap(va, len)?;
+            self.unmaps.pop();
+        }
+        while let Some(&handle) = self.handles.last() {
             device.release_physical(handle)?;
-            self.handle = None;
+            self.handles.pop();
         }
         if let Some((va, size)) = self.reservation {
             device.unreserve(va, size)?;
@@ -1054,39 +1058,47 @@ impl Zombie {
     }
 }
 
-/// Reserves a range and maps `pieces` into it, in order. On failure, what was done is undone
-/// (or handed back as a zombie to retry).
-fn map_stitched(
+/// The granules of `[va, va+size)`, one per mapping (mappings are unmapped one by one, as they
+/// were made).
+fn granules(va: DevicePtr, size: usize, unit: usize) -> Vec<(DevicePtr, usize)> {
+    (0..size / unit)
+        .map(|i| (va + (i * unit) as u64, unit))
+        .collect()
+}
+
+/// Reserves a range, maps `handles` (each `unit` bytes) one after another into it, and grants
+/// access to the whole range in one call. On failure what was done is undone, or handed back
+/// as a zombie to retry; the handles themselves stay with the caller.
+fn map_range(
     device: &dyn crate::device::Device,
-    pieces: &[Piece],
-    size: usize,
-    granularity: usize,
+    handles: &[PhysHandle],
+    unit: usize,
     access: &[i32],
 ) -> std::result::Result<DevicePtr, (Error, Option<Zombie>)> {
-    let va = device.reserve(size, granularity).map_err(|e| (e, None))?;
-    let mut mapped = Vec::with_capacity(pieces.len());
-    let mut offset = 0u64;
+    let size = handles.len() * unit;
+    let va = device.reserve(size, unit).map_err(|e| (e, None))?;
+    let mut mapped = Vec::with_capacity(handles.len());
     let mut failure = None;
-    for piece in pieces {
-        if let Err(err) = device.map(va + offset, piece.len, piece.handle, piece.handle_offset) {
-            failure = Some(err.context("mapping a stitched piece"));
+    for (i, &handle) in handles.iter().enumerate() {
+        let at = va + (i * unit) as u64;
+        if let Err(err) = device.map(at, unit, handle, 0) {
+            failure = Some(err);
             break;
         }
-        mapped.push((va + offset, piece.len));
-        offset += piece.len as u64;
+        mapped.push((at, unit));
     }
     if failure.is_none() {
         match device.set_access(va, size, access) {
             Ok(()) => return Ok(va),
-            Err(err) => failure = Some(err.context("setting access to a stitched range")),
+            Err(err) => failure = Some(err.context("setting access")),
         }
     }
     let mut zombie = Zombie {
         unmaps: mapped,
-        handle: None,
+        handles: Vec::new(),
         reservation: Some((va, size)),
     };
-    let err = failure.unwrap_or_else(|| Error::internal("stitch failed without an error"));
+    let err = failure.unwrap_or_else(|| Error::internal("mapping failed without an error"));
     match zombie.finish(device) {
         Ok(()) => Err((err, None)),
         Err(_) => Err((err, Some(zombie))),

@@ -15,13 +15,12 @@ use crate::device::{DevicePtr, PhysHandle, Stream};
 pub type StitchId = usize;
 
 /// One piece of a stitched range: `len` bytes of a segment, starting at `addr` in the segment's
-/// own range, which is `handle_offset` bytes into the segment's physical handle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// own range, backed by `handles` (one per granule, in order).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Piece {
     pub addr: DevicePtr,
     pub len: usize,
-    pub handle: PhysHandle,
-    pub handle_offset: usize,
+    pub handles: Vec<PhysHandle>,
 }
 
 /// A mapped stitched range.
@@ -187,8 +186,7 @@ mod tests {
         let piece = |addr| Piece {
             addr,
             len: 4,
-            handle: PhysHandle(1),
-            handle_offset: 0,
+            handles: vec![PhysHandle(1)],
         };
         let a = c.insert(100, vec![piece(0), piece(8)], Stream(1));
         let b = c.insert(200, vec![piece(16)], Stream(1));

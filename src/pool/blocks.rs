@@ -5,15 +5,18 @@
 //! but waiting for events of other streams). Free blocks sit in best-fit sets keyed by pool and
 //! owner stream, and neighbours with the same owner coalesce. No driver is called here.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{btree_set, BTreeMap, BTreeSet};
+use std::iter::{Peekable, Rev};
 
 use slab::Slab;
 
 use crate::device::{DevicePtr, PhysHandle, Stream};
 
 pub type SegmentId = usize;
-/// Free blocks ordered for best fit: (size, address, id).
-type FreeSet = BTreeSet<(usize, DevicePtr, BlockId)>;
+/// A free block as the best-fit sets order it: (size, address, id).
+type FreeEntry = (usize, DevicePtr, BlockId);
+/// Free blocks ordered for best fit.
+type FreeSet = BTreeSet<FreeEntry>;
 pub type BlockId = usize;
 
 /// The small pool (requests up to `small_limit`) or the large pool.
@@ -67,8 +70,9 @@ pub struct SplitDelta {
 pub struct BlockMap {
     pub segments: Slab<Segment>,
     pub blocks: Slab<Block>,
-    /// Every block by start address (for lookups of pointers and containment).
-    by_addr: BTreeMap<DevicePtr, BlockId>,
+    /// Every segment by start address, for lookups of pointers. Blocks are found from their
+    /// segment's list: indexing every block would cost an update on every split and merge.
+    by_addr: BTreeMap<DevicePtr, SegmentId>,
     /// Best-fit sets, one per (pool, owner); few streams, so a short list beats a map.
     free: Vec<((PoolKind, Owner), FreeSet)>,
     /// Free blocks that are part of a segment split into several blocks.
@@ -151,7 +155,7 @@ impl BlockMap {
             owner: None,
         });
         self.segments[segment].first = block;
-        self.by_addr.insert(va, block);
+        self.by_addr.insert(va, segment);
         self.link_free(block);
         (segment, block)
     }
@@ -167,9 +171,10 @@ impl BlockMap {
             return None;
         }
         self.unlink_free(first);
-        let block = self.blocks.remove(first);
-        self.by_addr.remove(&block.addr);
-        Some(self.segments.remove(segment))
+        self.blocks.remove(first);
+        let removed = self.segments.remove(segment);
+        self.by_addr.remove(&removed.va);
+        Some(removed)
     }
 
     /// Segments whose whole range is one free block.
@@ -184,15 +189,24 @@ impl BlockMap {
             .collect()
     }
 
+    /// The block that starts at `addr`.
     pub fn block_at(&self, addr: DevicePtr) -> Option<BlockId> {
-        self.by_addr.get(&addr).copied()
+        self.block_containing(addr)
+            .filter(|&id| self.blocks[id].addr == addr)
     }
 
-    /// The block whose range contains `addr`.
+    /// The block whose range contains `addr`: found by walking its segment's list, which is
+    /// short in practice (a walk of about two blocks per lookup on the recorded traces).
     pub fn block_containing(&self, addr: DevicePtr) -> Option<BlockId> {
-        let (_, &id) = self.by_addr.range(..=addr).next_back()?;
-        let b = &self.blocks[id];
-        (addr < b.addr + b.size as u64).then_some(id)
+        let (_, &segment) = self.by_addr.range(..=addr).next_back()?;
+        let s = &self.segments[segment];
+        if addr >= s.va + s.size as u64 {
+            return None;
+        }
+        self.segment_blocks(segment).find(|&id| {
+            let b = &self.blocks[id];
+            addr < b.addr + b.size as u64
+        })
     }
 
     /// Smallest free block of `pool` usable on `stream` with at least `size` bytes.
@@ -211,21 +225,25 @@ impl BlockMap {
         best.map(|(_, _, id)| id)
     }
 
-    /// Free blocks of `pool` usable on `stream`, of at least `min_size` bytes, largest first.
-    pub fn free_blocks_for(
+    /// Free blocks of `pool` usable on `stream`, of at least `min_size` bytes, as
+    /// `(size, id)`, largest first (equal sizes by id, highest first). Lazy: a stitch needs
+    /// only the few largest blocks, not all of them sorted.
+    pub fn largest_free_blocks(
         &self,
         pool: PoolKind,
         stream: Stream,
         min_size: usize,
-    ) -> Vec<(usize, BlockId)> {
-        let mut out: Vec<(usize, BlockId)> = self
+    ) -> LargestFirst<'_> {
+        let sets = self
             .free
             .iter()
             .filter(|((p, owner), _)| *p == pool && (owner.is_none() || *owner == Some(stream)))
-            .flat_map(|(_, set)| set.range((min_size, 0, 0)..).map(|&(s, _, id)| (s, id)))
+            .map(|(_, set)| set.range((min_size, 0, 0)..).rev().peekable())
             .collect();
-        out.sort_unstable_by(|a, b| b.cmp(a));
-        out
+        LargestFirst {
+            sets,
+            ties: Vec::new(),
+        }
     }
 
     /// Total free bytes of `pool` that `stream` could use at once.
@@ -250,25 +268,22 @@ impl BlockMap {
         streams
     }
 
-    /// Splits free block `id` so that it keeps its first `size` bytes; the rest becomes a new
-    /// free block with the same owner. Returns the rest's id, if any.
-    pub fn split_front(&mut self, id: BlockId, size: usize) -> Option<BlockId> {
-        debug_assert_eq!(self.blocks[id].state, BlockState::Free);
-        let (addr, total, segment, next, owner) = {
+    /// Cuts block `id` after its first `size` bytes (less than its size); the rest becomes a
+    /// new block in the same state with the same owner, and is returned. Neither block is
+    /// linked into the free sets here: callers link only what stays free, once.
+    fn split_off(&mut self, id: BlockId, size: usize) -> BlockId {
+        let (addr, total, segment, next, state, owner) = {
             let b = &self.blocks[id];
-            (b.addr, b.size, b.segment, b.next, b.owner)
+            (b.addr, b.size, b.segment, b.next, b.state, b.owner)
         };
-        if size >= total {
-            return None;
-        }
-        self.unlink_free(id);
+        debug_assert!(size < total);
         let rest = self.blocks.insert(Block {
             addr: addr + size as u64,
             size: total - size,
             segment,
             prev: Some(id),
             next,
-            state: BlockState::Free,
+            state,
             owner,
         });
         if let Some(n) = next {
@@ -277,41 +292,65 @@ impl BlockMap {
         let block = &mut self.blocks[id];
         block.size = size;
         block.next = Some(rest);
-        self.by_addr.insert(addr + size as u64, rest);
-        self.link_free(id);
-        self.link_free(rest);
-        Some(rest)
+        rest
     }
 
-    /// Carves `[addr, addr+size)` out of the free block containing it, returning the block that
-    /// covers exactly that range. None when the range is not inside one free block usable on
+    /// Marks free block `id` allocated on `stream`, keeping only its first `size` bytes: a
+    /// larger block is split and the rest stays free, with the block's owner. Returns the
+    /// rest's id, if any.
+    pub fn take_front(&mut self, id: BlockId, size: usize, stream: Stream) -> Option<BlockId> {
+        debug_assert_eq!(self.blocks[id].state, BlockState::Free);
+        self.unlink_free(id);
+        self.claim_front(id, size, stream)
+    }
+
+    /// `take_front` of a free block already out of the free sets.
+    fn claim_front(&mut self, id: BlockId, size: usize, stream: Stream) -> Option<BlockId> {
+        let rest = (size < self.blocks[id].size).then(|| {
+            let rest = self.split_off(id, size);
+            self.link_free(rest);
+            rest
+        });
+        let block = &mut self.blocks[id];
+        block.state = BlockState::Allocated;
+        block.owner = Some(stream);
+        rest
+    }
+
+    /// Marks free block `id` allocated on `stream`, whole.
+    pub fn take(&mut self, id: BlockId, stream: Stream) {
+        let size = self.blocks[id].size;
+        self.take_front(id, size, stream);
+    }
+
+    /// Takes `[addr, addr+size)` out of the free block containing it, allocated on `stream`,
+    /// and returns the block that covers exactly that range; what lies before and after stays
+    /// free. None (and nothing changes) when the range is not inside one free block usable on
     /// `stream`.
-    pub fn carve(&mut self, addr: DevicePtr, size: usize, stream: Stream) -> Option<BlockId> {
+    pub fn take_range(&mut self, addr: DevicePtr, size: usize, stream: Stream) -> Option<BlockId> {
         let id = self.block_containing(addr)?;
         let (start, len, state, owner) = {
             let b = &self.blocks[id];
             (b.addr, b.size, b.state, b.owner)
         };
         let usable = owner.is_none() || owner == Some(stream);
-        if state != BlockState::Free || !usable || addr + size as u64 > start + len as u64 {
+        if state != BlockState::Free
+            || !usable
+            || size == 0
+            || addr + size as u64 > start + len as u64
+        {
             return None;
         }
+        self.unlink_free(id);
         let id = if addr > start {
-            self.split_front(id, (addr - start) as usize)?
+            let middle = self.split_off(id, (addr - start) as usize);
+            self.link_free(id);
+            middle
         } else {
             id
         };
-        self.split_front(id, size);
+        self.claim_front(id, size, stream);
         Some(id)
-    }
-
-    /// Marks free block `id` allocated on `stream`.
-    pub fn take(&mut self, id: BlockId, stream: Stream) {
-        debug_assert_eq!(self.blocks[id].state, BlockState::Free);
-        self.unlink_free(id);
-        let block = &mut self.blocks[id];
-        block.state = BlockState::Allocated;
-        block.owner = Some(stream);
     }
 
     /// Marks allocated block `id` pending (freed, waiting for events).
@@ -326,12 +365,10 @@ impl BlockMap {
             && (x.owner == y.owner || x.owner.is_none() || y.owner.is_none())
     }
 
-    /// Absorbs free block `next` into free block `id` (its neighbour after it).
+    /// Absorbs block `next` into block `id`, the block just before it. Neither is in the free
+    /// sets: a merge links only its result, once.
     fn absorb(&mut self, id: BlockId, next: BlockId) {
-        self.unlink_free(id);
-        self.unlink_free(next);
         let gone = self.blocks.remove(next);
-        self.by_addr.remove(&gone.addr);
         if let Some(n) = gone.next {
             self.blocks[n].prev = Some(id);
         }
@@ -341,7 +378,6 @@ impl BlockMap {
         if block.owner.is_none() {
             block.owner = gone.owner;
         }
-        self.link_free(id);
     }
 
     /// Returns block `id` to the free sets, owned by `owner`, and merges it with free neighbours
@@ -352,18 +388,23 @@ impl BlockMap {
             block.state = BlockState::Free;
             block.owner = owner;
         }
+        let id = self.merge_neighbours(id);
         self.link_free(id);
-        self.coalesce(id)
+        id
     }
 
-    fn coalesce(&mut self, mut id: BlockId) -> BlockId {
+    /// Merges free block `id`, which is not in the free sets, with its free neighbours of a
+    /// compatible owner (taking them out of the free sets). Returns the merged block, unlinked.
+    fn merge_neighbours(&mut self, mut id: BlockId) -> BlockId {
         if let Some(next) = self.blocks[id].next {
             if self.mergeable(id, next) {
+                self.unlink_free(next);
                 self.absorb(id, next);
             }
         }
         if let Some(prev) = self.blocks[id].prev {
             if self.mergeable(prev, id) {
+                self.unlink_free(prev);
                 self.absorb(prev, id);
                 id = prev;
             }
@@ -387,7 +428,9 @@ impl BlockMap {
         }
         for id in ids {
             if self.blocks.contains(id) && self.blocks[id].state == BlockState::Free {
-                self.coalesce(id);
+                self.unlink_free(id);
+                let merged = self.merge_neighbours(id);
+                self.link_free(merged);
             }
         }
     }
@@ -429,12 +472,19 @@ impl BlockMap {
                 return Err(format!("segment {sid} not covered"));
             }
         }
-        if covered != self.blocks.len() || covered != self.by_addr.len() {
+        if covered != self.blocks.len() {
             return Err(format!(
-                "{} blocks, {covered} in segments, {} by address",
-                self.blocks.len(),
-                self.by_addr.len()
+                "{} blocks, {covered} in segments",
+                self.blocks.len()
             ));
+        }
+        if self.by_addr.len() != self.segments.len()
+            || self
+                .by_addr
+                .iter()
+                .any(|(&va, &sid)| self.segments.get(sid).is_none_or(|s| s.va != va))
+        {
+            return Err("segments by address out of step".into());
         }
         let free_listed = self.free_block_count();
         let free_actual = self
@@ -446,6 +496,37 @@ impl BlockMap {
             return Err(format!("{free_listed} listed free, {free_actual} free"));
         }
         Ok(())
+    }
+}
+
+/// Iterator of [`BlockMap::largest_free_blocks`]: merges the free sets from their large ends.
+pub struct LargestFirst<'a> {
+    sets: Vec<Peekable<Rev<btree_set::Range<'a, FreeEntry>>>>,
+    /// The blocks of the size being handed out, lowest id first (popped from the end).
+    ties: Vec<(usize, BlockId)>,
+}
+
+impl Iterator for LargestFirst<'_> {
+    type Item = (usize, BlockId);
+
+    fn next(&mut self) -> Option<(usize, BlockId)> {
+        if let Some(next) = self.ties.pop() {
+            return Some(next);
+        }
+        let size = self
+            .sets
+            .iter_mut()
+            .filter_map(|set| set.peek().map(|&&(size, _, _)| size))
+            .max()?;
+        // The sets order equal sizes by address; the order promised is by id, so all blocks
+        // of this size are gathered and sorted.
+        for set in &mut self.sets {
+            while let Some(&(_, _, id)) = set.next_if(|&&(s, _, _)| s == size) {
+                self.ties.push((size, id));
+            }
+        }
+        self.ties.sort_unstable();
+        self.ties.pop()
     }
 }
 
@@ -474,11 +555,9 @@ mod tests {
         let mut m = BlockMap::new();
         let (seg, b) = m.add_segment(0x10000, 4096, vec![PhysHandle(1)], PoolKind::Small);
         assert_eq!(m.best_fit(PoolKind::Small, S, 512), Some(b));
-        m.split_front(b, 512);
-        m.take(b, S);
+        m.take_front(b, 512, S);
         let c = m.best_fit(PoolKind::Small, S, 512).unwrap();
-        m.split_front(c, 1024);
-        m.take(c, S);
+        m.take_front(c, 1024, S);
         assert_eq!(m.inactive_split.count, 1);
         assert_eq!(m.inactive_split.bytes, 4096 - 1536);
         m.check().unwrap();
@@ -498,8 +577,7 @@ mod tests {
     fn owners_keep_streams_apart() {
         let mut m = BlockMap::new();
         let (_, b) = m.add_segment(0x100000, 8192, vec![PhysHandle(1)], PoolKind::Large);
-        m.split_front(b, 4096);
-        m.take(b, S);
+        m.take_front(b, 4096, S);
         m.release(b, Some(S));
         // The first half is owned by S, the second by nobody: they merge, owned by S.
         assert_eq!(m.blocks[b].size, 8192);
@@ -510,15 +588,68 @@ mod tests {
     }
 
     #[test]
-    fn carve_middle() {
+    fn take_range_middle() {
         let mut m = BlockMap::new();
         let (_, b) = m.add_segment(0x200000, 8 << 20, vec![PhysHandle(1)], PoolKind::Large);
-        let mid = m.carve(0x200000 + (2 << 20), 2 << 20, S).unwrap();
+        let mid = m.take_range(0x200000 + (2 << 20), 2 << 20, S).unwrap();
         assert_ne!(mid, b);
         assert_eq!(m.blocks[mid].size, 2 << 20);
         assert_eq!(m.blocks[b].size, 2 << 20);
-        m.take(mid, S);
         m.check().unwrap();
-        assert!(m.carve(0x200000 + (2 << 20), 2 << 20, S).is_none());
+        assert!(m.take_range(0x200000 + (2 << 20), 2 << 20, S).is_none());
+    }
+
+    #[test]
+    fn lookups_by_address() {
+        let mut m = BlockMap::new();
+        let (_, a) = m.add_segment(0x100000, 4096, vec![PhysHandle(1)], PoolKind::Small);
+        let (_, b) = m.add_segment(0x300000, 8192, vec![PhysHandle(2)], PoolKind::Large);
+        let rest = m.take_front(b, 2048, S).unwrap();
+        assert_eq!(m.block_at(0x100000), Some(a));
+        assert_eq!(m.block_at(0x100200), None);
+        assert_eq!(m.block_containing(0x100fff), Some(a));
+        assert_eq!(m.block_containing(0x101000), None);
+        assert_eq!(m.block_containing(0xfffff), None);
+        assert_eq!(m.block_containing(0x3007ff), Some(b));
+        assert_eq!(m.block_at(0x300800), Some(rest));
+        assert_eq!(m.block_containing(0x301fff), Some(rest));
+        assert_eq!(m.block_containing(0x302000), None);
+    }
+
+    #[test]
+    fn largest_free_blocks_by_size_then_id() {
+        let mut m = BlockMap::new();
+        let other = Stream(9);
+        let sizes = [4096usize, 8192, 4096, 4096, 8192, 1024, 2048];
+        for (i, size) in sizes.into_iter().enumerate() {
+            // Addresses fall as ids rise, so that the order by id is not the order by address.
+            let va = 0x100000 * (16 - i as u64);
+            let (_, b) = m.add_segment(va, size + 512, vec![PhysHandle(1)], PoolKind::Large);
+            // Leaves a free block of `size` owned by S, by `other` or by nobody.
+            m.take_front(b, 512, S);
+            let owner = [Some(S), Some(other), None][i % 3];
+            let rest = m.blocks[b].next.unwrap();
+            m.take(rest, S);
+            m.release(rest, owner);
+        }
+        m.check().unwrap();
+        let mut expected: Vec<(usize, BlockId)> = m
+            .blocks
+            .iter()
+            .filter(|(_, b)| {
+                b.state == BlockState::Free
+                    && b.size >= 2048
+                    && (b.owner.is_none() || b.owner == Some(S))
+            })
+            .map(|(id, b)| (b.size, id))
+            .collect();
+        expected.sort_unstable_by(|x, y| y.cmp(x));
+        let found: Vec<_> = m.largest_free_blocks(PoolKind::Large, S, 2048).collect();
+        assert_eq!(found, expected);
+        assert_eq!(found.len(), 4);
+        assert_eq!(
+            m.largest_free_blocks(PoolKind::Large, S, 1 << 20).next(),
+            None
+        );
     }
 }

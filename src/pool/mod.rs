@@ -16,6 +16,7 @@ pub mod blocks;
 pub mod snapshot;
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::config::{Config, DefragLevel};
@@ -33,6 +34,36 @@ const MAX_IDLE_STITCHED: usize = 4096;
 
 /// Idle stitched ranges examined per reuse attempt (bounds the cost of a miss).
 const REUSE_SCAN: usize = 16;
+
+/// Hasher for maps keyed by addresses and ids, which every malloc and free looks up. The keys
+/// are not chosen by an adversary, so SipHash's protection is not needed; a folded multiply
+/// mixes the zero low bits of aligned addresses into every bit of the hash.
+#[derive(Debug, Default, Clone, Copy)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.write_u64(u64::from(byte));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        const K: u64 = 0x9e37_79b9_7f4a_7c15;
+        let product = u128::from(self.0 ^ n) * u128::from(K);
+        self.0 = (product as u64) ^ ((product >> 64) as u64);
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type KeyMap<K, V> = HashMap<K, V, BuildHasherDefault<KeyHasher>>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Target {
@@ -59,7 +90,7 @@ struct PendingFree {
 /// The pieces of a stitched allocation: block ids while in use.
 #[derive(Debug, Default)]
 struct StitchBlocks {
-    blocks: HashMap<StitchId, Vec<BlockId>>,
+    blocks: KeyMap<StitchId, Vec<BlockId>>,
 }
 
 struct Inner {
@@ -70,7 +101,7 @@ struct Inner {
     map: BlockMap,
     stitch: StitchCache,
     stitch_blocks: StitchBlocks,
-    live: HashMap<DevicePtr, Live>,
+    live: KeyMap<DevicePtr, Live>,
     pending: Vec<PendingFree>,
     stats: MemoryStats,
     idle_events: Vec<Event>,
@@ -129,7 +160,7 @@ impl Pool {
                 map: BlockMap::new(),
                 stitch: StitchCache::default(),
                 stitch_blocks: StitchBlocks::default(),
-                live: HashMap::new(),
+                live: KeyMap::default(),
                 pending: Vec::new(),
                 stats: MemoryStats::default(),
                 idle_events: Vec::new(),
@@ -501,18 +532,13 @@ impl Inner {
         stream: Stream,
         pool: PoolKind,
     ) -> DevicePtr {
-        let remainder = self.map.blocks[id].size - size;
+        let whole = self.map.blocks[id].size;
         let split = match pool {
-            PoolKind::Small => remainder >= MIN_BLOCK,
-            PoolKind::Large => remainder >= self.granularity,
+            PoolKind::Small => whole - size >= MIN_BLOCK,
+            PoolKind::Large => whole - size >= self.granularity,
         };
-        let size = if split {
-            self.map.split_front(id, size);
-            size
-        } else {
-            self.map.blocks[id].size
-        };
-        self.map.take(id, stream);
+        let size = if split { size } else { whole };
+        self.map.take_front(id, size, stream);
         let ptr = self.map.blocks[id].addr;
         self.register(ptr, Target::Block(id), size, stream, pool);
         ptr
@@ -676,12 +702,11 @@ impl Inner {
                     })
                 })
             })?;
-        let pieces = self.stitch.blocks[found].pieces.clone();
+        let pieces = &self.stitch.blocks[found].pieces;
         let mut ids = Vec::with_capacity(pieces.len());
-        for p in &pieces {
+        for p in pieces {
             // Checked above: each piece lies inside one free block usable on `stream`.
-            let id = self.map.carve(p.addr, p.len, stream)?;
-            self.map.take(id, stream);
+            let id = self.map.take_range(p.addr, p.len, stream)?;
             ids.push(id);
         }
         self.stitch.acquire(found, stream);
@@ -709,8 +734,10 @@ impl Inner {
         stream: Stream,
     ) -> Result<Option<DevicePtr>> {
         let min_piece = self.config.frag_limit.max(self.granularity);
-        let candidates = self.map.free_blocks_for(PoolKind::Large, stream, min_piece);
-        let plan = match stitch::plan(&candidates, size, self.config.max_stitch_pieces) {
+        let candidates = self
+            .map
+            .largest_free_blocks(PoolKind::Large, stream, min_piece);
+        let plan = match stitch::plan(candidates, size, self.config.max_stitch_pieces) {
             Some(plan) => plan,
             None => return Ok(None),
         };
@@ -720,8 +747,7 @@ impl Inner {
         // Take the planned fronts of the free blocks first, so that growth cannot merge them.
         let mut ids: Vec<BlockId> = Vec::with_capacity(plan.take.len() + 1);
         for &(id, bytes) in &plan.take {
-            self.map.split_front(id, bytes);
-            self.map.take(id, stream);
+            self.map.take_front(id, bytes, stream);
             ids.push(id);
         }
         if plan.shortfall > 0 {

@@ -133,14 +133,20 @@ pub struct StitchPlan {
 ///
 /// Largest blocks first keeps the number of pieces (and so the per-handle access cost) low.
 /// At most `max_pieces` pieces are used, one of them kept for the shortfall if the free blocks
-/// do not cover the request. Returns None when no free block would be used.
-pub fn plan(candidates: &[(usize, usize)], size: usize, max_pieces: usize) -> Option<StitchPlan> {
+/// do not cover the request. Returns None when no free block would be used. Candidates are
+/// drawn only as far as needed, so a lazy iterator spares sorting all free blocks.
+pub fn plan(
+    candidates: impl IntoIterator<Item = (usize, usize)>,
+    size: usize,
+    max_pieces: usize,
+) -> Option<StitchPlan> {
     let mut plan = StitchPlan::default();
     let mut covered = 0usize;
-    for &(block_size, block) in candidates {
-        if covered >= size {
+    let mut candidates = candidates.into_iter();
+    while covered < size {
+        let Some((block_size, block)) = candidates.next() else {
             break;
-        }
+        };
         let room_for_shortfall = if covered + block_size >= size { 0 } else { 1 };
         if plan.take.len() + 1 + room_for_shortfall > max_pieces {
             break;
@@ -163,7 +169,7 @@ mod tests {
     #[test]
     fn plan_uses_largest_first_and_splits_the_last() {
         let c = [(8, 1), (6, 2), (4, 3)];
-        let p = plan(&c, 12, 8).unwrap();
+        let p = plan(c, 12, 8).unwrap();
         assert_eq!(p.take, vec![(1, 8), (2, 4)]);
         assert_eq!(p.shortfall, 0);
     }
@@ -171,13 +177,13 @@ mod tests {
     #[test]
     fn plan_reports_shortfall_and_respects_piece_limit() {
         let c = [(4, 1), (4, 2), (4, 3)];
-        let p = plan(&c, 20, 8).unwrap();
+        let p = plan(c, 20, 8).unwrap();
         assert_eq!(p.take.len(), 3);
         assert_eq!(p.shortfall, 8);
-        let p = plan(&c, 20, 3).unwrap();
+        let p = plan(c, 20, 3).unwrap();
         assert_eq!(p.take.len(), 2, "one piece kept for the shortfall");
         assert_eq!(p.shortfall, 12);
-        assert!(plan(&[], 20, 8).is_none());
+        assert!(plan([], 20, 8).is_none());
     }
 
     #[test]

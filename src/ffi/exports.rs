@@ -242,6 +242,9 @@ pub unsafe extern "C" fn glake_pool_create(
     out: *mut *mut glake_pool,
 ) -> glake_status {
     guard(|| {
+        // Warnings about bad environment values must reach the user even if the program
+        // never called glake_init.
+        crate::init_logging();
         if out.is_null() {
             return Err(Failure::null("out"));
         }
@@ -497,6 +500,22 @@ pub extern "C" fn glake_stream_synchronize(
     })
 }
 
+/// The pool of a copy call, after checking both addresses.
+fn copy_pool(
+    pool: *mut glake_pool,
+    dst: *const c_void,
+    src: *const c_void,
+) -> Result<std::sync::Arc<crate::pool::Pool>, Failure> {
+    let pool = handles::get(pool_id(pool))?;
+    if dst.is_null() {
+        return Err(Failure::null("dst"));
+    }
+    if src.is_null() {
+        return Err(Failure::null("src"));
+    }
+    Ok(pool)
+}
+
 /// Queues a copy of `size` bytes from host memory to device memory of the pool on `stream`.
 ///
 /// # Safety
@@ -510,10 +529,7 @@ pub unsafe extern "C" fn glake_copy_to_device(
     stream: glake_stream,
 ) -> glake_status {
     guard(|| {
-        let pool = handles::get(pool_id(pool))?;
-        if dst.is_null() || src.is_null() {
-            return Err(Failure::null(if dst.is_null() { "dst" } else { "src" }));
-        }
+        let pool = copy_pool(pool, dst, src)?;
         // SAFETY: the caller keeps `src` valid until the copy completes.
         unsafe {
             pool.device()
@@ -536,10 +552,7 @@ pub unsafe extern "C" fn glake_copy_to_host(
     stream: glake_stream,
 ) -> glake_status {
     guard(|| {
-        let pool = handles::get(pool_id(pool))?;
-        if dst.is_null() || src.is_null() {
-            return Err(Failure::null(if dst.is_null() { "dst" } else { "src" }));
-        }
+        let pool = copy_pool(pool, dst, src)?;
         // SAFETY: the caller keeps `dst` valid until the copy completes.
         unsafe {
             pool.device()

@@ -7,6 +7,7 @@
 pub mod cuda;
 pub mod fault;
 pub mod host;
+pub mod interpose;
 
 use std::sync::Arc;
 

@@ -281,3 +281,31 @@ fn snapshot_pickles_replay_like_text() {
     );
     assert_eq!(number(&out, "ooms"), 0.0);
 }
+
+/// A snapshot pickle written by torch 2.11 itself (`torch.cuda.memory._dump_snapshot`, an MLP
+/// trained for 4 steps on an H200). The recording run printed torch's own
+/// `max_memory_allocated()` = 741670912 and `max_memory_reserved()` = 771751936; the replay's
+/// peak live bytes must equal the former, and stitching must not reserve more than caching.
+#[test]
+fn a_real_torch_snapshot_pickle_replays() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/snapshot_mlp.pickle"
+    );
+    let out = run_binary(&["--json", path]);
+    let lines: Vec<&str> = out.lines().filter(|l| l.starts_with('{')).collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    for line in &lines {
+        assert_eq!(number(line, "peak_live_bytes"), 741670912.0, "{line}");
+        assert_eq!(number(line, "ooms"), 0.0);
+    }
+    let reserved = |config: &str| {
+        let line = lines
+            .iter()
+            .find(|l| field(l, "config") == config)
+            .unwrap_or_else(|| panic!("no {config} line in {out}"));
+        number(line, "peak_reserved_bytes")
+    };
+    assert!(reserved("stitch") <= reserved("caching"));
+    assert!(reserved("caching") <= 771751936.0 * 1.05);
+}

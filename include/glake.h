@@ -272,6 +272,10 @@ glake_status glake_empty_cache(struct glake_pool *pool);
 // Caps the pool's physical memory at `fraction` of the device's memory, in (0, 1].
 glake_status glake_set_memory_fraction(struct glake_pool *pool, double fraction);
 
+// Grants device `peer` access to all memory of the pool, now and for memory created later
+// (a VMM range is invisible to a peer GPU until access is granted).
+glake_status glake_pool_enable_peer_access(struct glake_pool *pool, int32_t peer);
+
 // Copies the pool's statistics (PyTorch's memory_stats fields plus stitch counters).
 //
 // # Safety

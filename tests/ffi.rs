@@ -182,6 +182,13 @@ fn each_bad_input_has_its_status_and_message() {
     assert_eq!(status, GLAKE_STATUS_SUCCESS);
     assert_eq!(glake_free(pool, small), GLAKE_STATUS_SUCCESS);
 
+    // Peer access to a device that does not exist.
+    assert_eq!(
+        glake_pool_enable_peer_access(pool, 7),
+        GLAKE_STATUS_UNSUPPORTED
+    );
+    assert!(message().contains("cannot access"), "{}", message());
+
     // Unknown streams on the host backend.
     assert_eq!(
         glake_stream_synchronize(pool, 0xdead0 as glake_stream),

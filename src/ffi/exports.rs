@@ -365,6 +365,16 @@ pub extern "C" fn glake_set_memory_fraction(pool: *mut glake_pool, fraction: f64
     })
 }
 
+/// Grants device `peer` access to all memory of the pool, now and for memory created later
+/// (a VMM range is invisible to a peer GPU until access is granted).
+#[no_mangle]
+pub extern "C" fn glake_pool_enable_peer_access(pool: *mut glake_pool, peer: i32) -> glake_status {
+    guard(|| {
+        handles::get(pool_id(pool))?.enable_peer_access(peer)?;
+        Ok(())
+    })
+}
+
 /// Copies the pool's statistics (PyTorch's memory_stats fields plus stitch counters).
 ///
 /// # Safety

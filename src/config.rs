@@ -46,7 +46,7 @@ impl Default for Config {
         Config {
             stitch: true,
             frag_limit: 2 * MIB,
-            reuse_limit: 1.25,
+            reuse_limit: 10.0,
             defrag_level: DefragLevel::BeforeGrow,
             auto_gc_bytes: 1000 * GIB,
             small_limit: MIB,

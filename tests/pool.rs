@@ -441,3 +441,40 @@ fn snapshot_json_names_segments_blocks_and_stitches() {
     p.free(a).unwrap();
     p.free(b).unwrap();
 }
+
+#[test]
+fn a_larger_cached_stitch_serves_a_smaller_request_from_its_prefix() {
+    let device = common::device();
+    let p = pool(&device);
+    let blocks: Vec<u64> = (0..6)
+        .map(|_| p.malloc(6 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    for &b in blocks.iter().step_by(2) {
+        p.free(b).unwrap();
+    }
+    let big = p.malloc(18 * MIB, Stream::DEFAULT).unwrap();
+    p.free(big).unwrap();
+    let reserved = p.stats().reserved_bytes.all.current;
+
+    // 10 MiB from the 18 MiB stitched range: its first piece and 4 MiB of the second.
+    let small = p.malloc(10 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(small, big, "served by the cached range");
+    let stats = p.stats();
+    assert_eq!((stats.stitches, stats.stitch_reuse_hits), (1, 1));
+    assert_eq!(stats.allocated_bytes.all.current, 10 * MIB as i64 + 3 * 6 * MIB as i64);
+    assert_eq!(p.allocation_of(small + 10 * MIB as u64 - 1).unwrap().base, small);
+    assert!(p.allocation_of(small + 12 * MIB as u64).is_none(), "the tail is not handed out");
+    common::write_pattern(&device, small, 10 * MIB, 5);
+
+    // The third piece stayed free: another 6 MiB fits without growing.
+    let other = p.malloc(6 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, reserved);
+    common::write_pattern(&device, other, 6 * MIB, 6);
+    assert!(common::has_pattern(&device, small, 10 * MIB, 5));
+    p.free(other).unwrap();
+    p.free(small).unwrap();
+    for &b in blocks.iter().skip(1).step_by(2) {
+        p.free(b).unwrap();
+    }
+    p.check_invariants().unwrap();
+}

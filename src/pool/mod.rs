@@ -406,8 +406,10 @@ impl Inner {
             return Some(ptr);
         }
         if let Some(id) = self.stitch.containing(ptr) {
+            // A reused stitched range may serve only a prefix of itself.
             let s = &self.stitch.blocks[id];
-            return (s.in_use && self.live.contains_key(&s.va)).then_some(s.va);
+            let live = self.live.get(&s.va).filter(|_| s.in_use)?;
+            return (ptr < s.va + live.size as u64).then_some(s.va);
         }
         let id = self.map.block_containing(ptr)?;
         let block = &self.map.blocks[id];
@@ -693,33 +695,24 @@ impl Inner {
             .idle_candidates(size, max.max(size))
             .take(REUSE_SCAN)
             .find(|&id| {
-                self.stitch.blocks[id].pieces.iter().all(|p| {
-                    self.map.block_containing(p.addr).is_some_and(|b| {
+                stitch::prefix(&self.stitch.blocks[id].pieces, size).all(|(addr, len)| {
+                    self.map.block_containing(addr).is_some_and(|b| {
                         let b = &self.map.blocks[b];
                         b.state == BlockState::Free
                             && (b.owner.is_none() || b.owner == Some(stream))
-                            && p.addr + p.len as u64 <= b.addr + b.size as u64
+                            && addr + len as u64 <= b.addr + b.size as u64
                     })
                 })
             })?;
-        let pieces = &self.stitch.blocks[found].pieces;
-        let mut ids = Vec::with_capacity(pieces.len());
-        for p in pieces {
-            // Checked above: each piece lies inside one free block usable on `stream`.
-            let id = self.map.take_range(p.addr, p.len, stream)?;
-            ids.push(id);
+        let mut ids = Vec::new();
+        for (addr, len) in stitch::prefix(&self.stitch.blocks[found].pieces, size) {
+            // Checked above: each part lies inside one free block usable on `stream`.
+            ids.push(self.map.take_range(addr, len, stream)?);
         }
         self.stitch.acquire(found, stream);
         self.stitch_blocks.blocks.insert(found, ids);
-        let s = &self.stitch.blocks[found];
-        let (va, stitched_size) = (s.va, s.size);
-        self.register(
-            va,
-            Target::Stitched(found),
-            stitched_size,
-            stream,
-            PoolKind::Large,
-        );
+        let va = self.stitch.blocks[found].va;
+        self.register(va, Target::Stitched(found), size, stream, PoolKind::Large);
         self.stats.stitch_reuse_hits += 1;
         self.stats.stitched_allocations += 1;
         Some(va)

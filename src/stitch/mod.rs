@@ -121,6 +121,22 @@ impl StitchCache {
     }
 }
 
+/// The parts of `pieces` that back the first `size` bytes of their stitched range, as
+/// (address in the home segment, length): whole pieces, then the front of the piece where
+/// `size` ends. A cached stitched range larger than a request serves it from this prefix, so
+/// the rest of its pieces stay free for others and nothing is handed out beyond the request.
+pub fn prefix(pieces: &[Piece], size: usize) -> impl Iterator<Item = (DevicePtr, usize)> + '_ {
+    let mut left = size;
+    pieces.iter().map_while(move |p| {
+        if left == 0 {
+            return None;
+        }
+        let len = p.len.min(left);
+        left -= len;
+        Some((p.addr, len))
+    })
+}
+
 /// Which free blocks a stitch uses: each entry takes the first `bytes` of block `block`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StitchPlan {
@@ -165,6 +181,22 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefix_cuts_the_last_piece() {
+        let piece = |addr, len| Piece {
+            addr,
+            len,
+            handles: Vec::new(),
+        };
+        let pieces = [piece(100, 8), piece(300, 8), piece(500, 8)];
+        assert_eq!(
+            prefix(&pieces, 12).collect::<Vec<_>>(),
+            vec![(100, 8), (300, 4)]
+        );
+        assert_eq!(prefix(&pieces, 8).collect::<Vec<_>>(), vec![(100, 8)]);
+        assert_eq!(prefix(&pieces, 24).count(), 3);
+    }
 
     #[test]
     fn plan_uses_largest_first_and_splits_the_last() {

@@ -461,9 +461,18 @@ fn a_larger_cached_stitch_serves_a_smaller_request_from_its_prefix() {
     assert_eq!(small, big, "served by the cached range");
     let stats = p.stats();
     assert_eq!((stats.stitches, stats.stitch_reuse_hits), (1, 1));
-    assert_eq!(stats.allocated_bytes.all.current, 10 * MIB as i64 + 3 * 6 * MIB as i64);
-    assert_eq!(p.allocation_of(small + 10 * MIB as u64 - 1).unwrap().base, small);
-    assert!(p.allocation_of(small + 12 * MIB as u64).is_none(), "the tail is not handed out");
+    assert_eq!(
+        stats.allocated_bytes.all.current,
+        10 * MIB as i64 + 3 * 6 * MIB as i64
+    );
+    assert_eq!(
+        p.allocation_of(small + 10 * MIB as u64 - 1).unwrap().base,
+        small
+    );
+    assert!(
+        p.allocation_of(small + 12 * MIB as u64).is_none(),
+        "the tail is not handed out"
+    );
     common::write_pattern(&device, small, 10 * MIB, 5);
 
     // The third piece stayed free: another 6 MiB fits without growing.

@@ -414,6 +414,25 @@ fn into_c_string(text: String) -> *mut c_char {
         .into_raw()
 }
 
+/// Writes a JSON text made from the pool through `out`, as a string for `glake_string_free`.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write.
+unsafe fn json_out(
+    pool: *mut glake_pool,
+    out: *mut *mut c_char,
+    json: impl FnOnce(&crate::pool::Pool) -> String,
+) -> glake_status {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let pool = handles::get(pool_id(pool))?;
+        let text = json(&pool);
+        unsafe { write_out(out, "out", into_c_string(text)) }
+    })
+}
+
 /// A JSON snapshot of segments, blocks, stitched ranges and statistics. Free the string with
 /// `glake_string_free`.
 ///
@@ -424,13 +443,8 @@ pub unsafe extern "C" fn glake_snapshot_json(
     pool: *mut glake_pool,
     out: *mut *mut c_char,
 ) -> glake_status {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let json = handles::get(pool_id(pool))?.snapshot().to_json();
-        unsafe { write_out(out, "out", into_c_string(json)) }
-    })
+    // SAFETY: forwarded under this function's contract.
+    unsafe { json_out(pool, out, |p| p.snapshot().to_json()) }
 }
 
 /// The statistics as a JSON object with PyTorch's `memory_stats()` key names. Free the string
@@ -443,13 +457,8 @@ pub unsafe extern "C" fn glake_stats_json(
     pool: *mut glake_pool,
     out: *mut *mut c_char,
 ) -> glake_status {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let json = handles::get(pool_id(pool))?.stats().to_json();
-        unsafe { write_out(out, "out", into_c_string(json)) }
-    })
+    // SAFETY: forwarded under this function's contract.
+    unsafe { json_out(pool, out, |p| p.stats().to_json()) }
 }
 
 /// Frees a string returned by this library; NULL is ignored.

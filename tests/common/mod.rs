@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use glake::device::host::{HostDevice, HostOptions};
-use glake::device::{BackendKind, DevicePtr, SharedDevice, Stream};
+use glake::device::{DevicePtr, SharedDevice, Stream};
 
 /// `GLAKE_TEST_BACKEND=cuda` runs the suite on the GPU; the default is the host backend.
 pub fn backend_is_cuda() -> bool {
@@ -33,10 +33,6 @@ pub fn host_device(total: usize) -> Arc<HostDevice> {
         )
         .expect("host device"),
     )
-}
-
-pub fn is_host(device: &SharedDevice) -> bool {
-    device.kind() == BackendKind::Host
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {

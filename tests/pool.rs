@@ -481,3 +481,113 @@ fn a_larger_cached_stitch_serves_a_smaller_request_from_its_prefix() {
     }
     p.check_invariants().unwrap();
 }
+
+/// Memory of a private pool (a CUDA graph's) is used only by requests routed to it, stays
+/// through `empty_cache`, and joins the shared pool when the pool is released.
+#[test]
+fn private_pool_memory_is_kept_apart_until_released() {
+    let device = common::device();
+    let p = pool(&device);
+    let id = (7, 0);
+    let shared = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    p.free(shared).unwrap();
+
+    p.begin_private(id);
+    let graph_tmp = p.malloc_in(8 * MIB, Stream::DEFAULT, Some(id)).unwrap();
+    assert_ne!(
+        graph_tmp, shared,
+        "a private pool must not reuse shared free memory"
+    );
+    let small = p.malloc_in(1000, Stream::DEFAULT, Some(id)).unwrap();
+    p.free(graph_tmp).unwrap();
+    // Freed during the capture: reusable by the same capture, in stream order...
+    let again = p.malloc_in(8 * MIB, Stream::DEFAULT, Some(id)).unwrap();
+    assert_eq!(again, graph_tmp);
+    p.free(again).unwrap();
+    // ...but never by a shared request, nor released while a capture may be underway.
+    let reserved = p.stats().reserved_bytes.all.current;
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, reserved);
+    let outside = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_ne!(outside, graph_tmp);
+    p.end_private(id).unwrap();
+    p.free(outside).unwrap();
+
+    // After the capture the graph still replays into its free memory: kept by empty_cache.
+    p.empty_cache().unwrap();
+    let kept = p.stats().reserved_bytes.all.current;
+    assert!(kept >= (8 * MIB) as i64, "private memory released early");
+    assert_ne!(
+        p.malloc(8 * MIB, Stream::DEFAULT).map(|q| {
+            p.free(q).unwrap();
+            q
+        }),
+        Ok(graph_tmp)
+    );
+
+    p.release_private(id).unwrap();
+    assert_eq!(p.private_pool_count(), 0);
+    let reused = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(
+        reused, graph_tmp,
+        "released private memory joins the shared pool"
+    );
+    p.free(reused).unwrap();
+    p.free(small).unwrap();
+    p.check_invariants().unwrap();
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+}
+
+#[test]
+fn private_pool_misuse_is_an_error() {
+    let device = common::device();
+    let p = pool(&device);
+    let err = p.malloc_in(MIB, Stream::DEFAULT, Some((1, 2))).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidState);
+    assert_eq!(
+        p.end_private((1, 2)).unwrap_err().kind(),
+        ErrorKind::InvalidState
+    );
+    assert_eq!(
+        p.release_private((1, 2)).unwrap_err().kind(),
+        ErrorKind::InvalidState
+    );
+    // Two captures sharing one pool: the memory stays until both have released it.
+    p.begin_private((3, 4));
+    p.begin_private((3, 4));
+    let a = p.malloc_in(4 * MIB, Stream::DEFAULT, Some((3, 4))).unwrap();
+    p.end_private((3, 4)).unwrap();
+    p.end_private((3, 4)).unwrap();
+    p.free(a).unwrap();
+    p.release_private((3, 4)).unwrap();
+    assert_eq!(p.private_pool_count(), 1);
+    p.release_private((3, 4)).unwrap();
+    assert_eq!(p.private_pool_count(), 0);
+    p.check_invariants().unwrap();
+}
+
+/// A free that needs events of other streams during a capture records them only after it.
+#[test]
+fn frees_on_extra_streams_wait_for_the_capture_to_end() {
+    let device = common::device();
+    let side = device.create_stream().unwrap();
+    let p = pool(&device);
+    let id = (9, 9);
+    let a = p.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    p.record_stream(a, side).unwrap();
+    p.begin_private(id);
+    p.free(a).unwrap();
+    assert_eq!(p.free(a).unwrap_err().kind(), ErrorKind::DoubleFree);
+    assert_eq!(p.stats().active_bytes.all.current, (4 * MIB) as i64);
+    p.end_private(id).unwrap();
+    device.synchronize_device().unwrap();
+    // Completed events make the memory reusable at the next request.
+    let b = p.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(b, a);
+    p.free(b).unwrap();
+    p.release_private(id).unwrap();
+    p.check_invariants().unwrap();
+    drop(p);
+    device.destroy_stream(side).unwrap();
+}

@@ -17,7 +17,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
 
-use super::{BackendKind, Device, DevicePtr, Event, MemInfo, PhysHandle, Stream};
+use super::{BackendKind, CaptureMode, Device, DevicePtr, Event, MemInfo, PhysHandle, Stream};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Oldest driver accepted: CUDA 11.2, the first with a stable virtual memory management API.
@@ -25,7 +25,7 @@ const MIN_DRIVER_VERSION: i32 = 11020;
 
 /// Every driver symbol this file calls, spelled as the `cudarc::driver::sys` wrappers load them.
 /// Checked up front because a missing one would make the wrapper panic.
-const REQUIRED_SYMBOLS: [&str; 35] = [
+const REQUIRED_SYMBOLS: [&str; 36] = [
     "cuInit",
     "cuDriverGetVersion",
     "cuGetErrorName",
@@ -61,6 +61,7 @@ const REQUIRED_SYMBOLS: [&str; 35] = [
     "cuMemcpyDtoDAsync_v2",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuThreadExchangeStreamCaptureMode",
 ];
 
 /// Result of the library and symbol check, done once per process.
@@ -617,6 +618,25 @@ impl Device for CudaDevice {
             unsafe { sys::cuStreamSynchronize(to_stream(stream)) },
             "cuStreamSynchronize",
         )
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        use sys::CUstreamCaptureMode as M;
+        let mut value = match mode {
+            CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: `value` is a valid in/out pointer; the mode is per thread, no context needed.
+        check(
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut value) },
+            "cuThreadExchangeStreamCaptureMode",
+        )?;
+        Ok(match value {
+            M::CU_STREAM_CAPTURE_MODE_GLOBAL => CaptureMode::Global,
+            M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => CaptureMode::ThreadLocal,
+            M::CU_STREAM_CAPTURE_MODE_RELAXED => CaptureMode::Relaxed,
+        })
     }
 
     fn synchronize_device(&self) -> Result<()> {

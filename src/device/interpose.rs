@@ -3,7 +3,8 @@
 //! the forwarding of each [`Device`] method is written once.
 
 use super::{
-    BackendKind, CallKind, Device, DevicePtr, Event, MemInfo, PhysHandle, SharedDevice, Stream,
+    BackendKind, CallKind, CaptureMode, Device, DevicePtr, Event, MemInfo, PhysHandle,
+    SharedDevice, Stream,
 };
 use crate::error::Result;
 
@@ -164,6 +165,9 @@ impl<I: Interposer> Device for Interposed<I> {
         self.hook.around(CallKind::Copy, || {
             self.inner.copy_device(dst, src, len, stream)
         })
+    }
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        self.inner.exchange_capture_mode(mode)
     }
     fn alloc_pinned(&self, size: usize) -> Result<*mut u8> {
         self.hook

@@ -107,6 +107,15 @@ impl CallKind {
     ];
 }
 
+/// How a thread's driver calls interact with stream captures under way (CUDA's
+/// `CUstreamCaptureMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureMode {
+    Global,
+    ThreadLocal,
+    Relaxed,
+}
+
 /// One device of one backend. All methods are thread-safe; the allocator serialises its own
 /// state but may call from any thread (PyTorch frees from arbitrary threads).
 ///
@@ -174,6 +183,12 @@ pub trait Device: Send + Sync {
     /// Queues a device-to-device copy (both addresses visible to this device) on `stream`.
     fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: usize, stream: Stream)
         -> Result<()>;
+
+    /// Sets the calling thread's capture mode and returns the previous one. Backends without
+    /// stream capture keep nothing.
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        Ok(mode)
+    }
 
     /// Page-locked host memory, for staging copies.
     fn alloc_pinned(&self, size: usize) -> Result<*mut u8>;

@@ -19,6 +19,13 @@ type FreeEntry = (usize, DevicePtr, BlockId);
 type FreeSet = BTreeSet<FreeEntry>;
 pub type BlockId = usize;
 
+/// Which pool a segment belongs to: the shared pool, or a private pool (a CUDA graph's memory,
+/// which only allocations routed to that pool may use, and which is never released or
+/// stitched while the pool exists).
+pub type Tag = u32;
+/// The shared pool.
+pub const SHARED: Tag = 0;
+
 /// The small pool (requests up to `small_limit`) or the large pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PoolKind {
@@ -45,6 +52,7 @@ pub struct Segment {
     /// One physical handle per granule, in address order.
     pub handles: Vec<PhysHandle>,
     pub pool: PoolKind,
+    pub tag: Tag,
     pub first: BlockId,
 }
 
@@ -73,12 +81,21 @@ pub struct BlockMap {
     /// Every segment by start address, for lookups of pointers. Blocks are found from their
     /// segment's list: indexing every block would cost an update on every split and merge.
     by_addr: BTreeMap<DevicePtr, SegmentId>,
-    /// Best-fit sets, one per (pool, owner); few streams, so a short list beats a map.
-    free: Vec<((PoolKind, Owner), FreeSet)>,
+    /// Best-fit sets, one per (tag, pool, owner); few streams and tags, so a short list beats
+    /// a map.
+    free: Vec<(FreeKey, FreeSet)>,
     /// Free blocks that are part of a segment split into several blocks.
     pub inactive_split: SplitDelta,
     /// The same, per pool (indexed by `PoolKind as usize`).
     pub inactive_split_by_pool: [SplitDelta; 2],
+}
+
+type FreeKey = (Tag, PoolKind, Owner);
+
+/// Whether a free set of `key` serves requests of `tag`/`pool` on `stream`.
+fn serves(key: &FreeKey, tag: Tag, pool: PoolKind, stream: Stream) -> bool {
+    let (t, p, owner) = *key;
+    t == tag && p == pool && (owner.is_none() || owner == Some(stream))
 }
 
 impl BlockMap {
@@ -86,7 +103,7 @@ impl BlockMap {
         Self::default()
     }
 
-    fn free_set(&mut self, key: (PoolKind, Owner)) -> &mut FreeSet {
+    fn free_set(&mut self, key: FreeKey) -> &mut FreeSet {
         let index = match self.free.iter().position(|(k, _)| *k == key) {
             Some(index) => index,
             None => {
@@ -103,11 +120,12 @@ impl BlockMap {
     }
 
     fn link_free(&mut self, id: BlockId) {
-        let (pool, owner, size, addr) = {
+        let (tag, pool, owner, size, addr) = {
             let b = &self.blocks[id];
-            (self.segments[b.segment].pool, b.owner, b.size, b.addr)
+            let s = &self.segments[b.segment];
+            (s.tag, s.pool, b.owner, b.size, b.addr)
         };
-        self.free_set((pool, owner)).insert((size, addr, id));
+        self.free_set((tag, pool, owner)).insert((size, addr, id));
         if self.is_split(id) {
             self.inactive_split.count += 1;
             self.inactive_split.bytes += size as i64;
@@ -117,11 +135,12 @@ impl BlockMap {
     }
 
     fn unlink_free(&mut self, id: BlockId) {
-        let (pool, owner, size, addr) = {
+        let (tag, pool, owner, size, addr) = {
             let b = &self.blocks[id];
-            (self.segments[b.segment].pool, b.owner, b.size, b.addr)
+            let s = &self.segments[b.segment];
+            (s.tag, s.pool, b.owner, b.size, b.addr)
         };
-        self.free_set((pool, owner)).remove(&(size, addr, id));
+        self.free_set((tag, pool, owner)).remove(&(size, addr, id));
         if self.is_split(id) {
             self.inactive_split.count -= 1;
             self.inactive_split.bytes -= size as i64;
@@ -130,19 +149,22 @@ impl BlockMap {
         }
     }
 
-    /// Adds a segment covered by one free block with no owner (new memory is idle).
+    /// Adds a segment of pool `tag` covered by one free block with no owner (new memory is
+    /// idle).
     pub fn add_segment(
         &mut self,
         va: DevicePtr,
         size: usize,
         handles: Vec<PhysHandle>,
         pool: PoolKind,
+        tag: Tag,
     ) -> (SegmentId, BlockId) {
         let segment = self.segments.insert(Segment {
             va,
             size,
             handles,
             pool,
+            tag,
             first: usize::MAX,
         });
         let block = self.blocks.insert(Block {
@@ -177,10 +199,12 @@ impl BlockMap {
         Some(removed)
     }
 
-    /// Segments whose whole range is one free block.
+    /// Segments of the shared pool whose whole range is one free block. (A private pool's
+    /// free memory is still the memory its graph replays use.)
     pub fn idle_segments(&self) -> Vec<SegmentId> {
         self.segments
             .iter()
+            .filter(|(_, s)| s.tag == SHARED)
             .filter(|(_, s)| {
                 let b = &self.blocks[s.first];
                 b.state == BlockState::Free && b.next.is_none()
@@ -209,11 +233,17 @@ impl BlockMap {
         })
     }
 
-    /// Smallest free block of `pool` usable on `stream` with at least `size` bytes.
-    pub fn best_fit(&self, pool: PoolKind, stream: Stream, size: usize) -> Option<BlockId> {
+    /// Smallest free block of `tag`'s `pool` usable on `stream` with at least `size` bytes.
+    pub fn best_fit(
+        &self,
+        tag: Tag,
+        pool: PoolKind,
+        stream: Stream,
+        size: usize,
+    ) -> Option<BlockId> {
         let mut best: Option<(usize, DevicePtr, BlockId)> = None;
-        for ((p, owner), set) in &self.free {
-            if *p != pool || !(owner.is_none() || *owner == Some(stream)) {
+        for (key, set) in &self.free {
+            if !serves(key, tag, pool, stream) {
                 continue;
             }
             if let Some(&candidate) = set.range((size, 0, 0)..).next() {
@@ -225,7 +255,7 @@ impl BlockMap {
         best.map(|(_, _, id)| id)
     }
 
-    /// Free blocks of `pool` usable on `stream`, of at least `min_size` bytes, as
+    /// Free blocks of the shared `pool` usable on `stream`, of at least `min_size` bytes, as
     /// `(size, id)`, largest first (equal sizes by id, highest first). Lazy: a stitch needs
     /// only the few largest blocks, not all of them sorted.
     pub fn largest_free_blocks(
@@ -237,7 +267,7 @@ impl BlockMap {
         let sets = self
             .free
             .iter()
-            .filter(|((p, owner), _)| *p == pool && (owner.is_none() || *owner == Some(stream)))
+            .filter(|(key, _)| serves(key, SHARED, pool, stream))
             .map(|(_, set)| set.range((min_size, 0, 0)..).rev().peekable())
             .collect();
         LargestFirst {
@@ -246,11 +276,11 @@ impl BlockMap {
         }
     }
 
-    /// Total free bytes of `pool` that `stream` could use at once.
+    /// Total free bytes of the shared `pool` that `stream` could use at once.
     pub fn free_bytes_for(&self, pool: PoolKind, stream: Stream) -> usize {
         self.free
             .iter()
-            .filter(|((p, owner), _)| *p == pool && (owner.is_none() || *owner == Some(stream)))
+            .filter(|(key, _)| serves(key, SHARED, pool, stream))
             .flat_map(|(_, set)| set.iter().map(|&(s, _, _)| s))
             .sum()
     }
@@ -261,7 +291,7 @@ impl BlockMap {
             .free
             .iter()
             .filter(|(_, set)| !set.is_empty())
-            .filter_map(|((_, owner), _)| *owner)
+            .filter_map(|((_, _, owner), _)| *owner)
             .collect();
         streams.sort_unstable();
         streams.dedup();
@@ -418,7 +448,7 @@ impl BlockMap {
         let ids: Vec<BlockId> = self
             .free
             .iter()
-            .filter(|((_, owner), _)| *owner == Some(stream))
+            .filter(|((_, _, owner), _)| *owner == Some(stream))
             .flat_map(|(_, set)| set.iter().map(|&(_, _, id)| id))
             .collect();
         for id in &ids {
@@ -431,6 +461,30 @@ impl BlockMap {
                 self.unlink_free(id);
                 let merged = self.merge_neighbours(id);
                 self.link_free(merged);
+            }
+        }
+    }
+
+    /// Moves every segment of pool `from` to pool `to` (a private pool that ends gives its
+    /// memory to the shared pool).
+    pub fn retag(&mut self, from: Tag, to: Tag) {
+        let moved: Vec<SegmentId> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.tag == from)
+            .map(|(id, _)| id)
+            .collect();
+        for segment in moved {
+            let free: Vec<BlockId> = self
+                .segment_blocks(segment)
+                .filter(|&b| self.blocks[b].state == BlockState::Free)
+                .collect();
+            for &b in &free {
+                self.unlink_free(b);
+            }
+            self.segments[segment].tag = to;
+            for b in free {
+                self.link_free(b);
             }
         }
     }
@@ -553,10 +607,10 @@ mod tests {
     #[test]
     fn split_take_release_coalesce() {
         let mut m = BlockMap::new();
-        let (seg, b) = m.add_segment(0x10000, 4096, vec![PhysHandle(1)], PoolKind::Small);
-        assert_eq!(m.best_fit(PoolKind::Small, S, 512), Some(b));
+        let (seg, b) = m.add_segment(0x10000, 4096, vec![PhysHandle(1)], PoolKind::Small, SHARED);
+        assert_eq!(m.best_fit(SHARED, PoolKind::Small, S, 512), Some(b));
         m.take_front(b, 512, S);
-        let c = m.best_fit(PoolKind::Small, S, 512).unwrap();
+        let c = m.best_fit(SHARED, PoolKind::Small, S, 512).unwrap();
         m.take_front(c, 1024, S);
         assert_eq!(m.inactive_split.count, 1);
         assert_eq!(m.inactive_split.bytes, 4096 - 1536);
@@ -576,21 +630,30 @@ mod tests {
     #[test]
     fn owners_keep_streams_apart() {
         let mut m = BlockMap::new();
-        let (_, b) = m.add_segment(0x100000, 8192, vec![PhysHandle(1)], PoolKind::Large);
+        let (_, b) = m.add_segment(0x100000, 8192, vec![PhysHandle(1)], PoolKind::Large, SHARED);
         m.take_front(b, 4096, S);
         m.release(b, Some(S));
         // The first half is owned by S, the second by nobody: they merge, owned by S.
         assert_eq!(m.blocks[b].size, 8192);
-        assert_eq!(m.best_fit(PoolKind::Large, Stream(9), 4096), None);
+        assert_eq!(m.best_fit(SHARED, PoolKind::Large, Stream(9), 4096), None);
         m.disown(S);
-        assert_eq!(m.best_fit(PoolKind::Large, Stream(9), 4096), Some(b));
+        assert_eq!(
+            m.best_fit(SHARED, PoolKind::Large, Stream(9), 4096),
+            Some(b)
+        );
         m.check().unwrap();
     }
 
     #[test]
     fn take_range_middle() {
         let mut m = BlockMap::new();
-        let (_, b) = m.add_segment(0x200000, 8 << 20, vec![PhysHandle(1)], PoolKind::Large);
+        let (_, b) = m.add_segment(
+            0x200000,
+            8 << 20,
+            vec![PhysHandle(1)],
+            PoolKind::Large,
+            SHARED,
+        );
         let mid = m.take_range(0x200000 + (2 << 20), 2 << 20, S).unwrap();
         assert_ne!(mid, b);
         assert_eq!(m.blocks[mid].size, 2 << 20);
@@ -602,8 +665,8 @@ mod tests {
     #[test]
     fn lookups_by_address() {
         let mut m = BlockMap::new();
-        let (_, a) = m.add_segment(0x100000, 4096, vec![PhysHandle(1)], PoolKind::Small);
-        let (_, b) = m.add_segment(0x300000, 8192, vec![PhysHandle(2)], PoolKind::Large);
+        let (_, a) = m.add_segment(0x100000, 4096, vec![PhysHandle(1)], PoolKind::Small, SHARED);
+        let (_, b) = m.add_segment(0x300000, 8192, vec![PhysHandle(2)], PoolKind::Large, SHARED);
         let rest = m.take_front(b, 2048, S).unwrap();
         assert_eq!(m.block_at(0x100000), Some(a));
         assert_eq!(m.block_at(0x100200), None);
@@ -624,7 +687,8 @@ mod tests {
         for (i, size) in sizes.into_iter().enumerate() {
             // Addresses fall as ids rise, so that the order by id is not the order by address.
             let va = 0x100000 * (16 - i as u64);
-            let (_, b) = m.add_segment(va, size + 512, vec![PhysHandle(1)], PoolKind::Large);
+            let (_, b) =
+                m.add_segment(va, size + 512, vec![PhysHandle(1)], PoolKind::Large, SHARED);
             // Leaves a free block of `size` owned by S, by `other` or by nobody.
             m.take_front(b, 512, S);
             let owner = [Some(S), Some(other), None][i % 3];

@@ -7,6 +7,12 @@
 //! memory and retry -> out of memory. Small requests (up to `small_limit`, rounded to 512 bytes)
 //! come from 2 MiB segments and are never stitched.
 //!
+//! Private pools (PyTorch's graph pools) hold the memory of CUDA graph captures: requests routed
+//! to one are served only from its own segments, and its memory, free or not, is neither
+//! stitched, released nor handed to other requests until the pool is released; then it joins
+//! the shared pool. While any routing is active (a capture may be underway) the allocator never
+//! waits for the device, unmaps or releases, and defers event records of frees.
+//!
 //! Reuse is stream-ordered: a block freed on stream S is reusable at once on S; other streams
 //! get it only after the allocator has seen S's work complete. Blocks used on extra streams
 //! (`record_stream`) wait for events recorded on those streams at free time. Nothing is unmapped
@@ -20,11 +26,21 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::config::{Config, DefragLevel};
-use crate::device::{align_up, DevicePtr, Event, PhysHandle, SharedDevice, Stream};
+use crate::device::{align_up, CaptureMode, DevicePtr, Event, PhysHandle, SharedDevice, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use crate::stats::MemoryStats;
 use crate::stitch::{self, Piece, StitchCache, StitchId};
-use blocks::{BlockId, BlockMap, BlockState, PoolKind, SegmentId};
+use blocks::{BlockId, BlockMap, BlockState, PoolKind, SegmentId, Tag, SHARED};
+
+/// Names a private pool (PyTorch's `MempoolId_t`).
+pub type PrivatePoolId = (u64, u64);
+
+#[derive(Debug, Clone, Copy)]
+struct PrivatePool {
+    tag: Tag,
+    /// Routings begun (captures and pool contexts) not yet matched by a release.
+    uses: u32,
+}
 
 /// Alignment and rounding unit of small requests.
 pub const MIN_BLOCK: usize = 512;
@@ -107,6 +123,12 @@ struct Inner {
     idle_events: Vec<Event>,
     zombies: Vec<Zombie>,
     access: Vec<i32>,
+    private: KeyMap<PrivatePoolId, PrivatePool>,
+    next_tag: Tag,
+    /// Routings to private pools begun and not ended: while nonzero a capture may be underway.
+    routing: u32,
+    /// Frees that need stream events, held back while a capture may be underway.
+    deferred: Vec<Live>,
 }
 
 /// A thread-safe caching allocator for one device.
@@ -166,6 +188,10 @@ impl Pool {
                 idle_events: Vec::new(),
                 zombies: Vec::new(),
                 access,
+                private: KeyMap::default(),
+                next_tag: SHARED + 1,
+                routing: 0,
+                deferred: Vec::new(),
             }),
         })
     }
@@ -180,8 +206,105 @@ impl Pool {
 
     /// Allocates `size` bytes for use on `stream`.
     pub fn malloc(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        self.malloc_in(size, stream, None)
+    }
+
+    /// Allocates `size` bytes for use on `stream`, from private pool `private` when given
+    /// (which must be routed to: between [`Pool::begin_private`] and [`Pool::end_private`]).
+    pub fn malloc_in(
+        &self,
+        size: usize,
+        stream: Stream,
+        private: Option<PrivatePoolId>,
+    ) -> Result<DevicePtr> {
         let mut inner = lock(&self.inner);
-        inner.malloc(&*self.device, size, stream)
+        let tag = match private {
+            None => SHARED,
+            Some(id) => match inner.private.get(&id) {
+                Some(p) => p.tag,
+                None => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidState,
+                        format!("private pool {id:?} is not open"),
+                    ))
+                }
+            },
+        };
+        if inner.routing == 0 {
+            return inner.malloc(&*self.device, size, stream, tag);
+        }
+        // A capture may be underway on this thread: driver calls that are not stream work
+        // (creating and mapping memory) must not count as unsafe calls that end it.
+        let previous = self.device.exchange_capture_mode(CaptureMode::Relaxed)?;
+        let result = inner.malloc(&*self.device, size, stream, tag);
+        if let Err(err) = self.device.exchange_capture_mode(previous) {
+            log::warn!("glake: restoring the stream capture mode failed: {err}");
+        }
+        result
+    }
+
+    /// Starts routing requests to private pool `id`, creating it or taking one more use of it.
+    /// Until the matching [`Pool::end_private`] nothing is unmapped, released or waited for.
+    pub fn begin_private(&self, id: PrivatePoolId) {
+        let mut inner = lock(&self.inner);
+        let next = inner.next_tag;
+        let entry = inner
+            .private
+            .entry(id)
+            .or_insert(PrivatePool { tag: next, uses: 0 });
+        entry.uses += 1;
+        if entry.tag == next {
+            inner.next_tag += 1;
+        }
+        inner.routing += 1;
+    }
+
+    /// Ends one routing begun by [`Pool::begin_private`]; frees held back meanwhile record
+    /// their events once no routing is left.
+    pub fn end_private(&self, id: PrivatePoolId) -> Result<()> {
+        let mut inner = lock(&self.inner);
+        if !inner.private.contains_key(&id) || inner.routing == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("no routing to private pool {id:?} to end"),
+            ));
+        }
+        inner.routing -= 1;
+        if inner.routing > 0 {
+            return Ok(());
+        }
+        let mut first_error = None;
+        for live in std::mem::take(&mut inner.deferred) {
+            if let Err(err) = inner.free_after_events(&*self.device, live) {
+                first_error.get_or_insert(err);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Drops one use of private pool `id`; at the last, its memory joins the shared pool
+    /// (allocations still live return there when freed).
+    pub fn release_private(&self, id: PrivatePoolId) -> Result<()> {
+        let mut inner = lock(&self.inner);
+        let Some(pool) = inner.private.get_mut(&id) else {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("private pool {id:?} is not open"),
+            ));
+        };
+        pool.uses = pool.uses.saturating_sub(1);
+        if pool.uses == 0 {
+            let tag = pool.tag;
+            inner.private.remove(&id);
+            inner.map.retag(tag, SHARED);
+            inner.sync_split_stats();
+        }
+        Ok(())
+    }
+
+    /// Number of open private pools.
+    pub fn private_pool_count(&self) -> usize {
+        lock(&self.inner).private.len()
     }
 
     /// Frees an allocation. Memory becomes reusable on its stream at once, elsewhere later.
@@ -376,7 +499,8 @@ impl Inner {
                 );
             }
         }
-        if self.pending.iter().any(|p| self.live_ptr(&p.live) == ptr) {
+        let held = self.pending.iter().map(|p| &p.live).chain(&self.deferred);
+        if held.into_iter().any(|live| self.live_ptr(live) == ptr) {
             return Error::new(
                 ErrorKind::DoubleFree,
                 format!("{ptr:#x} was already freed (double free)"),
@@ -426,6 +550,7 @@ impl Inner {
         device: &dyn crate::device::Device,
         size: usize,
         stream: Stream,
+        tag: Tag,
     ) -> Result<DevicePtr> {
         if size == 0 {
             return Err(Error::invalid_argument("size 0 requested"));
@@ -455,8 +580,8 @@ impl Inner {
             self.process_pending(device)?;
         }
         let ptr = match pool {
-            PoolKind::Small => self.malloc_small(device, rounded, stream)?,
-            PoolKind::Large => self.malloc_large(device, rounded, stream)?,
+            PoolKind::Small => self.malloc_small(device, rounded, stream, tag)?,
+            PoolKind::Large => self.malloc_large(device, rounded, stream, tag)?,
         };
         let ptr = match ptr {
             Some(ptr) => ptr,
@@ -551,13 +676,14 @@ impl Inner {
         device: &dyn crate::device::Device,
         size: usize,
         stream: Stream,
+        tag: Tag,
     ) -> Result<Option<DevicePtr>> {
         for attempt in 0..3 {
-            if let Some(id) = self.map.best_fit(PoolKind::Small, stream, size) {
+            if let Some(id) = self.map.best_fit(tag, PoolKind::Small, stream, size) {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
             }
             let segment_size = align_up(self.granularity.max(size), self.granularity)?;
-            if let Some(id) = self.grow(device, PoolKind::Small, segment_size)? {
+            if let Some(id) = self.grow(device, PoolKind::Small, segment_size, tag)? {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
             }
             match attempt {
@@ -577,10 +703,12 @@ impl Inner {
         device: &dyn crate::device::Device,
         size: usize,
         stream: Stream,
+        tag: Tag,
     ) -> Result<Option<DevicePtr>> {
-        let stitch = self.config.stitch;
+        // A private pool maps nothing twice: its graph replays use fixed addresses.
+        let stitch = self.config.stitch && tag == SHARED;
         for attempt in 0..3 {
-            if let Some(id) = self.map.best_fit(PoolKind::Large, stream, size) {
+            if let Some(id) = self.map.best_fit(tag, PoolKind::Large, stream, size) {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
             }
             if stitch {
@@ -594,7 +722,7 @@ impl Inner {
                     }
                 }
             }
-            if let Some(id) = self.grow(device, PoolKind::Large, size)? {
+            if let Some(id) = self.grow(device, PoolKind::Large, size, tag)? {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
             }
             if stitch && self.config.defrag_level == DefragLevel::WhenFull && attempt == 0 {
@@ -628,6 +756,7 @@ impl Inner {
         device: &dyn crate::device::Device,
         pool: PoolKind,
         size: usize,
+        tag: Tag,
     ) -> Result<Option<BlockId>> {
         if !self.fits_cap(size) {
             return Ok(None);
@@ -655,7 +784,7 @@ impl Inner {
             }
         };
         let count = handles.len() as i64;
-        let (_, block) = self.map.add_segment(va, size, handles, pool);
+        let (_, block) = self.map.add_segment(va, size, handles, pool, tag);
         self.stats.segment.add(pool, 1);
         self.stats.reserved_bytes.add(pool, size as i64);
         self.stats.num_device_alloc += count;
@@ -744,7 +873,7 @@ impl Inner {
             ids.push(id);
         }
         if plan.shortfall > 0 {
-            match self.grow(device, PoolKind::Large, plan.shortfall) {
+            match self.grow(device, PoolKind::Large, plan.shortfall, SHARED) {
                 Ok(Some(id)) => {
                     self.map.take(id, stream);
                     ids.push(id);
@@ -810,6 +939,9 @@ impl Inner {
     /// Unmaps idle stitched ranges: all of them when `all`, else the least recently used ones
     /// past the auto-GC byte limit or the idle-count limit.
     fn collect_stitched(&mut self, device: &dyn crate::device::Device, all: bool) -> Result<()> {
+        if self.routing > 0 {
+            return Ok(());
+        }
         let over_bytes = self.stitch.mapped_bytes > self.config.auto_gc_bytes;
         let over_count = self.stitch.idle_count() > MAX_IDLE_STITCHED;
         if !all && !over_bytes && !over_count {
@@ -874,6 +1006,9 @@ impl Inner {
         device: &dyn crate::device::Device,
         stream: Stream,
     ) -> Result<()> {
+        if self.routing > 0 {
+            return Ok(());
+        }
         self.process_pending(device)?;
         let others = self.map.owning_streams().iter().any(|&s| s != stream);
         if others || !self.pending.is_empty() {
@@ -900,6 +1035,10 @@ impl Inner {
 
     /// Frees all cached memory: idle stitched ranges and idle segments.
     fn release_cached(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        if self.routing > 0 {
+            // A capture may be underway: waiting for the device would end it.
+            return Ok(());
+        }
         self.synchronize_all(device)?;
         self.collect_stitched(device, true)?;
         for segment in self.map.idle_segments() {
@@ -925,6 +1064,17 @@ impl Inner {
             self.finish_free(live, Some(stream));
             return Ok(());
         }
+        if self.routing > 0 {
+            // An event recorded on a capturing stream would become part of the graph.
+            self.set_target_pending(live.target);
+            self.deferred.push(live);
+            return Ok(());
+        }
+        self.free_after_events(device, live)
+    }
+
+    /// Frees an allocation used on extra streams: its memory waits for events recorded on them.
+    fn free_after_events(&mut self, device: &dyn crate::device::Device, live: Live) -> Result<()> {
         let mut events = Vec::with_capacity(live.extra_streams.len());
         for &stream in &live.extra_streams {
             let event = match self.idle_events.pop() {
@@ -997,6 +1147,9 @@ impl Inner {
 
     /// Completes pending frees whose events have all completed.
     fn process_pending(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        if self.routing > 0 {
+            return Ok(());
+        }
         let mut index = 0;
         while index < self.pending.len() {
             let mut done = true;
@@ -1020,6 +1173,16 @@ impl Inner {
 
     /// Releases everything: called when the pool is dropped.
     fn teardown(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        // Nothing can capture once the pool is gone: private pools end here, and the frees
+        // held back for them complete after the device wait that precedes every release.
+        self.routing = 0;
+        let tags: Vec<Tag> = self.private.drain().map(|(_, p)| p.tag).collect();
+        for tag in tags {
+            self.map.retag(tag, SHARED);
+        }
+        for live in std::mem::take(&mut self.deferred) {
+            self.finish_free(live, None);
+        }
         let ptrs: Vec<DevicePtr> = self.live.keys().copied().collect();
         for ptr in ptrs {
             if let Some(live) = self.live.remove(&ptr) {

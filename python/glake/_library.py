@@ -1,0 +1,80 @@
+"""Finds and loads libgmlake.so, the allocator library this package drives."""
+
+import ctypes
+import os
+import pathlib
+
+ENV_LIBRARY = "GLAKE_LIBRARY"
+_NAME = "libgmlake.so"
+
+
+def candidates():
+    """Where the library may be, in the order tried: $GLAKE_LIBRARY, this package, and the
+    release build of the repository this package sits in (for development)."""
+    here = pathlib.Path(__file__).resolve().parent
+    found = []
+    if os.environ.get(ENV_LIBRARY):
+        found.append(pathlib.Path(os.environ[ENV_LIBRARY]))
+    found.append(here / _NAME)
+    found.append(here.parent.parent / "target" / "release" / _NAME)
+    return found
+
+
+def path():
+    """The library's path; FileNotFoundError naming every place looked at."""
+    tried = candidates()
+    for candidate in tried:
+        if candidate.is_file():
+            return str(candidate)
+    looked = ", ".join(str(c) for c in tried)
+    raise FileNotFoundError(
+        f"{_NAME} not found (looked at {looked}); build it with "
+        f"`cargo build --release -p gmlake` or set {ENV_LIBRARY}"
+    )
+
+
+_lib = None
+
+
+def load():
+    """The loaded library, with argument and result types declared for the calls made here."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    lib = ctypes.CDLL(path())
+    c_int, c_char_p = ctypes.c_int, ctypes.c_char_p
+    out_text = ctypes.POINTER(ctypes.c_void_p)
+    for name in ("gmlake_stats_json", "gmlake_snapshot_json"):
+        fn = getattr(lib, name)
+        fn.argtypes = [c_int, out_text]
+        fn.restype = c_int
+    for name in ("gmlake_reset_peak_stats", "gmlake_reset_accumulated_stats", "gmlake_init"):
+        fn = getattr(lib, name)
+        fn.argtypes = [c_int]
+        fn.restype = None
+    lib.gmlake_string_free.argtypes = [ctypes.c_void_p]
+    lib.gmlake_string_free.restype = None
+    lib.gmlake_last_error.argtypes = []
+    lib.gmlake_last_error.restype = c_char_p
+    _lib = lib
+    return lib
+
+
+def text(fn, device):
+    """Calls a gmlake_*_json function and returns its text."""
+    lib = load()
+    out = ctypes.c_void_p()
+    if fn(device, ctypes.byref(out)) != 0:
+        raise RuntimeError(lib.gmlake_last_error().decode(errors="replace"))
+    try:
+        return ctypes.string_at(out.value).decode()
+    finally:
+        lib.gmlake_string_free(out)
+
+
+def symbol_address(lib, name):
+    """The address of exported function `name` (what PyTorch's allocator setters take)."""
+    address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    if not address:
+        raise RuntimeError(f"{name} is missing from {path()}")
+    return address

@@ -1,0 +1,232 @@
+"""glake as PyTorch's CUDA allocator.
+
+    import glake.torch
+    glake.torch.enable()                      # before the first CUDA tensor
+    glake.torch.enable(frag_limit="64M")      # with configuration
+
+enable() swaps PyTorch's CUDA allocator for libgmlake.so through
+torch.cuda.memory.CUDAPluggableAllocator, registers every hook the plug-in interface has
+(empty_cache, memory fraction, record_stream, base allocation, CUDA graph pools), and makes
+torch.cuda.memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
+memory_stats, memory_summary, memory_snapshot, reset_peak_memory_stats and
+reset_accumulated_memory_stats answer from glake's statistics with PyTorch's key names.
+
+Configuration: keywords of enable() (below), else the environment: GLAKE_* variables or
+GMLake's names (vmmDefragment, fragLimit, reuseLimit, defragLevel, autoGC, ...).
+"""
+
+import json
+import os
+
+import torch as _torch
+
+from . import _library
+
+# enable() keyword -> environment variable the library reads. GMLake's spellings are accepted
+# as keywords as well.
+_CONFIG_ENV = {
+    "stitch": "GLAKE_STITCH",
+    "frag_limit": "GLAKE_FRAG_LIMIT",
+    "reuse_limit": "GLAKE_REUSE_LIMIT",
+    "defrag_level": "GLAKE_DEFRAG_LEVEL",
+    "auto_gc": "GLAKE_AUTO_GC",
+    "memory_fraction": "GLAKE_MEMORY_FRACTION",
+    "max_stitch_pieces": "GLAKE_MAX_STITCH_PIECES",
+    "log": "GLAKE_LOG",
+}
+_ALIASES = {
+    "vmmDefragment": "stitch",
+    "fragLimit": "frag_limit",
+    "fragment_limit": "frag_limit",
+    "reuseLimit": "reuse_limit",
+    "defragLevel": "defrag_level",
+    "defragment_level": "defrag_level",
+    "autoGC": "auto_gc",
+    "auto_gc_limits": "auto_gc",
+}
+
+_state = {"allocator": None, "originals": {}}
+
+
+def _env_value(value):
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def config_environment(**config):
+    """The environment variables that `enable(**config)` sets (exposed for testing)."""
+    env = {}
+    for key, value in config.items():
+        name = _ALIASES.get(key, key)
+        if name not in _CONFIG_ENV:
+            known = sorted(set(_CONFIG_ENV) | set(_ALIASES))
+            raise TypeError(f"unknown glake option {key!r}; known: {', '.join(known)}")
+        env[_CONFIG_ENV[name]] = _env_value(value)
+    return env
+
+
+def is_enabled():
+    return _state["allocator"] is not None
+
+
+def library_path():
+    """Path of the libgmlake.so that enable() loads (or would load)."""
+    return _library.path()
+
+
+def enable(**config):
+    """Makes glake PyTorch's CUDA allocator. Call before any CUDA memory is allocated; calling
+    again is a no-op. Raises RuntimeError when CUDA is already initialised."""
+    if is_enabled():
+        return
+    env = config_environment(**config)
+    if _torch.cuda.is_initialized():
+        raise RuntimeError(
+            "glake.torch.enable() must run before CUDA is initialised in this process "
+            "(before the first CUDA tensor, torch.cuda.* memory call or model.cuda()); "
+            "call it at the top of the program"
+        )
+    os.environ.update(env)
+    path = _library.path()
+    lib = _library.load()
+    allocator = _torch.cuda.memory.CUDAPluggableAllocator(path, "gmlake_malloc", "gmlake_free")
+    hooks = allocator.allocator()
+    address = _library.symbol_address
+    hooks.set_init_fn(address(lib, "gmlake_init"))
+    hooks.set_reset_fn(address(lib, "gmlake_reset"))
+    hooks.set_memory_fraction_fn(address(lib, "gmlake_memory_fraction"))
+    hooks.set_base_alloc_fn(address(lib, "gmlake_base_alloc"))
+    hooks.set_record_stream_fn(address(lib, "gmlake_record_stream"))
+    hooks.set_begin_allocate_to_pool(address(lib, "gmlake_begin_allocate_to_pool"))
+    hooks.set_end_allocate_to_pool_fn(address(lib, "gmlake_end_allocate_to_pool"))
+    hooks.set_release_pool(address(lib, "gmlake_release_pool"))
+    _torch.cuda.memory.change_current_allocator(allocator)
+    _state["allocator"] = allocator
+    _install_statistics()
+
+
+def _device_index(device):
+    if device is None:
+        return _torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    return _torch.cuda._utils._get_device_index(device, optional=True)
+
+
+def stats(device=None):
+    """glake's statistics of `device` as a flat dict: PyTorch's memory_stats() keys, plus
+    glake.* stitch counters."""
+    lib = _library.load()
+    return json.loads(_library.text(lib.gmlake_stats_json, _device_index(device)))
+
+
+def snapshot(device=None):
+    """glake's own snapshot of `device`: segments and blocks, stitched ranges and their pieces,
+    the memory cap and the statistics (None for a device not used yet)."""
+    lib = _library.load()
+    return json.loads(_library.text(lib.gmlake_snapshot_json, _device_index(device)))
+
+
+def nested(flat):
+    """PyTorch's nested form of memory_stats() ("a.b.c" -> {"a": {"b": {"c": ...}}})."""
+    out = {}
+    for key, value in flat.items():
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+_BLOCK_STATES = {
+    "active_allocated": "active_allocated",
+    "active_stitched": "active_allocated",
+    "active_pending_free": "active_pending_free",
+    "inactive": "inactive",
+}
+
+
+def torch_snapshot():
+    """A snapshot in the shape of torch.cuda.memory._snapshot(): segments of every device used,
+    with blocks in PyTorch's states (stitched pieces count as allocated), no traces; glake's
+    stitched ranges are under "glake_stitched"."""
+    segments, stitched, traces = [], [], []
+    for device in range(_torch.cuda.device_count()):
+        traces.append([])
+        snap = snapshot(device)
+        if not snap:
+            continue
+        for seg in snap["segments"]:
+            blocks = [
+                {
+                    "address": b["address"],
+                    "size": b["size"],
+                    "requested_size": b["requested_size"],
+                    "state": _BLOCK_STATES[b["state"]],
+                    "frames": [],
+                }
+                for b in seg["blocks"]
+            ]
+            active = sum(b["size"] for b in blocks if b["state"] != "inactive")
+            segments.append(
+                {
+                    "device": device,
+                    "address": seg["address"],
+                    "total_size": seg["total_size"],
+                    "allocated_size": seg["allocated_size"],
+                    "active_size": active,
+                    "requested_size": sum(b["requested_size"] for b in blocks),
+                    "stream": 0,
+                    "segment_type": seg["segment_type"],
+                    "segment_pool_id": (0, 0),
+                    "is_expandable": False,
+                    "frames": [],
+                    "blocks": blocks,
+                }
+            )
+        stitched.extend(dict(s, device=device) for s in snap["stitched"])
+    return {
+        "segments": segments,
+        "device_traces": traces,
+        "allocator_settings": {},
+        "glake_stitched": stitched,
+    }
+
+
+def _memory_stats(device):
+    return nested(stats(device))
+
+
+def _reset_peak(device):
+    _library.load().gmlake_reset_peak_stats(_device_index(device))
+
+
+def _reset_accumulated(device):
+    _library.load().gmlake_reset_accumulated_stats(_device_index(device))
+
+
+def _memory_snapshot(*_args, **_kwargs):
+    return torch_snapshot()
+
+
+# torch._C functions that raise "does not yet support" with a pluggable allocator. torch.cuda's
+# Python functions (memory_allocated, memory_summary, ...) call these by attribute at each call,
+# so replacing them serves every caller, including code that imported the functions earlier.
+_REPLACEMENTS = {
+    "_cuda_memoryStats": _memory_stats,
+    "_cuda_resetPeakMemoryStats": _reset_peak,
+    "_cuda_resetAccumulatedMemoryStats": _reset_accumulated,
+    "_cuda_memorySnapshot": _memory_snapshot,
+    "_accelerator_getDeviceStats": _memory_stats,
+    "_accelerator_resetPeakStats": _reset_peak,
+    "_accelerator_resetAccumulatedStats": _reset_accumulated,
+}
+
+
+def _install_statistics():
+    for name, replacement in _REPLACEMENTS.items():
+        if hasattr(_torch._C, name):
+            _state["originals"][name] = getattr(_torch._C, name)
+            setattr(_torch._C, name, replacement)

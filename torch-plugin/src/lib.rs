@@ -1,0 +1,355 @@
+//! libgmlake.so: glake as PyTorch's `torch.cuda.memory.CUDAPluggableAllocator`, under GMLake's
+//! symbol names and with torch 2.x's signatures.
+//!
+//! The allocator entry points (`gmlake_malloc`, `gmlake_free`, `gmlake_init`, `gmlake_reset`,
+//! `gmlake_memory_fraction`, `gmlake_base_alloc`, `gmlake_record_stream` and the graph-pool
+//! hooks) are what PyTorch calls. Failures that PyTorch must see become C++ exceptions thrown
+//! by the C++ half (`trampoline.cpp`), which PyTorch turns into Python errors; `gmlake_free`
+//! and `gmlake_release_pool` never throw (PyTorch calls them from deleters and destructors).
+//! The `gmlake_*_json` and `gmlake_reset_*_stats` functions serve the Python package.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
+mod devices;
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use glake::pool::PrivatePoolId;
+use glake::stats::MemoryStats;
+use glake::{Error, ErrorKind, Stream};
+
+extern "C-unwind" {
+    fn gmlake_cxx_throw(out_of_memory: c_int, message: *const c_char) -> !;
+}
+
+extern "C" {
+    fn gmlake_cxx_filter_take(filter: *mut c_void) -> *mut c_void;
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn remember(err: &Error) {
+    // Out of memory reads like PyTorch's own message, which programs (batch-size finders, for
+    // example) look for in a RuntimeError.
+    let text = if err.kind() == ErrorKind::OutOfMemory {
+        format!("CUDA out of memory. glake: {err}")
+    } else {
+        format!("glake: {err}")
+    };
+    let text = text.replace('\0', " ");
+    let text = CString::new(text).unwrap_or_default();
+    LAST_ERROR.with(|last| *last.borrow_mut() = text);
+}
+
+/// Runs `body`, turning a panic into an error and remembering any error's text.
+fn guarded<T>(body: impl FnOnce() -> glake::Result<T>) -> Result<T, ErrorKind> {
+    let result = match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(result) => result,
+        Err(_) => Err(Error::internal("a panic was caught inside the allocator")),
+    };
+    result.map_err(|err| {
+        remember(&err);
+        err.kind()
+    })
+}
+
+/// Throws the remembered error as a C++ exception. Nothing with a destructor lives in this
+/// frame, so the exception passes through it cleanly.
+fn throw(kind: ErrorKind) -> ! {
+    let message = LAST_ERROR.with(|last| last.borrow().as_ptr());
+    let oom = c_int::from(kind == ErrorKind::OutOfMemory);
+    // SAFETY: `message` points into this thread's LAST_ERROR, unchanged until the C++ side has
+    // copied it into the exception.
+    unsafe { gmlake_cxx_throw(oom, message) }
+}
+
+fn stream_of(stream: *mut c_void) -> Stream {
+    Stream(stream as usize as u64)
+}
+
+/// PyTorch's `MempoolId_t` (a pair of 64-bit ids), passed by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MempoolId {
+    pub first: u64,
+    pub second: u64,
+}
+
+impl From<MempoolId> for PrivatePoolId {
+    fn from(id: MempoolId) -> Self {
+        (id.first, id.second)
+    }
+}
+
+fn allocate(size: usize, device: c_int, stream: *mut c_void) -> glake::Result<*mut c_void> {
+    if size == 0 {
+        // PyTorch gives empty tensors no memory: a null pointer of size 0, freed as such.
+        return Ok(std::ptr::null_mut());
+    }
+    let pool = devices::pool(device)?;
+    let private = devices::route_of(device, stream);
+    let ptr = pool.malloc_in(size, stream_of(stream), private)?;
+    Ok(ptr as usize as *mut c_void)
+}
+
+/// Allocates `size` bytes on `device` for use on `stream`; throws on failure (never NULL for
+/// a nonzero size).
+#[no_mangle]
+pub extern "C-unwind" fn gmlake_malloc(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    match guarded(|| allocate(size, device, stream)) {
+        Ok(ptr) => ptr,
+        Err(kind) => throw(kind),
+    }
+}
+
+/// Frees memory from `gmlake_malloc`. Never throws: a bad pointer is logged and ignored.
+#[no_mangle]
+pub extern "C" fn gmlake_free(ptr: *mut c_void, _size: usize, device: c_int, _stream: *mut c_void) {
+    if ptr.is_null() {
+        return;
+    }
+    let freed = guarded(|| {
+        let addr = ptr as usize as u64;
+        match devices::existing(device).map(|p| p.free(addr)) {
+            Some(Err(err)) if err.kind() != ErrorKind::InvalidPointer => Err(err),
+            Some(Ok(())) => Ok(()),
+            // Not this device's: PyTorch passes the allocation's device, so this is a stray
+            // pointer, unless another pool knows it.
+            _ => devices::all()
+                .find_map(|(_, p)| p.free(addr).ok())
+                .ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::InvalidPointer,
+                        format!("{addr:#x} was not allocated by glake"),
+                    )
+                }),
+        }
+    });
+    if freed.is_err() {
+        LAST_ERROR.with(|last| log::error!("{}", last.borrow().to_string_lossy()));
+    }
+}
+
+/// Called once by PyTorch when CUDA is initialised. Pools are created per device on first use.
+#[no_mangle]
+pub extern "C" fn gmlake_init(device_count: c_int) {
+    glake::init_logging();
+    log::debug!("glake: PyTorch plug-in initialised for {device_count} devices");
+}
+
+/// `torch.cuda.empty_cache()`: returns every pool's unused memory to the driver.
+#[no_mangle]
+pub extern "C-unwind" fn gmlake_reset() {
+    let result = guarded(|| {
+        let mut first = None;
+        for (_, pool) in devices::all() {
+            if let Err(err) = pool.empty_cache() {
+                first.get_or_insert(err);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    });
+    if let Err(kind) = result {
+        throw(kind)
+    }
+}
+
+/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`.
+#[no_mangle]
+pub extern "C-unwind" fn gmlake_memory_fraction(fraction: f64, device: c_int) {
+    if let Err(kind) = guarded(|| devices::pool(device)?.set_memory_fraction(fraction)) {
+        throw(kind)
+    }
+}
+
+/// The start of the allocation containing `ptr`; its size goes to `*size`.
+///
+/// # Safety
+/// `size` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C-unwind" fn gmlake_base_alloc(
+    ptr: *mut c_void,
+    size: *mut usize,
+) -> *mut c_void {
+    let found = guarded(|| {
+        let addr = ptr as usize as u64;
+        devices::all()
+            .find_map(|(_, p)| p.allocation_of(addr))
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidPointer,
+                    format!("{addr:#x} is not inside a glake allocation"),
+                )
+            })
+    });
+    match found {
+        Ok(info) => {
+            if !size.is_null() {
+                // SAFETY: non-null and valid for a write under this function's contract.
+                unsafe { *size = info.size };
+            }
+            info.base as usize as *mut c_void
+        }
+        Err(kind) => throw(kind),
+    }
+}
+
+/// `Tensor.record_stream(stream)`: the memory is not reused before `stream`'s work queued by
+/// the time of the free has completed.
+#[no_mangle]
+pub extern "C-unwind" fn gmlake_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    let result = guarded(|| {
+        let addr = ptr as usize as u64;
+        let mut last = Error::new(
+            ErrorKind::InvalidPointer,
+            format!("{addr:#x} was not allocated by glake"),
+        );
+        for (_, pool) in devices::all() {
+            match pool.record_stream(addr, stream_of(stream)) {
+                Ok(()) => return Ok(()),
+                Err(err) => last = err,
+            }
+        }
+        Err(last)
+    });
+    if let Err(kind) = result {
+        throw(kind)
+    }
+}
+
+/// Starts routing `device`'s requests on streams that `filter` selects to private pool `id`
+/// (a CUDA graph capture or a `torch.cuda.MemPool` context). `filter` is PyTorch's
+/// `std::function<bool(cudaStream_t)>`, passed by value (as a pointer to the caller's object,
+/// which this function moves from).
+///
+/// # Safety
+/// `filter` must point to a live `std::function<bool(cudaStream_t)>`.
+#[no_mangle]
+pub unsafe extern "C-unwind" fn gmlake_begin_allocate_to_pool(
+    device: c_int,
+    id: MempoolId,
+    filter: *mut c_void,
+) {
+    let result = guarded(|| {
+        // SAFETY: `filter` is the caller's std::function under this function's contract.
+        let owned = unsafe { gmlake_cxx_filter_take(filter) };
+        if owned.is_null() {
+            return Err(Error::out_of_memory(
+                "no host memory to keep a capture filter",
+            ));
+        }
+        devices::begin_route(device, id.into(), owned)
+    });
+    if let Err(kind) = result {
+        throw(kind)
+    }
+}
+
+/// Ends the routing begun by `gmlake_begin_allocate_to_pool` (the capture has ended).
+#[no_mangle]
+pub extern "C-unwind" fn gmlake_end_allocate_to_pool(device: c_int, id: MempoolId) {
+    if let Err(kind) = guarded(|| devices::end_route(device, id.into())) {
+        throw(kind)
+    }
+}
+
+/// The graph (or memory pool) is gone: its memory joins the shared pool. Never throws
+/// (PyTorch calls it from destructors).
+#[no_mangle]
+pub extern "C" fn gmlake_release_pool(device: c_int, id: MempoolId) {
+    let result = guarded(|| match devices::existing(device) {
+        Some(pool) => pool.release_private(id.into()),
+        None => Ok(()),
+    });
+    if result.is_err() {
+        LAST_ERROR.with(|last| log::warn!("{}", last.borrow().to_string_lossy()));
+    }
+}
+
+/// Writes a new C string to `*out` (free it with `gmlake_string_free`); 0 on success, -1 on
+/// failure (the text is in `gmlake_last_error`).
+fn text_out(out: *mut *mut c_char, text: impl FnOnce() -> glake::Result<String>) -> c_int {
+    let result = guarded(|| {
+        if out.is_null() {
+            return Err(Error::new(ErrorKind::NullPointer, "out is NULL"));
+        }
+        let text = CString::new(text()?).map_err(|_| Error::internal("text holds a NUL byte"))?;
+        // SAFETY: non-null, and the caller passes a pointer valid for a write.
+        unsafe { *out = text.into_raw() };
+        Ok(())
+    });
+    if result.is_ok() {
+        0
+    } else {
+        -1
+    }
+}
+
+/// Statistics of `device` as one JSON object with PyTorch's `memory_stats()` keys (all zero
+/// for a device not used yet).
+///
+/// # Safety
+/// `out` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gmlake_stats_json(device: c_int, out: *mut *mut c_char) -> c_int {
+    text_out(out, || {
+        let stats = devices::existing(device).map_or_else(MemoryStats::default, |p| p.stats());
+        Ok(stats.to_json())
+    })
+}
+
+/// A snapshot of `device`'s segments, blocks and stitched ranges as JSON, or `null` for a
+/// device not used yet.
+///
+/// # Safety
+/// `out` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gmlake_snapshot_json(device: c_int, out: *mut *mut c_char) -> c_int {
+    text_out(out, || {
+        Ok(
+            devices::existing(device)
+                .map_or_else(|| "null".to_string(), |p| p.snapshot().to_json()),
+        )
+    })
+}
+
+/// `torch.cuda.reset_peak_memory_stats(device)`.
+#[no_mangle]
+pub extern "C" fn gmlake_reset_peak_stats(device: c_int) {
+    if let Some(pool) = devices::existing(device) {
+        pool.reset_peak_stats();
+    }
+}
+
+/// `torch.cuda.reset_accumulated_memory_stats(device)`.
+#[no_mangle]
+pub extern "C" fn gmlake_reset_accumulated_stats(device: c_int) {
+    if let Some(pool) = devices::existing(device) {
+        pool.reset_accumulated_stats();
+    }
+}
+
+/// Frees a string returned by this library.
+///
+/// # Safety
+/// `text` must be NULL or a string from this library, freed once.
+#[no_mangle]
+pub unsafe extern "C" fn gmlake_string_free(text: *mut c_char) {
+    if !text.is_null() {
+        // SAFETY: made by CString::into_raw in this library, freed once by contract.
+        drop(unsafe { CString::from_raw(text) });
+    }
+}
+
+/// The text of the calling thread's last failure ("" if none). Valid until its next failure.
+#[no_mangle]
+pub extern "C" fn gmlake_last_error() -> *const c_char {
+    LAST_ERROR.with(|last| last.borrow().as_ptr())
+}

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf gpu-bundle && mkdir -p gpu-bundle
 cargo build --release --locked --examples --bins
+cargo build --release --locked -p gmlake
 cargo test --release --locked --no-run --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys, shutil
@@ -27,6 +28,12 @@ if [ -d build/cpp_tests ] && [ -d build/c_examples ]; then
 else
   echo "run scripts/test.sh first to include the C examples and C++ tests" >&2
 fi
+# The PyTorch plug-in, and pytest for its GPU tests (the GPU machine may lack it).
+mkdir -p gpu-bundle/lib gpu-bundle/wheels
+cp target/release/libgmlake.so gpu-bundle/lib/
+python3 -m pip download -q --no-deps --only-binary=:all: -d gpu-bundle/wheels \
+  pytest==8.3.4 pluggy==1.5.0 iniconfig==2.0.0 packaging==24.2 ||
+  echo "pytest wheels not downloaded: the GPU machine's own pytest will be needed" >&2
 find target/release -maxdepth 1 -type f -executable -name 'glake-*' -exec cp {} gpu-bundle/ \;
 strip --strip-debug gpu-bundle/* 2>/dev/null || true
 du -sh gpu-bundle

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The whole test suite on this machine: the Rust tests (host backend unless
-# GLAKE_TEST_BACKEND=cuda), lints, and the header check.
+# The whole test suite on this machine: the Rust tests of the workspace (host backend unless
+# GLAKE_TEST_BACKEND=cuda; the PyTorch plug-in's ABI test included), lints, the header check,
+# the CMake package with the C and C++ consumers, and the Python package (wheel and host tests).
+# GPU tests: scripts/gpu-run.sh and scripts/gpu-torch.sh on a GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,10 +10,10 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
 echo "== cargo clippy"
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
 echo "== cargo test"
-cargo test --all-targets --locked
+cargo test --workspace --all-targets --locked
 
 echo "== CMake package: build, install, relocate"
 rm -rf build/install build/relocated
@@ -42,4 +44,9 @@ cc -std=c99 -Wall -Werror c_examples/alloc_free.c $(pkg-config --cflags glake) \
   -Wl,-Bstatic $(pkg-config --libs glake) -Wl,-Bdynamic \
   $(pkg-config --static --libs-only-l glake | sed 's/-lglake//') -o build/alloc_free_static
 build/alloc_free_static
+echo "== Python package: wheel with libgmlake.so, host tests"
+rm -rf build/wheel
+python3 -m pip wheel -q --no-deps --no-build-isolation -w build/wheel ./python
+python3 -m zipfile -l build/wheel/glake-*-py3-none-*.whl | grep -q "glake/libgmlake.so"
+GLAKE_LIBRARY="$PWD/target/release/libgmlake.so" python3 -m pytest -q python/tests/test_package.py
 echo "all tests passed"

@@ -15,55 +15,14 @@ Configuration: keywords of enable() (below), else the environment: GLAKE_* varia
 GMLake's names (vmmDefragment, fragLimit, reuseLimit, defragLevel, autoGC, ...).
 """
 
-import json
 import os
 
 import torch as _torch
 
-from . import _library
-
-# enable() keyword -> environment variable the library reads. GMLake's spellings are accepted
-# as keywords as well.
-_CONFIG_ENV = {
-    "stitch": "GLAKE_STITCH",
-    "frag_limit": "GLAKE_FRAG_LIMIT",
-    "reuse_limit": "GLAKE_REUSE_LIMIT",
-    "defrag_level": "GLAKE_DEFRAG_LEVEL",
-    "auto_gc": "GLAKE_AUTO_GC",
-    "memory_fraction": "GLAKE_MEMORY_FRACTION",
-    "max_stitch_pieces": "GLAKE_MAX_STITCH_PIECES",
-    "log": "GLAKE_LOG",
-}
-_ALIASES = {
-    "vmmDefragment": "stitch",
-    "fragLimit": "frag_limit",
-    "fragment_limit": "frag_limit",
-    "reuseLimit": "reuse_limit",
-    "defragLevel": "defrag_level",
-    "defragment_level": "defrag_level",
-    "autoGC": "auto_gc",
-    "auto_gc_limits": "auto_gc",
-}
+from . import _library, options
+from . import stats as _stats
 
 _state = {"allocator": None, "originals": {}}
-
-
-def _env_value(value):
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)
-
-
-def config_environment(**config):
-    """The environment variables that `enable(**config)` sets (exposed for testing)."""
-    env = {}
-    for key, value in config.items():
-        name = _ALIASES.get(key, key)
-        if name not in _CONFIG_ENV:
-            known = sorted(set(_CONFIG_ENV) | set(_ALIASES))
-            raise TypeError(f"unknown glake option {key!r}; known: {', '.join(known)}")
-        env[_CONFIG_ENV[name]] = _env_value(value)
-    return env
 
 
 def is_enabled():
@@ -80,7 +39,7 @@ def enable(**config):
     again is a no-op. Raises RuntimeError when CUDA is already initialised."""
     if is_enabled():
         return
-    env = config_environment(**config)
+    env = options.environment(**config)
     if _torch.cuda.is_initialized():
         raise RuntimeError(
             "glake.torch.enable() must run before CUDA is initialised in this process "
@@ -117,27 +76,13 @@ def _device_index(device):
 def stats(device=None):
     """glake's statistics of `device` as a flat dict: PyTorch's memory_stats() keys, plus
     glake.* stitch counters."""
-    lib = _library.load()
-    return json.loads(_library.text(lib.gmlake_stats_json, _device_index(device)))
+    return _stats.flat(_device_index(device))
 
 
 def snapshot(device=None):
     """glake's own snapshot of `device`: segments and blocks, stitched ranges and their pieces,
     the memory cap and the statistics (None for a device not used yet)."""
-    lib = _library.load()
-    return json.loads(_library.text(lib.gmlake_snapshot_json, _device_index(device)))
-
-
-def nested(flat):
-    """PyTorch's nested form of memory_stats() ("a.b.c" -> {"a": {"b": {"c": ...}}})."""
-    out = {}
-    for key, value in flat.items():
-        node = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return out
+    return _stats.snapshot(_device_index(device))
 
 
 _BLOCK_STATES = {
@@ -196,15 +141,15 @@ def torch_snapshot():
 
 
 def _memory_stats(device):
-    return nested(stats(device))
+    return _stats.nested(stats(device))
 
 
 def _reset_peak(device):
-    _library.load().gmlake_reset_peak_stats(_device_index(device))
+    _stats.reset_peak(_device_index(device))
 
 
 def _reset_accumulated(device):
-    _library.load().gmlake_reset_accumulated_stats(_device_index(device))
+    _stats.reset_accumulated(_device_index(device))
 
 
 def _memory_snapshot(*_args, **_kwargs):

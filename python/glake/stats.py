@@ -1,0 +1,38 @@
+"""glake's statistics and snapshots, read from libgmlake.so (no PyTorch needed)."""
+
+import json
+
+from . import _library
+
+
+def flat(device):
+    """Statistics of `device` as PyTorch's flat memory_stats() dict, plus glake.* counters
+    (zeros for a device not used yet)."""
+    lib = _library.load()
+    return json.loads(_library.text(lib.gmlake_stats_json, device))
+
+
+def snapshot(device):
+    """glake's snapshot of `device` (None for a device not used yet)."""
+    lib = _library.load()
+    return json.loads(_library.text(lib.gmlake_snapshot_json, device))
+
+
+def nested(flat_stats):
+    """PyTorch's nested form of memory_stats(): "a.b.c" -> {"a": {"b": {"c": value}}}."""
+    out = {}
+    for key, value in flat_stats.items():
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def reset_peak(device):
+    _library.load().gmlake_reset_peak_stats(device)
+
+
+def reset_accumulated(device):
+    _library.load().gmlake_reset_accumulated_stats(device)

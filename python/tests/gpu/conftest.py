@@ -1,0 +1,40 @@
+"""GPU tests of glake.torch: glake becomes PyTorch's allocator once, before CUDA starts, for
+the whole session (as in a real program). Tests that need a fresh process run a script."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PYTHON_DIR = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(PYTHON_DIR))
+
+import glake.torch  # noqa: E402
+
+glake.torch.enable()
+
+import torch  # noqa: E402
+
+
+def run_script(code, *args, nproc=None, timeout=300):
+    """Runs `code` in a new interpreter (with this package importable); returns its output,
+    failing the test on a nonzero exit."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), env.get("PYTHONPATH")]))
+    script = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"glake_test_{os.getpid()}.py"
+    script.write_text(code)
+    if nproc:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   "--master_port=29533", str(script), *args]
+    else:
+        command = [sys.executable, str(script), *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.fixture
+def gpu_count():
+    return torch.cuda.device_count()

@@ -1,0 +1,80 @@
+"""The Python package without PyTorch or a GPU: options, the nested statistics form, and the
+library's statistics calls on the host backend (GLAKE_BACKEND=host)."""
+import ctypes
+import os
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+os.environ.setdefault("GLAKE_BACKEND", "host")
+os.environ.setdefault("GLAKE_HOST_DEVICES", "4")
+os.environ.setdefault("GLAKE_HOST_MEMORY", "1G")
+
+from glake import _library, options, stats  # noqa: E402
+
+MIB = 1 << 20
+
+
+def test_options_map_keywords_and_gmlake_spellings():
+    env = options.environment(stitch=False, fragLimit="64M", reuseLimit=4, autoGC=100)
+    assert env == {
+        "GLAKE_STITCH": "0",
+        "GLAKE_FRAG_LIMIT": "64M",
+        "GLAKE_REUSE_LIMIT": "4",
+        "GLAKE_AUTO_GC": "100",
+    }
+    with pytest.raises(TypeError, match="unknown glake option 'fraglimit'"):
+        options.environment(fraglimit=1)
+
+
+def test_nested_is_the_inverse_of_pytorch_flattening():
+    flat = {"allocated_bytes.all.current": 5, "num_ooms": 1, "glake.stitches": 2}
+    assert stats.nested(flat) == {
+        "allocated_bytes": {"all": {"current": 5}},
+        "num_ooms": 1,
+        "glake": {"stitches": 2},
+    }
+
+
+def test_missing_library_names_every_place_looked(monkeypatch, tmp_path):
+    monkeypatch.setenv("GLAKE_LIBRARY", str(tmp_path / "nope.so"))
+    monkeypatch.setattr(_library, "candidates", lambda: [tmp_path / "nope.so"])
+    with pytest.raises(FileNotFoundError, match="nope.so"):
+        _library.path()
+
+
+@pytest.fixture(scope="module")
+def lib():
+    try:
+        loaded = _library.load()
+    except FileNotFoundError as err:
+        pytest.fail(f"build libgmlake.so first (cargo build --release -p gmlake): {err}")
+    loaded.gmlake_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    loaded.gmlake_malloc.restype = ctypes.c_void_p
+    loaded.gmlake_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    loaded.gmlake_free.restype = None
+    return loaded
+
+
+def test_statistics_follow_allocations(lib):
+    # Device 3 of the host backend: untouched by any other test in this process.
+    assert stats.flat(3)["allocated_bytes.all.current"] == 0
+    assert stats.snapshot(3) is None
+    ptr = lib.gmlake_malloc(5 * MIB, 3, None)
+    assert ptr
+    flat = stats.flat(3)
+    assert flat["allocated_bytes.all.current"] == 6 * MIB
+    assert flat["requested_bytes.all.current"] == 5 * MIB
+    assert flat["reserved_bytes.all.current"] >= 6 * MIB
+    lib.gmlake_free(ptr, 5 * MIB, 3, None)
+    flat = stats.flat(3)
+    assert flat["allocated_bytes.all.current"] == 0
+    assert flat["allocated_bytes.all.peak"] == 6 * MIB
+    stats.reset_peak(3)
+    assert stats.flat(3)["allocated_bytes.all.peak"] == 0
+    stats.reset_accumulated(3)
+    assert stats.flat(3)["allocation.all.allocated"] == 0
+    snap = stats.snapshot(3)
+    assert sum(s["total_size"] for s in snap["segments"]) == flat["reserved_bytes.all.current"]

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# PyTorch on the GPU machine, with the plug-in from gpu-bundle/ (scripts/gpu-bundle.sh):
+#   bash scripts/gpu-torch.sh tests    # pytest python/tests/gpu (2-GPU tests skip on one GPU)
+#   bash scripts/gpu-torch.sh bench    # bench/train_bench.py, every workload and allocator
+#   bash scripts/gpu-torch.sh all      # both (the default)
+# Extra arguments after the first go to train_bench.py. Results go to $OUT (or ./gpu-results):
+# pytest.txt, bench.jsonl, bench.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+what=${1:-all}
+shift || true
+export GLAKE_LIBRARY="$PWD/gpu-bundle/lib/libgmlake.so" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+if ! python3 -c 'import pytest' 2>/dev/null && ls gpu-bundle/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/glake-site gpu-bundle/wheels/*.whl &&
+    export PYTHONPATH="$PYTHONPATH:/tmp/glake-site"
+fi
+status=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -v -rs python/tests/gpu 2>&1 | tee "$out/pytest.txt" || status=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 bench/train_bench.py --jsonl "$out/bench.jsonl" --markdown "$out/bench.md" "$@" || status=1
+fi
+exit $status

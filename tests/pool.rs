@@ -499,6 +499,10 @@ fn private_pool_memory_is_kept_apart_until_released() {
         "a private pool must not reuse shared free memory"
     );
     let small = p.malloc_in(1000, Stream::DEFAULT, Some(id)).unwrap();
+    let mut both = vec![graph_tmp, small];
+    both.sort_unstable();
+    assert_eq!(p.private_allocations(id), Some(both));
+    assert_eq!(p.private_allocations((8, 0)), None);
     p.free(graph_tmp).unwrap();
     // Freed during the capture: reusable by the same capture, in stream order...
     let again = p.malloc_in(8 * MIB, Stream::DEFAULT, Some(id)).unwrap();

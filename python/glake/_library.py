@@ -52,6 +52,9 @@ def load():
         fn = getattr(lib, name)
         fn.argtypes = [c_int]
         fn.restype = None
+    lib.gmlake_pool_allocations_json.argtypes = [
+        c_int, ctypes.c_uint64, ctypes.c_uint64, out_text]
+    lib.gmlake_pool_allocations_json.restype = c_int
     lib.gmlake_string_free.argtypes = [ctypes.c_void_p]
     lib.gmlake_string_free.restype = None
     lib.gmlake_last_error.argtypes = []
@@ -60,11 +63,11 @@ def load():
     return lib
 
 
-def text(fn, device):
-    """Calls a gmlake_*_json function and returns its text."""
+def text(fn, *args):
+    """Calls a gmlake_*_json function with `args` and returns its text."""
     lib = load()
     out = ctypes.c_void_p()
-    if fn(device, ctypes.byref(out)) != 0:
+    if fn(*args, ctypes.byref(out)) != 0:
         raise RuntimeError(lib.gmlake_last_error().decode(errors="replace"))
     try:
         return ctypes.string_at(out.value).decode()

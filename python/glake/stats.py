@@ -18,6 +18,14 @@ def snapshot(device):
     return json.loads(_library.text(lib.gmlake_snapshot_json, device))
 
 
+def pool_allocations(device, pool_id):
+    """Addresses of the live allocations of private pool `pool_id` (PyTorch's MempoolId_t, a
+    pair) of `device`, or None when that pool is not open."""
+    lib = _library.load()
+    first, second = pool_id
+    return json.loads(_library.text(lib.gmlake_pool_allocations_json, device, first, second))
+
+
 def nested(flat_stats):
     """PyTorch's nested form of memory_stats(): "a.b.c" -> {"a": {"b": {"c": value}}}."""
     out = {}

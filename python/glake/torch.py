@@ -156,6 +156,13 @@ def _memory_snapshot(*_args, **_kwargs):
     return torch_snapshot()
 
 
+def _check_pool_live_allocations(device, pool_id, expected):
+    """CUDA graph trees (torch.compile mode="reduce-overhead") check that a graph pool holds
+    exactly the allocations they track."""
+    live = _stats.pool_allocations(_device_index(device), tuple(pool_id)) or []
+    return set(live) == set(expected)
+
+
 # torch._C functions that raise "does not yet support" with a pluggable allocator. torch.cuda's
 # Python functions (memory_allocated, memory_summary, ...) call these by attribute at each call,
 # so replacing them serves every caller, including code that imported the functions earlier.
@@ -164,6 +171,7 @@ _REPLACEMENTS = {
     "_cuda_resetPeakMemoryStats": _reset_peak,
     "_cuda_resetAccumulatedMemoryStats": _reset_accumulated,
     "_cuda_memorySnapshot": _memory_snapshot,
+    "_cuda_checkPoolLiveAllocations": _check_pool_live_allocations,
     "_accelerator_getDeviceStats": _memory_stats,
     "_accelerator_resetPeakStats": _reset_peak,
     "_accelerator_resetAccumulatedStats": _reset_accumulated,

@@ -62,6 +62,7 @@ def test_statistics_follow_allocations(lib):
     # Device 3 of the host backend: untouched by any other test in this process.
     assert stats.flat(3)["allocated_bytes.all.current"] == 0
     assert stats.snapshot(3) is None
+    assert stats.pool_allocations(3, (1, 2)) is None
     ptr = lib.gmlake_malloc(5 * MIB, 3, None)
     assert ptr
     flat = stats.flat(3)

@@ -302,6 +302,24 @@ impl Pool {
         Ok(())
     }
 
+    /// The live allocations of private pool `id`, by address (None when the pool is not
+    /// open). PyTorch's CUDA graph trees check these against the tensors they track.
+    pub fn private_allocations(&self, id: PrivatePoolId) -> Option<Vec<DevicePtr>> {
+        let inner = lock(&self.inner);
+        let tag = inner.private.get(&id)?.tag;
+        let mut ptrs: Vec<DevicePtr> = inner
+            .live
+            .iter()
+            .filter(|(_, live)| match live.target {
+                Target::Block(b) => inner.map.segments[inner.map.blocks[b].segment].tag == tag,
+                Target::Stitched(_) => false,
+            })
+            .map(|(&ptr, _)| ptr)
+            .collect();
+        ptrs.sort_unstable();
+        Some(ptrs)
+    }
+
     /// Number of open private pools.
     pub fn private_pool_count(&self) -> usize {
         lock(&self.inner).private.len()

@@ -320,6 +320,30 @@ pub unsafe extern "C" fn gmlake_snapshot_json(device: c_int, out: *mut *mut c_ch
     })
 }
 
+/// The live allocations of private pool `(first, second)` of `device` as a JSON array of
+/// addresses, or `null` when the pool is not open.
+///
+/// # Safety
+/// `out` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gmlake_pool_allocations_json(
+    device: c_int,
+    first: u64,
+    second: u64,
+    out: *mut *mut c_char,
+) -> c_int {
+    text_out(out, || {
+        let ptrs = devices::existing(device).and_then(|p| p.private_allocations((first, second)));
+        Ok(match ptrs {
+            None => "null".to_string(),
+            Some(ptrs) => {
+                let items: Vec<String> = ptrs.iter().map(u64::to_string).collect();
+                format!("[{}]", items.join(","))
+            }
+        })
+    })
+}
+
 /// `torch.cuda.reset_peak_memory_stats(device)`.
 #[no_mangle]
 pub extern "C" fn gmlake_reset_peak_stats(device: c_int) {

@@ -15,7 +15,7 @@ MIB = 2**20
 
 def test_enabled_with_every_hook():
     assert glake.torch.is_enabled()
-    assert torch.cuda.memory.get_current_allocator() is not None
+    assert torch.cuda.memory._get_current_allocator() is not None
     x = torch.ones(1, device="cuda")
     assert glake.torch.stats()["allocation.all.current"] >= 1
     del x

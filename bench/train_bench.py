@@ -6,6 +6,9 @@ with the same seed (same model, same sequence of shapes).
     python3 bench/train_bench.py                          # every workload, every allocator
     python3 bench/train_bench.py --workloads opt-lora --allocators native,glake --steps 10
     python3 bench/train_bench.py --markdown results.md --jsonl results.jsonl
+    python3 bench/train_bench.py --allocators 'native,glake,glake[GLAKE_FRAG_LIMIT=64M]'
+
+An allocator may carry environment settings in brackets, separated by ';'.
 
 Per run: peak allocated and peak requested bytes and peak reserved bytes from the allocator's
 statistics (torch.cuda.memory_stats(); glake answers through its Python package), the driver's
@@ -82,9 +85,20 @@ def child(allocator, workload, steps, seed):
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run(allocator, workload, steps, seed):
+def parse_allocator(spec):
+    """("glake", {"GLAKE_MAP_THREADS": "8"}) from "glake[GLAKE_MAP_THREADS=8]"."""
+    name, _, rest = spec.partition("[")
+    settings = dict(item.split("=", 1) for item in rest.rstrip("]").split(";") if item)
+    if name not in ALLOCATORS:
+        raise ValueError(f"unknown allocator {spec!r}")
+    return name, settings
+
+
+def run(spec, workload, steps, seed):
+    allocator, settings = parse_allocator(spec)
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.update(settings)
     if allocator == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     command = [sys.executable, __file__, "--child", allocator, workload, "--steps", str(steps),
@@ -94,31 +108,35 @@ def run(allocator, workload, steps, seed):
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
+            result["allocator"] = spec
             result["wall_s"] = round(time.time() - began, 1)
             return result
     tail = (done.stdout + done.stderr)[-3000:]
-    return {"workload": workload, "allocator": allocator, "error": f"exit {done.returncode}: {tail}"}
+    return {"workload": workload, "allocator": spec, "error": f"exit {done.returncode}: {tail}"}
 
 
 def table(results):
     lines = [
         "| workload | allocator | peak allocated GiB | peak requested GiB | peak reserved GiB "
         "| driver peak GiB | utilization (alloc/res) | utilization (req/res) | median step ms "
-        "| x native |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| x native | steps after warm-up s | x native |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     native = {r["workload"]: r for r in results if r["allocator"] == "native" and "error" not in r}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['allocator']} | failed | | | | | | | |")
+            lines.append(f"| {r['workload']} | {r['allocator']} | failed | | | | | | | | | |")
             continue
         base = native.get(r["workload"])
         ratio = f"{r['median_ms'] / base['median_ms']:.3f}" if base else ""
+        total = sum(r["step_ms"][WARMUP:]) / 1e3
+        total_ratio = f"{total * 1e3 / sum(base['step_ms'][WARMUP:]):.3f}" if base else ""
         lines.append(
             f"| {r['workload']} | {r['allocator']} | {r['peak_allocated'] / GIB:.2f} "
             f"| {r['peak_requested'] / GIB:.2f} | {r['peak_reserved'] / GIB:.2f} "
             f"| {r['driver_peak'] / GIB:.2f} | {r['peak_allocated'] / r['peak_reserved']:.3f} "
-            f"| {r['peak_requested'] / r['peak_reserved']:.3f} | {r['median_ms']:.0f} | {ratio} |"
+            f"| {r['peak_requested'] / r['peak_reserved']:.3f} | {r['median_ms']:.0f} | {ratio} "
+            f"| {total:.2f} | {total_ratio} |"
         )
     return "\n".join(lines)
 
@@ -141,8 +159,10 @@ def main():
     results = []
     for workload in args.workloads.split(","):
         for allocator in args.allocators.split(","):
-            if allocator not in ALLOCATORS:
-                parser.error(f"unknown allocator {allocator}")
+            try:
+                parse_allocator(allocator)
+            except ValueError as err:
+                parser.error(str(err))
             result = run(allocator, workload, args.steps or DEFAULT_STEPS[workload], args.seed)
             results.append(result)
             print(json.dumps(result), flush=True)

@@ -39,6 +39,9 @@ pub struct Config {
     pub memory_fraction: f64,
     /// Most pieces one stitched block may map (each costs a set-access on CUDA).
     pub max_stitch_pieces: usize,
+    /// Threads that grant access to a new mapping of many handles, each over its own part
+    /// (the driver's cost is per handle).
+    pub map_threads: usize,
 }
 
 impl Default for Config {
@@ -52,6 +55,7 @@ impl Default for Config {
             small_limit: MIB,
             memory_fraction: 1.0,
             max_stitch_pieces: 256,
+            map_threads: 1,
         }
     }
 }
@@ -96,6 +100,9 @@ const MEMORY_FRACTION: Var = Var {
 };
 const MAX_STITCH_PIECES: Var = Var {
     names: &["GLAKE_MAX_STITCH_PIECES"],
+};
+const MAP_THREADS: Var = Var {
+    names: &["GLAKE_MAP_THREADS"],
 };
 
 impl Var {
@@ -213,6 +220,12 @@ impl Config {
             match value.trim().parse::<usize>() {
                 Ok(n) if n >= 2 => self.max_stitch_pieces = n,
                 _ => warn_bad_value(name, &value, &self.max_stitch_pieces.to_string()),
+            }
+        }
+        if let Some((name, value)) = MAP_THREADS.lookup() {
+            match value.trim().parse::<usize>() {
+                Ok(n) if (1..=64).contains(&n) => self.map_threads = n,
+                _ => warn_bad_value(name, &value, &self.map_threads.to_string()),
             }
         }
     }

@@ -591,3 +591,42 @@ fn frees_on_extra_streams_wait_for_the_capture_to_end() {
     drop(p);
     device.destroy_stream(side).unwrap();
 }
+
+/// Access to large new mappings granted by several threads, each over its part: the memory is
+/// usable end to end, grown or stitched.
+#[test]
+fn access_granted_in_parallel_parts() {
+    let device = common::device();
+    let p = pool_with(
+        &device,
+        Config {
+            map_threads: 4,
+            ..Config::default()
+        },
+    );
+    let pieces: Vec<_> = (0..80)
+        .map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    for (i, &ptr) in pieces.iter().enumerate() {
+        if i % 2 == 0 {
+            p.free(ptr).unwrap();
+        }
+    }
+    let reserved = p.stats().reserved_bytes.all.current;
+    let big = p.malloc(160 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(
+        p.stats().stitches,
+        1,
+        "the request is stitched from the freed pieces"
+    );
+    assert_eq!(p.stats().reserved_bytes.all.current, reserved);
+    common::write_pattern(&device, big, 160 * MIB, 5);
+    assert!(common::has_pattern(&device, big, 160 * MIB, 5));
+    p.free(big).unwrap();
+    for (i, &ptr) in pieces.iter().enumerate() {
+        if i % 2 == 1 {
+            p.free(ptr).unwrap();
+        }
+    }
+    p.check_invariants().unwrap();
+}

@@ -163,6 +163,32 @@ def _check_pool_live_allocations(device, pool_id, expected):
     return set(live) == set(expected)
 
 
+class _Checkpoint:
+    """What glake records of a graph pool for CUDA graph trees: its live allocations."""
+
+    def __init__(self, device, pool_id, live):
+        self.device, self.pool_id, self.live = device, pool_id, frozenset(live)
+
+
+def _get_checkpoint_state(device, pool_id):
+    pool_id = tuple(pool_id)
+    return _Checkpoint(device, pool_id, _stats.pool_allocations(device, pool_id) or [])
+
+
+def _set_checkpoint_pool_state(device, state, stale_storages, storages_to_add_deleters_to=()):
+    """Graph trees restore a checkpoint when they switch paths. glake can do so only when the
+    pool already matches it; anything else is refused with a clear error rather than done
+    wrong."""
+    live = set(_stats.pool_allocations(device, state.pool_id) or [])
+    if live == state.live and not stale_storages and not storages_to_add_deleters_to:
+        return
+    raise RuntimeError(
+        "glake: restoring a CUDA graph tree checkpoint that differs from the graph pool's "
+        "state is not supported; use torch.compile(mode='max-autotune-no-cudagraphs') or "
+        "torch.cuda.graph for this model"
+    )
+
+
 # torch._C functions that raise "does not yet support" with a pluggable allocator. torch.cuda's
 # Python functions (memory_allocated, memory_summary, ...) call these by attribute at each call,
 # so replacing them serves every caller, including code that imported the functions earlier.
@@ -172,6 +198,8 @@ _REPLACEMENTS = {
     "_cuda_resetAccumulatedMemoryStats": _reset_accumulated,
     "_cuda_memorySnapshot": _memory_snapshot,
     "_cuda_checkPoolLiveAllocations": _check_pool_live_allocations,
+    "_cuda_getCheckpointState": _get_checkpoint_state,
+    "_cuda_setCheckpointPoolState": _set_checkpoint_pool_state,
     "_accelerator_getDeviceStats": _memory_stats,
     "_accelerator_resetPeakStats": _reset_peak,
     "_accelerator_resetAccumulatedStats": _reset_accumulated,

@@ -793,7 +793,13 @@ impl Inner {
                 }
             }
         }
-        let va = match map_range(device, &handles, unit, &self.access) {
+        let va = match map_range(
+            device,
+            &handles,
+            unit,
+            &self.access,
+            self.config.map_threads,
+        ) {
             Ok(va) => va,
             Err((err, zombie)) => {
                 self.zombies.extend(zombie);
@@ -923,7 +929,13 @@ impl Inner {
             .iter()
             .flat_map(|p| p.handles.iter().copied())
             .collect();
-        let va = match map_range(device, &handles, unit, &self.access) {
+        let va = match map_range(
+            device,
+            &handles,
+            unit,
+            &self.access,
+            self.config.map_threads,
+        ) {
             Ok(va) => va,
             Err((err, zombie)) => {
                 for &id in &ids {
@@ -1274,6 +1286,7 @@ fn map_range(
     handles: &[PhysHandle],
     unit: usize,
     access: &[i32],
+    threads: usize,
 ) -> std::result::Result<DevicePtr, (Error, Option<Zombie>)> {
     let size = handles.len() * unit;
     let va = device.reserve(size, unit).map_err(|e| (e, None))?;
@@ -1288,7 +1301,7 @@ fn map_range(
         mapped.push((at, unit));
     }
     if failure.is_none() {
-        match device.set_access(va, size, access) {
+        match set_access_parallel(device, va, handles.len(), unit, access, threads) {
             Ok(()) => return Ok(va),
             Err(err) => failure = Some(err.context("setting access")),
         }
@@ -1303,6 +1316,50 @@ fn map_range(
         Ok(()) => Err((err, None)),
         Err(_) => Err((err, Some(zombie))),
     }
+}
+
+/// Handles below which one thread grants access to a whole new mapping.
+const PARALLEL_ACCESS_MIN_HANDLES: usize = 32;
+
+/// Grants access to `count` mapped handles of `unit` bytes from `va`: in one call, or split
+/// into `threads` parts granted at once (the driver's cost is per handle). The first error, if
+/// any, is returned once all parts are done.
+fn set_access_parallel(
+    device: &dyn crate::device::Device,
+    va: DevicePtr,
+    count: usize,
+    unit: usize,
+    access: &[i32],
+    threads: usize,
+) -> Result<()> {
+    let threads = threads
+        .min(count / PARALLEL_ACCESS_MIN_HANDLES.max(1))
+        .max(1);
+    if threads == 1 {
+        return device.set_access(va, count * unit, access);
+    }
+    let per = count.div_ceil(threads);
+    let parts: Vec<(DevicePtr, usize)> = (0..count)
+        .step_by(per)
+        .map(|first| (va + (first * unit) as u64, per.min(count - first) * unit))
+        .collect();
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = parts[1..]
+            .iter()
+            .map(|&(at, len)| scope.spawn(move || device.set_access(at, len, access)))
+            .collect();
+        let (at, len) = parts[0];
+        let mut result = device.set_access(at, len, access);
+        for worker in workers {
+            let part = worker
+                .join()
+                .unwrap_or_else(|_| Err(Error::internal("a thread granting access panicked")));
+            if result.is_ok() {
+                result = part;
+            }
+        }
+        result
+    })
 }
 
 /// Logs the failure of a clean-up step taken after an earlier failure (the first error is the

@@ -39,9 +39,9 @@ pub struct Config {
     pub memory_fraction: f64,
     /// Most pieces one stitched block may map (each costs a set-access on CUDA).
     pub max_stitch_pieces: usize,
-    /// Threads that grant access to a new mapping of many handles, each over its own part
-    /// (the driver's cost is per handle).
-    pub map_threads: usize,
+    /// Handles per access grant when a new range is mapped (0: the whole range in one call).
+    /// The driver's cost is per handle either way; this measures whether call size matters.
+    pub access_chunk: usize,
 }
 
 impl Default for Config {
@@ -55,7 +55,7 @@ impl Default for Config {
             small_limit: MIB,
             memory_fraction: 1.0,
             max_stitch_pieces: 256,
-            map_threads: 1,
+            access_chunk: 0,
         }
     }
 }
@@ -101,8 +101,8 @@ const MEMORY_FRACTION: Var = Var {
 const MAX_STITCH_PIECES: Var = Var {
     names: &["GLAKE_MAX_STITCH_PIECES"],
 };
-const MAP_THREADS: Var = Var {
-    names: &["GLAKE_MAP_THREADS"],
+const ACCESS_CHUNK: Var = Var {
+    names: &["GLAKE_ACCESS_CHUNK"],
 };
 
 impl Var {
@@ -222,10 +222,10 @@ impl Config {
                 _ => warn_bad_value(name, &value, &self.max_stitch_pieces.to_string()),
             }
         }
-        if let Some((name, value)) = MAP_THREADS.lookup() {
+        if let Some((name, value)) = ACCESS_CHUNK.lookup() {
             match value.trim().parse::<usize>() {
-                Ok(n) if (1..=64).contains(&n) => self.map_threads = n,
-                _ => warn_bad_value(name, &value, &self.map_threads.to_string()),
+                Ok(n) => self.access_chunk = n,
+                _ => warn_bad_value(name, &value, &self.access_chunk.to_string()),
             }
         }
     }

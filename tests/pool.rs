@@ -592,15 +592,15 @@ fn frees_on_extra_streams_wait_for_the_capture_to_end() {
     device.destroy_stream(side).unwrap();
 }
 
-/// Access to large new mappings granted by several threads, each over its part: the memory is
-/// usable end to end, grown or stitched.
+/// Access to new mappings granted a few handles per call: the memory is usable end to end,
+/// grown or stitched.
 #[test]
-fn access_granted_in_parallel_parts() {
+fn access_granted_in_chunks() {
     let device = common::device();
     let p = pool_with(
         &device,
         Config {
-            map_threads: 4,
+            access_chunk: 3,
             ..Config::default()
         },
     );

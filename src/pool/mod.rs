@@ -798,7 +798,7 @@ impl Inner {
             &handles,
             unit,
             &self.access,
-            self.config.map_threads,
+            self.config.access_chunk,
         ) {
             Ok(va) => va,
             Err((err, zombie)) => {
@@ -934,7 +934,7 @@ impl Inner {
             &handles,
             unit,
             &self.access,
-            self.config.map_threads,
+            self.config.access_chunk,
         ) {
             Ok(va) => va,
             Err((err, zombie)) => {
@@ -1286,7 +1286,7 @@ fn map_range(
     handles: &[PhysHandle],
     unit: usize,
     access: &[i32],
-    threads: usize,
+    access_chunk: usize,
 ) -> std::result::Result<DevicePtr, (Error, Option<Zombie>)> {
     let size = handles.len() * unit;
     let va = device.reserve(size, unit).map_err(|e| (e, None))?;
@@ -1301,7 +1301,7 @@ fn map_range(
         mapped.push((at, unit));
     }
     if failure.is_none() {
-        match set_access_parallel(device, va, handles.len(), unit, access, threads) {
+        match set_access_in_chunks(device, va, handles.len(), unit, access, access_chunk) {
             Ok(()) => return Ok(va),
             Err(err) => failure = Some(err.context("setting access")),
         }
@@ -1318,48 +1318,23 @@ fn map_range(
     }
 }
 
-/// Handles below which one thread grants access to a whole new mapping.
-const PARALLEL_ACCESS_MIN_HANDLES: usize = 32;
-
-/// Grants access to `count` mapped handles of `unit` bytes from `va`: in one call, or split
-/// into `threads` parts granted at once (the driver's cost is per handle). The first error, if
-/// any, is returned once all parts are done.
-fn set_access_parallel(
+/// Grants access to `count` mapped handles of `unit` bytes from `va`, `chunk` handles per
+/// call (0: all in one call). Granting parts from several threads at once was measured slower
+/// on an H200 (the driver serialises them), so the parts go one after another.
+fn set_access_in_chunks(
     device: &dyn crate::device::Device,
     va: DevicePtr,
     count: usize,
     unit: usize,
     access: &[i32],
-    threads: usize,
+    chunk: usize,
 ) -> Result<()> {
-    let threads = threads
-        .min(count / PARALLEL_ACCESS_MIN_HANDLES.max(1))
-        .max(1);
-    if threads == 1 {
-        return device.set_access(va, count * unit, access);
+    let chunk = if chunk == 0 { count } else { chunk };
+    for first in (0..count).step_by(chunk.max(1)) {
+        let len = chunk.min(count - first) * unit;
+        device.set_access(va + (first * unit) as u64, len, access)?;
     }
-    let per = count.div_ceil(threads);
-    let parts: Vec<(DevicePtr, usize)> = (0..count)
-        .step_by(per)
-        .map(|first| (va + (first * unit) as u64, per.min(count - first) * unit))
-        .collect();
-    std::thread::scope(|scope| {
-        let workers: Vec<_> = parts[1..]
-            .iter()
-            .map(|&(at, len)| scope.spawn(move || device.set_access(at, len, access)))
-            .collect();
-        let (at, len) = parts[0];
-        let mut result = device.set_access(at, len, access);
-        for worker in workers {
-            let part = worker
-                .join()
-                .unwrap_or_else(|_| Err(Error::internal("a thread granting access panicked")));
-            if result.is_ok() {
-                result = part;
-            }
-        }
-        result
-    })
+    Ok(())
 }
 
 /// Logs the failure of a clean-up step taken after an earlier failure (the first error is the

@@ -16,7 +16,8 @@ view (largest `total - free` of cudaMemGetInfo after a step, less what was in us
 model was built), utilization (peak allocated / peak reserved, the usual figure, and peak
 requested / peak reserved, which does not depend on how each allocator rounds), and the median
 step time (each step ends with a device synchronisation; the first steps are warm-up and left
-out). glake runs also report its stitch counters.
+out), the median of step-by-step ratios to the native run (step i has the same shapes in every
+run), and the time of all steps after warm-up. glake runs also report its stitch counters.
 """
 import argparse
 import json
@@ -119,16 +120,20 @@ def table(results):
     lines = [
         "| workload | allocator | peak allocated GiB | peak requested GiB | peak reserved GiB "
         "| driver peak GiB | utilization (alloc/res) | utilization (req/res) | median step ms "
-        "| x native | steps after warm-up s | x native |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x native | step-by-step x native | steps after warm-up s | x native |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     native = {r["workload"]: r for r in results if r["allocator"] == "native" and "error" not in r}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['allocator']} | failed | | | | | | | | | |")
+            lines.append(f"| {r['workload']} | {r['allocator']} | failed | | | | | | | | | | |")
             continue
         base = native.get(r["workload"])
         ratio = f"{r['median_ms'] / base['median_ms']:.3f}" if base else ""
+        # Step i has the same shapes in every run (same seed): the median of per-step ratios
+        # is far less noisy than the ratio of medians.
+        paired = (f"{statistics.median(a / b for a, b in zip(r['step_ms'][WARMUP:], base['step_ms'][WARMUP:])):.3f}"
+                  if base else "")
         total = sum(r["step_ms"][WARMUP:]) / 1e3
         total_ratio = f"{total * 1e3 / sum(base['step_ms'][WARMUP:]):.3f}" if base else ""
         lines.append(
@@ -136,6 +141,7 @@ def table(results):
             f"| {r['peak_requested'] / GIB:.2f} | {r['peak_reserved'] / GIB:.2f} "
             f"| {r['driver_peak'] / GIB:.2f} | {r['peak_allocated'] / r['peak_reserved']:.3f} "
             f"| {r['peak_requested'] / r['peak_reserved']:.3f} | {r['median_ms']:.0f} | {ratio} "
+            f"| {paired} "
             f"| {total:.2f} | {total_ratio} |"
         )
     return "\n".join(lines)

@@ -39,9 +39,6 @@ pub struct Config {
     pub memory_fraction: f64,
     /// Most pieces one stitched block may map (each costs a set-access on CUDA).
     pub max_stitch_pieces: usize,
-    /// Handles per access grant when a new range is mapped (0: the whole range in one call).
-    /// The driver's cost is per handle either way; this measures whether call size matters.
-    pub access_chunk: usize,
 }
 
 impl Default for Config {
@@ -55,7 +52,6 @@ impl Default for Config {
             small_limit: MIB,
             memory_fraction: 1.0,
             max_stitch_pieces: 256,
-            access_chunk: 0,
         }
     }
 }
@@ -100,9 +96,6 @@ const MEMORY_FRACTION: Var = Var {
 };
 const MAX_STITCH_PIECES: Var = Var {
     names: &["GLAKE_MAX_STITCH_PIECES"],
-};
-const ACCESS_CHUNK: Var = Var {
-    names: &["GLAKE_ACCESS_CHUNK"],
 };
 
 impl Var {
@@ -220,12 +213,6 @@ impl Config {
             match value.trim().parse::<usize>() {
                 Ok(n) if n >= 2 => self.max_stitch_pieces = n,
                 _ => warn_bad_value(name, &value, &self.max_stitch_pieces.to_string()),
-            }
-        }
-        if let Some((name, value)) = ACCESS_CHUNK.lookup() {
-            match value.trim().parse::<usize>() {
-                Ok(n) => self.access_chunk = n,
-                _ => warn_bad_value(name, &value, &self.access_chunk.to_string()),
             }
         }
     }

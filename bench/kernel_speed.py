@@ -71,6 +71,27 @@ def child(allocator):
         del keep
         result["gemm_operand_ms"] = timed(torch, lambda: a @ a, repeat=10)
         del x, a
+    # Latency-bound work: a scalar read back to the host (a copy and a wait) and nonzero()
+    # (which reads its count back), as routing code such as MoE layers does many times a step.
+    scalar = torch.ones(1, device="cuda")
+    began = time.perf_counter()
+    for _ in range(2000):
+        scalar.item()
+    result["item_us"] = (time.perf_counter() - began) / 2000 * 1e6
+    mask = torch.rand(1 << 20, device="cuda") > 0.5
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(500):
+        mask.nonzero()
+    torch.cuda.synchronize()
+    result["nonzero_us"] = (time.perf_counter() - began) / 500 * 1e6
+    small = torch.ones(1024, device="cuda")
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(20000):
+        small.add_(1)
+    torch.cuda.synchronize()
+    result["small_kernel_us"] = (time.perf_counter() - began) / 20000 * 1e6
     sizes = [512, 4096, 65536, MIB, 3 * MIB + 512, 16 * MIB, 64 * MIB]
     torch.cuda.synchronize()
     began = time.perf_counter()
@@ -103,12 +124,14 @@ def main():
         rows.append(json.loads(line[0][len("RESULT "):]))
         print(json.dumps(rows[-1]), flush=True)
     print("| allocator | 4 GiB mul_ ms | 8192^3 bf16 GEMM ms | 4 GiB mul_ on stitched ms "
-          "| GEMM on stitched-era operand ms | torch.empty+del us |")
-    print("|---|---|---|---|---|---|")
+          "| GEMM on stitched-era operand ms | torch.empty+del us | .item() us | nonzero() us "
+          "| small add_ us |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['allocator']} | {r['stream_plain_ms']:.3f} | {r['gemm_plain_ms']:.3f} "
               f"| {r.get('stream_stitched_ms', float('nan')):.3f} "
-              f"| {r.get('gemm_operand_ms', float('nan')):.3f} | {r['empty_del_us']:.2f} |")
+              f"| {r.get('gemm_operand_ms', float('nan')):.3f} | {r['empty_del_us']:.2f} "
+              f"| {r['item_us']:.1f} | {r['nonzero_us']:.1f} | {r['small_kernel_us']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -525,14 +525,9 @@ fn private_pool_memory_is_kept_apart_until_released() {
     assert_ne!(elsewhere, graph_tmp);
     p.free(elsewhere).unwrap();
 
+    // Released, it is shared memory like any other: empty_cache returns it.
     p.release_private(id).unwrap();
     assert_eq!(p.private_pool_count(), 0);
-    let reused = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
-    assert_eq!(
-        reused, graph_tmp,
-        "released private memory joins the shared pool"
-    );
-    p.free(reused).unwrap();
     p.free(small).unwrap();
     p.check_invariants().unwrap();
     p.empty_cache().unwrap();

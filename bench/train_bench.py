@@ -8,7 +8,10 @@ with the same seed (same model, same sequence of shapes).
     python3 bench/train_bench.py --markdown results.md --jsonl results.jsonl
     python3 bench/train_bench.py --allocators 'native,glake,glake[GLAKE_FRAG_LIMIT=64M]'
 
-An allocator may carry environment settings in brackets, separated by ';'.
+An allocator may carry environment settings in brackets, separated by ';'. With --rounds N
+every workload runs N rounds, the order of the allocators rotating each round (the first
+process of a round tends to run slow), and each run is compared with the native run of its
+own round.
 
 Per run: peak allocated and peak requested bytes and peak reserved bytes from the allocator's
 statistics (torch.cuda.memory_stats(); glake answers through its Python package), the driver's
@@ -123,12 +126,14 @@ def table(results):
         "| x native | step-by-step x native | steps after warm-up s | x native |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    native = {r["workload"]: r for r in results if r["allocator"] == "native" and "error" not in r}
+    native = {(r["workload"], r.get("round", 0)): r for r in results
+              if r["allocator"] == "native" and "error" not in r}
     for r in results:
+        name = r["allocator"] + (f" (round {r['round']})" if "round" in r else "")
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['allocator']} | failed | | | | | | | | | | |")
+            lines.append(f"| {r['workload']} | {name} | failed | | | | | | | | | | |")
             continue
-        base = native.get(r["workload"])
+        base = native.get((r["workload"], r.get("round", 0)))
         ratio = f"{r['median_ms'] / base['median_ms']:.3f}" if base else ""
         # Step i has the same shapes in every run (same seed): the median of per-step ratios
         # is far less noisy than the ratio of medians.
@@ -137,7 +142,7 @@ def table(results):
         total = sum(r["step_ms"][WARMUP:]) / 1e3
         total_ratio = f"{total * 1e3 / sum(base['step_ms'][WARMUP:]):.3f}" if base else ""
         lines.append(
-            f"| {r['workload']} | {r['allocator']} | {r['peak_allocated'] / GIB:.2f} "
+            f"| {r['workload']} | {name} | {r['peak_allocated'] / GIB:.2f} "
             f"| {r['peak_requested'] / GIB:.2f} | {r['peak_reserved'] / GIB:.2f} "
             f"| {r['driver_peak'] / GIB:.2f} | {r['peak_allocated'] / r['peak_reserved']:.3f} "
             f"| {r['peak_requested'] / r['peak_reserved']:.3f} | {r['median_ms']:.0f} | {ratio} "
@@ -153,6 +158,8 @@ def main():
     parser.add_argument("--allocators", default=",".join(ALLOCATORS))
     parser.add_argument("--steps", type=int, help="steps per run (default: per workload)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds per workload, the allocator order rotating each round")
     parser.add_argument("--jsonl", help="append every run's result to this file")
     parser.add_argument("--markdown", help="write the table to this file")
     parser.add_argument("--child", nargs=2, metavar=("ALLOCATOR", "WORKLOAD"),
@@ -162,19 +169,26 @@ def main():
         allocator, workload = args.child
         child(allocator, workload, args.steps or DEFAULT_STEPS[workload], args.seed)
         return
+    allocators = args.allocators.split(",")
+    for allocator in allocators:
+        try:
+            parse_allocator(allocator)
+        except ValueError as err:
+            parser.error(str(err))
     results = []
     for workload in args.workloads.split(","):
-        for allocator in args.allocators.split(","):
-            try:
-                parse_allocator(allocator)
-            except ValueError as err:
-                parser.error(str(err))
-            result = run(allocator, workload, args.steps or DEFAULT_STEPS[workload], args.seed)
-            results.append(result)
-            print(json.dumps(result), flush=True)
-            if args.jsonl:
-                with open(args.jsonl, "a") as out:
-                    out.write(json.dumps(result) + "\n")
+        for round_index in range(args.rounds):
+            shift = round_index % len(allocators)
+            for allocator in allocators[shift:] + allocators[:shift]:
+                steps = args.steps or DEFAULT_STEPS[workload]
+                result = run(allocator, workload, steps, args.seed)
+                if args.rounds > 1:
+                    result["round"] = round_index
+                results.append(result)
+                print(json.dumps(result), flush=True)
+                if args.jsonl:
+                    with open(args.jsonl, "a") as out:
+                        out.write(json.dumps(result) + "\n")
     text = table(results)
     print(text)
     if args.markdown:

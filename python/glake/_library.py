@@ -48,15 +48,15 @@ def load():
         fn = getattr(lib, name)
         fn.argtypes = [c_int, out_text]
         fn.restype = c_int
-    for name in ("gmlake_reset_peak_stats", "gmlake_reset_accumulated_stats", "gmlake_init"):
+    for name in ("gmlake_reset_peak_stats", "gmlake_reset_accumulated_stats"):
         fn = getattr(lib, name)
         fn.argtypes = [c_int]
         fn.restype = None
     lib.gmlake_pool_allocations_json.argtypes = [
         c_int, ctypes.c_uint64, ctypes.c_uint64, out_text]
     lib.gmlake_pool_allocations_json.restype = c_int
-    lib.gmlake_string_free.argtypes = [ctypes.c_void_p]
-    lib.gmlake_string_free.restype = None
+    lib.glake_string_free.argtypes = [ctypes.c_void_p]
+    lib.glake_string_free.restype = None
     lib.gmlake_last_error.argtypes = []
     lib.gmlake_last_error.restype = c_char_p
     _lib = lib
@@ -72,7 +72,7 @@ def text(fn, *args):
     try:
         return ctypes.string_at(out.value).decode()
     finally:
-        lib.gmlake_string_free(out)
+        lib.glake_string_free(out)
 
 
 def symbol_address(lib, name):

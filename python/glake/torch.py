@@ -22,7 +22,7 @@ import torch as _torch
 from . import _library, options
 from . import stats as _stats
 
-_state = {"allocator": None, "originals": {}}
+_state = {"allocator": None}
 
 
 def is_enabled():
@@ -209,5 +209,4 @@ _REPLACEMENTS = {
 def _install_statistics():
     for name, replacement in _REPLACEMENTS.items():
         if hasattr(_torch._C, name):
-            _state["originals"][name] = getattr(_torch._C, name)
             setattr(_torch._C, name, replacement)

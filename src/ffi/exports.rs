@@ -408,7 +408,9 @@ pub extern "C" fn glake_reset_accumulated_stats(pool: *mut glake_pool) -> glake_
     })
 }
 
-fn into_c_string(text: String) -> *mut c_char {
+/// A new C string for `glake_string_free` (NUL bytes become spaces). Also used by the PyTorch
+/// plug-in, whose strings the same function frees.
+pub fn into_c_string(text: String) -> *mut c_char {
     CString::new(text.replace('\0', " "))
         .unwrap_or_default()
         .into_raw()

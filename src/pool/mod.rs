@@ -247,16 +247,14 @@ impl Pool {
     /// Until the matching [`Pool::end_private`] nothing is unmapped, released or waited for.
     pub fn begin_private(&self, id: PrivatePoolId) {
         let mut inner = lock(&self.inner);
-        let next = inner.next_tag;
-        let entry = inner
-            .private
-            .entry(id)
-            .or_insert(PrivatePool { tag: next, uses: 0 });
-        entry.uses += 1;
-        if entry.tag == next {
-            inner.next_tag += 1;
-        }
         inner.routing += 1;
+        if let Some(pool) = inner.private.get_mut(&id) {
+            pool.uses += 1;
+            return;
+        }
+        let tag = inner.next_tag;
+        inner.next_tag += 1;
+        inner.private.insert(id, PrivatePool { tag, uses: 1 });
     }
 
     /// Ends one routing begun by [`Pool::begin_private`]; frees held back meanwhile record

@@ -273,16 +273,16 @@ pub extern "C" fn gmlake_release_pool(device: c_int, id: MempoolId) {
     }
 }
 
-/// Writes a new C string to `*out` (free it with `gmlake_string_free`); 0 on success, -1 on
+/// Writes a new C string to `*out` (free it with `glake_string_free`); 0 on success, -1 on
 /// failure (the text is in `gmlake_last_error`).
 fn text_out(out: *mut *mut c_char, text: impl FnOnce() -> glake::Result<String>) -> c_int {
     let result = guarded(|| {
         if out.is_null() {
             return Err(Error::new(ErrorKind::NullPointer, "out is NULL"));
         }
-        let text = CString::new(text()?).map_err(|_| Error::internal("text holds a NUL byte"))?;
+        let text = glake::ffi::into_c_string(text()?);
         // SAFETY: non-null, and the caller passes a pointer valid for a write.
-        unsafe { *out = text.into_raw() };
+        unsafe { *out = text };
         Ok(())
     });
     if result.is_ok() {
@@ -357,18 +357,6 @@ pub extern "C" fn gmlake_reset_peak_stats(device: c_int) {
 pub extern "C" fn gmlake_reset_accumulated_stats(device: c_int) {
     if let Some(pool) = devices::existing(device) {
         pool.reset_accumulated_stats();
-    }
-}
-
-/// Frees a string returned by this library.
-///
-/// # Safety
-/// `text` must be NULL or a string from this library, freed once.
-#[no_mangle]
-pub unsafe extern "C" fn gmlake_string_free(text: *mut c_char) {
-    if !text.is_null() {
-        // SAFETY: made by CString::into_raw in this library, freed once by contract.
-        drop(unsafe { CString::from_raw(text) });
     }
 }
 

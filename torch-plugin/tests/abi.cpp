@@ -25,7 +25,7 @@ void gmlake_begin_allocate_to_pool(int device, MempoolId id, std::function<bool(
 void gmlake_end_allocate_to_pool(int device, MempoolId id);
 void gmlake_release_pool(int device, MempoolId id);
 int gmlake_stats_json(int device, char** out);
-void gmlake_string_free(char* text);
+void glake_string_free(char* text);
 }
 
 static int failures = 0;
@@ -42,7 +42,7 @@ static long long stat(const char* key) {
   char* json = nullptr;
   if (gmlake_stats_json(0, &json) != 0) return -1;
   std::string text(json);
-  gmlake_string_free(json);
+  glake_string_free(json);
   std::string needle = std::string("\"") + key + "\":";
   size_t at = text.find(needle);
   return at == std::string::npos ? -1 : std::atoll(text.c_str() + at + needle.size());

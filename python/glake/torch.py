@@ -201,6 +201,10 @@ _REPLACEMENTS = {
     "_cuda_getCheckpointState": _get_checkpoint_state,
     "_cuda_setCheckpointPoolState": _set_checkpoint_pool_state,
     "_accelerator_getDeviceStats": _memory_stats,
+    # torch.accelerator.memory_stats() returns {} unless PyTorch's own allocator registry says
+    # it is initialised, which it does not know of a pluggable allocator.
+    "_accelerator_isAllocatorInitialized": _torch.cuda.is_initialized,
+    "_accelerator_allocatorInitialized": _torch.cuda.is_initialized,
     "_accelerator_resetPeakStats": _reset_peak,
     "_accelerator_resetAccumulatedStats": _reset_accumulated,
 }

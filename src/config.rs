@@ -39,6 +39,10 @@ pub struct Config {
     pub memory_fraction: f64,
     /// Most pieces one stitched block may map (each costs a set-access on CUDA).
     pub max_stitch_pieces: usize,
+    /// Largest physical handle a segment is made of (a power of two). Larger handles make
+    /// creating, mapping and stitching cheaper (CUDA's costs are per handle); stitches cut
+    /// segments only at handle boundaries. The device granularity gives GMLake's layout.
+    pub max_chunk: usize,
 }
 
 impl Default for Config {
@@ -52,6 +56,7 @@ impl Default for Config {
             small_limit: MIB,
             memory_fraction: 1.0,
             max_stitch_pieces: 256,
+            max_chunk: 32 * MIB,
         }
     }
 }
@@ -96,6 +101,9 @@ const MEMORY_FRACTION: Var = Var {
 };
 const MAX_STITCH_PIECES: Var = Var {
     names: &["GLAKE_MAX_STITCH_PIECES"],
+};
+const MAX_CHUNK: Var = Var {
+    names: &["GLAKE_MAX_CHUNK"],
 };
 
 impl Var {
@@ -215,6 +223,12 @@ impl Config {
                 _ => warn_bad_value(name, &value, &self.max_stitch_pieces.to_string()),
             }
         }
+        if let Some((name, value)) = MAX_CHUNK.lookup() {
+            match parse_bytes(&value) {
+                Some(bytes) if bytes.is_power_of_two() => self.max_chunk = bytes,
+                _ => warn_bad_value(name, &value, &self.max_chunk.to_string()),
+            }
+        }
     }
 
     /// Checks the values a program set directly (the environment path never fails).
@@ -239,6 +253,12 @@ impl Config {
             return bad(format!(
                 "max_stitch_pieces {} must be >= 2",
                 self.max_stitch_pieces
+            ));
+        }
+        if !self.max_chunk.is_power_of_two() {
+            return bad(format!(
+                "max_chunk {} must be a power of two",
+                self.max_chunk
             ));
         }
         Ok(())

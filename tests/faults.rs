@@ -172,14 +172,13 @@ impl Run {
         // The pool's books against the device's objects: equal in a clean run; a failed
         // tear-down may leave extra objects on the device (kept to retry), never fewer.
         let snap = pool.snapshot();
-        // One physical handle and one mapping per granule of each segment; one mapping per
-        // granule of each stitched range.
-        let granule = self.bytes.granularity();
-        let segment_granules: usize = snap.segments.iter().map(|s| s.total_size / granule).sum();
-        let stitched_granules: usize = snap.stitched.iter().map(|s| s.size / granule).sum();
+        // One physical handle and one mapping per chunk of each segment; one mapping per
+        // handle mapped into each stitched range.
+        let segment_chunks: usize = snap.segments.iter().map(|s| s.chunk_sizes.len()).sum();
+        let stitched_handles: usize = snap.stitched.iter().map(|s| s.handle_count).sum();
         let pool_objects = (
-            segment_granules,
-            segment_granules + stitched_granules,
+            segment_chunks,
+            segment_chunks + stitched_handles,
             snap.segments.len() + snap.stitched.len(),
         );
         let device_objects = self.host.live_objects();

@@ -97,51 +97,80 @@ fn freed_memory_is_reused_on_the_same_stream() {
     p.free(d).unwrap();
 }
 
-/// Fills a budget with blocks, frees every other one, then asks for one block larger than any
-/// free one. Returns the pool's result and the peak reserved bytes.
-fn fragment_then_ask(device: &SharedDevice, config: Config) -> (Result<u64, glake::Error>, i64) {
+/// Fills a budget with blocks of `block` bytes, frees every other one, then asks for one
+/// block four times larger than any free one. Returns the pool's result and the peak reserved
+/// bytes.
+fn fragment_then_ask(
+    device: &SharedDevice,
+    config: Config,
+    block: usize,
+) -> (Result<u64, glake::Error>, i64) {
     const BUDGET: usize = 64 * MIB;
     let p = budget_pool(device, config, BUDGET);
-    // One segment of the whole budget, then split into 16 blocks inside it.
+    // One segment of the whole budget, then split into blocks inside it.
     let whole = p.malloc(BUDGET, Stream::DEFAULT).unwrap();
     p.free(whole).unwrap();
-    let blocks: Vec<u64> = (0..16)
-        .map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap())
+    let blocks: Vec<u64> = (0..BUDGET / block)
+        .map(|_| p.malloc(block, Stream::DEFAULT).unwrap())
         .collect();
     for (i, &b) in blocks.iter().enumerate() {
-        common::write_pattern(device, b, 4 * MIB, i as u64);
+        common::write_pattern(device, b, block, i as u64);
     }
     for &b in blocks.iter().step_by(2) {
         p.free(b).unwrap();
     }
-    let result = p.malloc(16 * MIB, Stream::DEFAULT);
+    let ask = 4 * block;
+    let result = p.malloc(ask, Stream::DEFAULT);
     if let Ok(ptr) = result {
-        common::write_pattern(device, ptr, 16 * MIB, 99);
+        common::write_pattern(device, ptr, ask, 99);
         for (i, &b) in blocks.iter().enumerate().skip(1).step_by(2) {
-            assert!(common::has_pattern(device, b, 4 * MIB, i as u64));
+            assert!(common::has_pattern(device, b, block, i as u64));
         }
-        assert!(common::has_pattern(device, ptr, 16 * MIB, 99));
+        assert!(common::has_pattern(device, ptr, ask, 99));
     }
     p.check_invariants().unwrap();
     let peak = p.stats().reserved_bytes.all.peak;
     (result, peak)
 }
 
+/// GMLake's layout: every 2 MiB granule its own handle.
+fn gmlake_layout() -> Config {
+    Config {
+        max_chunk: 2 * MIB,
+        ..Config::default()
+    }
+}
+
 #[test]
 fn fixed_budget_fragmented_fits_with_stitching_only() {
     let device = common::device();
-    let (with, peak_with) = fragment_then_ask(&device, Config::default());
-    let (without, peak_without) = fragment_then_ask(&device, stitch_off());
-    println!(
-        "fragmented 64 MiB budget: stitch ok={} peak reserved {} MiB; caching ok={} peak reserved {} MiB",
-        with.is_ok(),
-        peak_with >> 20,
-        without.is_ok(),
-        peak_without >> 20
-    );
-    assert!(with.is_ok(), "stitching failed: {with:?}");
-    assert_eq!(without.unwrap_err().kind(), ErrorKind::OutOfMemory);
-    assert!(peak_with <= 64 * MIB as i64);
+    // A 64 MiB segment is made of 8 MiB handles by default: holes of whole handles stitch.
+    // With 2 MiB handles any hole does.
+    for (config, block) in [(Config::default(), 8 * MIB), (gmlake_layout(), 4 * MIB)] {
+        let (with, peak_with) = fragment_then_ask(&device, config.clone(), block);
+        let (without, peak_without) = fragment_then_ask(&device, stitch_off(), block);
+        println!(
+            "fragmented 64 MiB budget, {} MiB blocks: stitch ok={} peak reserved {} MiB; caching ok={} peak reserved {} MiB",
+            block >> 20,
+            with.is_ok(),
+            peak_with >> 20,
+            without.is_ok(),
+            peak_without >> 20
+        );
+        assert!(with.is_ok(), "stitching failed: {with:?}");
+        assert_eq!(without.unwrap_err().kind(), ErrorKind::OutOfMemory);
+        assert!(peak_with <= 64 * MIB as i64);
+    }
+}
+
+#[test]
+fn holes_without_a_whole_handle_are_not_stitched() {
+    // 4 MiB holes in a segment of 8 MiB handles: a stitch would need half handles, which CUDA
+    // cannot map, so under a full budget the request fails cleanly (and the holes stay usable).
+    let device = common::device();
+    let (result, peak) = fragment_then_ask(&device, Config::default(), 4 * MIB);
+    assert_eq!(result.unwrap_err().kind(), ErrorKind::OutOfMemory);
+    assert!(peak <= 64 * MIB as i64);
 }
 
 #[test]

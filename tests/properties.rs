@@ -124,9 +124,19 @@ fn config() -> impl Strategy<Value = Config> {
         prop_oneof![Just(1.0), Just(10.0)],
         prop_oneof![Just(1000 * GIB), Just(32 * MIB)],
         prop_oneof![Just(2usize), Just(4), Just(256)],
+        // GMLake's 2 MiB handles, or segments of up to 8 larger ones.
+        prop_oneof![Just(2 * MIB), Just(32 * MIB)],
     )
         .prop_map(
-            |(stitch, defrag_level, frag_limit, reuse_limit, auto_gc_bytes, max_stitch_pieces)| {
+            |(
+                stitch,
+                defrag_level,
+                frag_limit,
+                reuse_limit,
+                auto_gc_bytes,
+                max_stitch_pieces,
+                max_chunk,
+            )| {
                 Config {
                     stitch,
                     defrag_level,
@@ -134,6 +144,7 @@ fn config() -> impl Strategy<Value = Config> {
                     reuse_limit,
                     auto_gc_bytes,
                     max_stitch_pieces,
+                    max_chunk,
                     ..Config::default()
                 }
             },

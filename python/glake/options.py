@@ -9,6 +9,7 @@ ENVIRONMENT = {
     "auto_gc": "GLAKE_AUTO_GC",
     "memory_fraction": "GLAKE_MEMORY_FRACTION",
     "max_stitch_pieces": "GLAKE_MAX_STITCH_PIECES",
+    "max_chunk": "GLAKE_MAX_CHUNK",
     "log": "GLAKE_LOG",
 }
 

@@ -177,6 +177,7 @@ impl glake_config {
             small_limit: self.small_limit as usize,
             memory_fraction: self.memory_fraction,
             max_stitch_pieces: self.max_stitch_pieces as usize,
+            ..Config::default()
         };
         if flags.contains(ConfigFlags::READ_ENV) {
             config.apply_env();

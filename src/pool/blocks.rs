@@ -1,6 +1,6 @@
 //! Segments and blocks: the bookkeeping of the caching allocator, on addresses and sizes only.
 //!
-//! A segment is one physical chunk mapped at its own virtual range. Its bytes are covered by a
+//! A segment is a few physical handles (chunks) mapped side by side at its own virtual range. Its bytes are covered by a
 //! doubly linked list of blocks in address order; a block is free, allocated, or pending (freed
 //! but waiting for events of other streams). Free blocks sit in best-fit sets keyed by pool and
 //! owner stream, and neighbours with the same owner coalesce. No driver is called here.
@@ -45,12 +45,40 @@ pub enum BlockState {
     Pending,
 }
 
+/// One physical handle of a segment, mapped `offset` bytes into it. CUDA maps only whole
+/// handles, so chunk boundaries are the only places where a stitch may cut a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    pub handle: PhysHandle,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// Chunks per segment aimed at: few enough to make mapping cheap (CUDA's access grant costs
+/// about the same per handle whatever its size), many enough that a block split by an
+/// allocation still holds whole chunks a stitch can use.
+const CHUNKS_PER_SEGMENT: usize = 8;
+
+/// The chunk lengths of a new segment of `size` bytes (a multiple of `unit`, a power of two):
+/// equal power-of-two chunks between `unit` and `max_chunk`, then one chunk for the rest.
+pub fn chunk_sizes(size: usize, unit: usize, max_chunk: usize) -> Vec<usize> {
+    let target = (size / CHUNKS_PER_SEGMENT).max(unit);
+    // The largest power of two not above the target, within [unit, max_chunk].
+    let floor_pow2 = 1usize << (usize::BITS - 1 - target.leading_zeros());
+    let chunk = floor_pow2.min(max_chunk).max(unit);
+    let mut sizes = vec![chunk; size / chunk];
+    if size % chunk != 0 {
+        sizes.push(size % chunk);
+    }
+    sizes
+}
+
 #[derive(Debug, Clone)]
 pub struct Segment {
     pub va: DevicePtr,
     pub size: usize,
-    /// One physical handle per granule, in address order.
-    pub handles: Vec<PhysHandle>,
+    /// The physical handles behind the range, in address order, covering it exactly.
+    pub chunks: Vec<Chunk>,
     pub pool: PoolKind,
     pub tag: Tag,
     pub first: BlockId,
@@ -96,6 +124,30 @@ type FreeKey = (Tag, PoolKind, Owner);
 fn serves(key: &FreeKey, tag: Tag, pool: PoolKind, stream: Stream) -> bool {
     let (t, p, owner) = *key;
     t == tag && p == pool && (owner.is_none() || owner == Some(stream))
+}
+
+impl Segment {
+    /// The widest run of whole chunks inside `[addr, addr+len)`, as (start, length).
+    pub fn whole_chunks(&self, addr: DevicePtr, len: usize) -> Option<(DevicePtr, usize)> {
+        let from = addr.checked_sub(self.va)? as usize;
+        let to = from + len;
+        let first = self.chunks.partition_point(|c| c.offset < from);
+        let end = self.chunks.partition_point(|c| c.offset + c.len <= to);
+        (first < end).then(|| {
+            let start = self.chunks[first].offset;
+            let stop = self.chunks[end - 1].offset + self.chunks[end - 1].len;
+            (self.va + start as u64, stop - start)
+        })
+    }
+
+    /// The chunks that map `[addr, addr+len)`, where `addr` starts a chunk: from that chunk up
+    /// to the one holding the last byte.
+    pub fn chunks_covering(&self, addr: DevicePtr, len: usize) -> &[Chunk] {
+        let from = addr.saturating_sub(self.va) as usize;
+        let first = self.chunks.partition_point(|c| c.offset < from);
+        let end = self.chunks.partition_point(|c| c.offset < from + len);
+        &self.chunks[first..end.max(first)]
+    }
 }
 
 impl BlockMap {
@@ -155,14 +207,14 @@ impl BlockMap {
         &mut self,
         va: DevicePtr,
         size: usize,
-        handles: Vec<PhysHandle>,
+        chunks: Vec<Chunk>,
         pool: PoolKind,
         tag: Tag,
     ) -> (SegmentId, BlockId) {
         let segment = self.segments.insert(Segment {
             va,
             size,
-            handles,
+            chunks,
             pool,
             tag,
             first: usize::MAX,
@@ -180,6 +232,12 @@ impl BlockMap {
         self.by_addr.insert(va, segment);
         self.link_free(block);
         (segment, block)
+    }
+
+    /// The run of whole chunks inside block `id`, as (start, length).
+    pub fn whole_chunks_of(&self, id: BlockId) -> Option<(DevicePtr, usize)> {
+        let b = self.blocks.get(id)?;
+        self.segments[b.segment].whole_chunks(b.addr, b.size)
     }
 
     /// Removes a segment whose only block is free; returns it.
@@ -603,11 +661,95 @@ mod tests {
     use super::*;
 
     const S: Stream = Stream(7);
+    const MIB: usize = 1 << 20;
+
+    /// A segment's chunk list of one handle.
+    fn one(handle: u64, len: usize) -> Vec<Chunk> {
+        vec![Chunk {
+            handle: PhysHandle(handle),
+            offset: 0,
+            len,
+        }]
+    }
+
+    fn chunks_of(sizes: &[usize]) -> Vec<Chunk> {
+        let mut offset = 0;
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let chunk = Chunk {
+                    handle: PhysHandle(i as u64 + 1),
+                    offset,
+                    len,
+                };
+                offset += len;
+                chunk
+            })
+            .collect()
+    }
+
+    #[test]
+    fn chunk_sizes_are_powers_of_two_then_a_rest() {
+        let unit = 2 * MIB;
+        assert_eq!(chunk_sizes(2 * MIB, unit, 64 * MIB), vec![2 * MIB]);
+        assert_eq!(chunk_sizes(10 * MIB, unit, 64 * MIB), vec![2 * MIB; 5]);
+        assert_eq!(chunk_sizes(64 * MIB, unit, 64 * MIB), vec![8 * MIB; 8]);
+        assert_eq!(
+            chunk_sizes(100 * MIB, unit, 64 * MIB),
+            vec![
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                8 * MIB,
+                4 * MIB
+            ]
+        );
+        assert_eq!(chunk_sizes(1 << 30, unit, 64 * MIB), vec![64 * MIB; 16]);
+        assert_eq!(chunk_sizes(1 << 30, unit, 2 * MIB).len(), 512);
+        for size in (1..300).map(|n| n * unit) {
+            let sizes = chunk_sizes(size, unit, 64 * MIB);
+            assert_eq!(sizes.iter().sum::<usize>(), size);
+            assert!(sizes
+                .iter()
+                .all(|&s| s % unit == 0 && s > 0 && s <= 64 * MIB));
+        }
+    }
+
+    #[test]
+    fn whole_chunks_inside_a_range() {
+        let mut m = BlockMap::new();
+        let va = 0x4000_0000;
+        let (seg, _) = m.add_segment(
+            va,
+            20 * MIB,
+            chunks_of(&[8 * MIB, 8 * MIB, 4 * MIB]),
+            PoolKind::Large,
+            SHARED,
+        );
+        let s = &m.segments[seg];
+        let at = |mib: usize| va + (mib * MIB) as u64;
+        assert_eq!(s.whole_chunks(va, 20 * MIB), Some((va, 20 * MIB)));
+        assert_eq!(s.whole_chunks(at(2), 18 * MIB), Some((at(8), 12 * MIB)));
+        assert_eq!(s.whole_chunks(at(2), 14 * MIB), Some((at(8), 8 * MIB)));
+        assert_eq!(s.whole_chunks(at(2), 12 * MIB), None);
+        assert_eq!(s.chunks_covering(at(8), 9 * MIB).len(), 2);
+        assert_eq!(s.chunks_covering(at(8), 8 * MIB).len(), 1);
+        assert_eq!(s.chunks_covering(va, 20 * MIB).len(), 3);
+    }
 
     #[test]
     fn split_take_release_coalesce() {
         let mut m = BlockMap::new();
-        let (seg, b) = m.add_segment(0x10000, 4096, vec![PhysHandle(1)], PoolKind::Small, SHARED);
+        let (seg, b) = m.add_segment(0x10000, 4096, one(1, 4096), PoolKind::Small, SHARED);
         assert_eq!(m.best_fit(SHARED, PoolKind::Small, S, 512), Some(b));
         m.take_front(b, 512, S);
         let c = m.best_fit(SHARED, PoolKind::Small, S, 512).unwrap();
@@ -630,7 +772,7 @@ mod tests {
     #[test]
     fn owners_keep_streams_apart() {
         let mut m = BlockMap::new();
-        let (_, b) = m.add_segment(0x100000, 8192, vec![PhysHandle(1)], PoolKind::Large, SHARED);
+        let (_, b) = m.add_segment(0x100000, 8192, one(1, 8192), PoolKind::Large, SHARED);
         m.take_front(b, 4096, S);
         m.release(b, Some(S));
         // The first half is owned by S, the second by nobody: they merge, owned by S.
@@ -647,13 +789,7 @@ mod tests {
     #[test]
     fn take_range_middle() {
         let mut m = BlockMap::new();
-        let (_, b) = m.add_segment(
-            0x200000,
-            8 << 20,
-            vec![PhysHandle(1)],
-            PoolKind::Large,
-            SHARED,
-        );
+        let (_, b) = m.add_segment(0x200000, 8 << 20, one(1, 8 << 20), PoolKind::Large, SHARED);
         let mid = m.take_range(0x200000 + (2 << 20), 2 << 20, S).unwrap();
         assert_ne!(mid, b);
         assert_eq!(m.blocks[mid].size, 2 << 20);
@@ -665,8 +801,8 @@ mod tests {
     #[test]
     fn lookups_by_address() {
         let mut m = BlockMap::new();
-        let (_, a) = m.add_segment(0x100000, 4096, vec![PhysHandle(1)], PoolKind::Small, SHARED);
-        let (_, b) = m.add_segment(0x300000, 8192, vec![PhysHandle(2)], PoolKind::Large, SHARED);
+        let (_, a) = m.add_segment(0x100000, 4096, one(1, 4096), PoolKind::Small, SHARED);
+        let (_, b) = m.add_segment(0x300000, 8192, one(2, 8192), PoolKind::Large, SHARED);
         let rest = m.take_front(b, 2048, S).unwrap();
         assert_eq!(m.block_at(0x100000), Some(a));
         assert_eq!(m.block_at(0x100200), None);
@@ -687,8 +823,7 @@ mod tests {
         for (i, size) in sizes.into_iter().enumerate() {
             // Addresses fall as ids rise, so that the order by id is not the order by address.
             let va = 0x100000 * (16 - i as u64);
-            let (_, b) =
-                m.add_segment(va, size + 512, vec![PhysHandle(1)], PoolKind::Large, SHARED);
+            let (_, b) = m.add_segment(va, size + 512, one(1, size + 512), PoolKind::Large, SHARED);
             // Leaves a free block of `size` owned by S, by `other` or by nobody.
             m.take_front(b, 512, S);
             let owner = [Some(S), Some(other), None][i % 3];

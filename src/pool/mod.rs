@@ -30,7 +30,7 @@ use crate::device::{align_up, CaptureMode, DevicePtr, Event, PhysHandle, SharedD
 use crate::error::{Error, ErrorKind, Result};
 use crate::stats::MemoryStats;
 use crate::stitch::{self, Piece, StitchCache, StitchId};
-use blocks::{BlockId, BlockMap, BlockState, PoolKind, SegmentId, Tag, SHARED};
+use blocks::{BlockId, BlockMap, BlockState, Chunk, PoolKind, SegmentId, Tag, SHARED};
 
 /// Names a private pool (PyTorch's `MempoolId_t`).
 pub type PrivatePoolId = (u64, u64);
@@ -763,10 +763,9 @@ impl Inner {
         self.reserved().saturating_add(bytes) <= self.cap
     }
 
-    /// Creates a segment of `size` bytes: one physical handle per granule (CUDA maps only
-    /// whole handles, and stitching must be able to map any granule of a free block), mapped
-    /// at a new range with access set once. Returns its free block, or None when the cap or
-    /// the device is full. Undoes every step if a later one fails.
+    /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`]),
+    /// mapped at a new range with access set once. Returns its free block, or None when the
+    /// cap or the device is full. Undoes every step if a later one fails.
     fn grow(
         &mut self,
         device: &dyn crate::device::Device,
@@ -777,30 +776,37 @@ impl Inner {
         if !self.fits_cap(size) {
             return Ok(None);
         }
-        let unit = self.granularity;
-        let mut handles = Vec::with_capacity(size / unit);
-        for _ in 0..size / unit {
-            match device.create_physical(unit) {
-                Ok(handle) => handles.push(handle),
+        let sizes = blocks::chunk_sizes(size, self.granularity, self.config.max_chunk);
+        let mut chunks: Vec<Chunk> = Vec::with_capacity(sizes.len());
+        let mut offset = 0;
+        for len in sizes {
+            match device.create_physical(len) {
+                Ok(handle) => chunks.push(Chunk {
+                    handle,
+                    offset,
+                    len,
+                }),
                 Err(err) => {
-                    self.bury(device, Zombie::handles(handles));
+                    self.bury(device, Zombie::handles(&chunks));
                     if err.kind() == ErrorKind::OutOfMemory {
                         return Ok(None);
                     }
                     return Err(err.context("creating physical memory"));
                 }
             }
+            offset += len;
         }
-        let va = match map_range(device, &handles, unit, &self.access) {
+        let layout: Vec<(PhysHandle, usize)> = chunks.iter().map(|c| (c.handle, c.len)).collect();
+        let va = match map_range(device, &layout, self.granularity, &self.access) {
             Ok(va) => va,
             Err((err, zombie)) => {
                 self.zombies.extend(zombie);
-                self.bury(device, Zombie::handles(handles));
+                self.bury(device, Zombie::handles(&chunks));
                 return Err(err.context("mapping a new segment"));
             }
         };
-        let count = handles.len() as i64;
-        let (_, block) = self.map.add_segment(va, size, handles, pool, tag);
+        let count = chunks.len() as i64;
+        let (_, block) = self.map.add_segment(va, size, chunks, pool, tag);
         self.stats.segment.add(pool, 1);
         self.stats.reserved_bytes.add(pool, size as i64);
         self.stats.num_device_alloc += count;
@@ -821,11 +827,15 @@ impl Inner {
         self.stats
             .reserved_bytes
             .add(removed.pool, -(removed.size as i64));
-        self.stats.num_device_free += removed.handles.len() as i64;
+        self.stats.num_device_free += removed.chunks.len() as i64;
         self.sync_split_stats();
         let zombie = Zombie {
-            unmaps: granules(removed.va, removed.size, self.granularity),
-            handles: removed.handles,
+            unmaps: removed
+                .chunks
+                .iter()
+                .map(|c| (removed.va + c.offset as u64, c.len))
+                .collect(),
+            handles: removed.chunks.iter().map(|c| c.handle).collect(),
             reservation: Some((removed.va, removed.size)),
         };
         self.bury(device, zombie);
@@ -863,8 +873,10 @@ impl Inner {
         Some(va)
     }
 
-    /// Builds a new stitched range of `size` bytes from free blocks of `stream` (pieces of at
-    /// least `frag_limit` bytes), creating new physical memory for any shortfall.
+    /// Builds a new stitched range of `size` bytes from free blocks of `stream`, creating new
+    /// physical memory for any shortfall. Only whole chunks map, so a free block offers the run
+    /// of whole chunks inside it (at least `frag_limit` bytes); the last piece maps its last
+    /// chunk whole but takes from the block only the bytes the request needs.
     fn stitch_new(
         &mut self,
         device: &dyn crate::device::Device,
@@ -872,9 +884,13 @@ impl Inner {
         stream: Stream,
     ) -> Result<Option<DevicePtr>> {
         let min_piece = self.config.frag_limit.max(self.granularity);
-        let candidates = self
-            .map
-            .largest_free_blocks(PoolKind::Large, stream, min_piece);
+        let map = &self.map;
+        let candidates = map
+            .largest_free_blocks(PoolKind::Large, stream, min_piece)
+            .filter_map(|(_, id)| {
+                let (_, len) = map.whole_chunks_of(id)?;
+                (len >= min_piece).then_some((len, id))
+            });
         let plan = match stitch::plan(candidates, size, self.config.max_stitch_pieces) {
             Some(plan) => plan,
             None => return Ok(None),
@@ -882,58 +898,70 @@ impl Inner {
         if plan.shortfall > 0 && !self.fits_cap(plan.shortfall) {
             return Ok(None);
         }
-        // Take the planned fronts of the free blocks first, so that growth cannot merge them.
-        let mut ids: Vec<BlockId> = Vec::with_capacity(plan.take.len() + 1);
+        // Where each planned piece lies and what maps it, before taking splits the blocks.
+        let mut pieces: Vec<Piece> = Vec::with_capacity(plan.take.len() + 1);
         for &(id, bytes) in &plan.take {
-            self.map.take_front(id, bytes, stream);
-            ids.push(id);
+            let Some((start, _)) = self.map.whole_chunks_of(id) else {
+                return Err(Error::internal("a planned stitch piece has no whole chunk"));
+            };
+            let segment = &self.map.segments[self.map.blocks[id].segment];
+            let handles: Vec<(PhysHandle, usize)> = segment
+                .chunks_covering(start, bytes)
+                .iter()
+                .map(|c| (c.handle, c.len))
+                .collect();
+            let len = handles.iter().map(|&(_, len)| len).sum();
+            pieces.push(Piece {
+                addr: start,
+                len,
+                handles,
+            });
+        }
+        // Take the planned bytes first, so that growth cannot merge them.
+        let mut ids: Vec<BlockId> = Vec::with_capacity(plan.take.len() + 1);
+        for (piece, &(_, bytes)) in pieces.iter().zip(&plan.take) {
+            match self.map.take_range(piece.addr, bytes, stream) {
+                Some(id) => ids.push(id),
+                None => {
+                    self.give_back(&ids, stream);
+                    return Err(Error::internal("a planned stitch piece is not free"));
+                }
+            }
         }
         if plan.shortfall > 0 {
             match self.grow(device, PoolKind::Large, plan.shortfall, SHARED) {
                 Ok(Some(id)) => {
                     self.map.take(id, stream);
                     ids.push(id);
+                    let b = &self.map.blocks[id];
+                    let segment = &self.map.segments[b.segment];
+                    pieces.push(Piece {
+                        addr: b.addr,
+                        len: b.size,
+                        handles: segment.chunks.iter().map(|c| (c.handle, c.len)).collect(),
+                    });
                 }
                 other => {
-                    for &id in &ids {
-                        self.map.release(id, Some(stream));
-                    }
-                    self.sync_split_stats();
+                    self.give_back(&ids, stream);
                     return other.map(|_| None);
                 }
             }
         }
-        let unit = self.granularity;
-        let pieces: Vec<Piece> = ids
-            .iter()
-            .map(|&id| {
-                let b = &self.map.blocks[id];
-                let seg = &self.map.segments[b.segment];
-                let first = (b.addr - seg.va) as usize / unit;
-                Piece {
-                    addr: b.addr,
-                    len: b.size,
-                    handles: seg.handles[first..first + b.size / unit].to_vec(),
-                }
-            })
-            .collect();
-        let handles: Vec<PhysHandle> = pieces
+        let handles: Vec<(PhysHandle, usize)> = pieces
             .iter()
             .flat_map(|p| p.handles.iter().copied())
             .collect();
-        let va = match map_range(device, &handles, unit, &self.access) {
+        let va = match map_range(device, &handles, self.granularity, &self.access) {
             Ok(va) => va,
             Err((err, zombie)) => {
-                for &id in &ids {
-                    self.map.release(id, Some(stream));
-                }
-                self.sync_split_stats();
+                self.give_back(&ids, stream);
                 self.zombies.extend(zombie);
                 return Err(err);
             }
         };
         let piece_count = pieces.len();
         let id = self.stitch.insert(va, pieces, stream);
+        let mapped = self.stitch.blocks[id].size;
         self.stitch_blocks.blocks.insert(id, ids);
         self.register(va, Target::Stitched(id), size, stream, PoolKind::Large);
         self.stats.stitches += 1;
@@ -941,7 +969,7 @@ impl Inner {
         self.stats.stitched_pieces += piece_count as i64;
         self.stats.stitched_allocations += 1;
         self.stats.stitched_blocks.add(1);
-        self.stats.stitched_mapped_bytes.add(size as i64);
+        self.stats.stitched_mapped_bytes.add(mapped as i64);
         log::debug!(
             "glake: fuse {piece_count} pieces into {size} bytes at {va:#x} on device {}",
             device.ordinal()
@@ -950,6 +978,14 @@ impl Inner {
             log::warn!("glake: collecting stitched blocks failed: {err}");
         }
         Ok(Some(va))
+    }
+
+    /// Returns blocks taken for a stitch that did not happen to the free sets of `stream`.
+    fn give_back(&mut self, ids: &[BlockId], stream: Stream) {
+        for &id in ids {
+            self.map.release(id, Some(stream));
+        }
+        self.sync_split_stats();
     }
 
     /// Unmaps idle stitched ranges: all of them when `all`, else the least recently used ones
@@ -986,7 +1022,7 @@ impl Inner {
             self.stats.stitched_blocks.add(-1);
             self.stats.stitched_mapped_bytes.add(-(s.size as i64));
             let zombie = Zombie {
-                unmaps: granules(s.va, s.size, self.granularity),
+                unmaps: mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles)),
                 handles: Vec::new(),
                 reservation: Some((s.va, s.size)),
             };
@@ -1231,10 +1267,10 @@ struct Zombie {
 }
 
 impl Zombie {
-    fn handles(handles: Vec<PhysHandle>) -> Self {
+    fn handles(chunks: &[Chunk]) -> Self {
         Zombie {
             unmaps: Vec::new(),
-            handles,
+            handles: chunks.iter().map(|c| c.handle).collect(),
             reservation: None,
         }
     }
@@ -1256,34 +1292,42 @@ impl Zombie {
     }
 }
 
-/// The granules of `[va, va+size)`, one per mapping (mappings are unmapped one by one, as they
-/// were made).
-fn granules(va: DevicePtr, size: usize, unit: usize) -> Vec<(DevicePtr, usize)> {
-    (0..size / unit)
-        .map(|i| (va + (i * unit) as u64, unit))
+/// Where each of `handles` (with its length) lies when they are mapped one after another from
+/// `va`; mappings are unmapped one by one, as they were made.
+fn mappings<'a>(
+    va: DevicePtr,
+    handles: impl IntoIterator<Item = &'a (PhysHandle, usize)>,
+) -> Vec<(DevicePtr, usize)> {
+    let mut at = va;
+    handles
+        .into_iter()
+        .map(|&(_, len)| {
+            let mapping = (at, len);
+            at += len as u64;
+            mapping
+        })
         .collect()
 }
 
-/// Reserves a range, maps `handles` (each `unit` bytes) one after another into it, and grants
-/// access to the whole range in one call. On failure what was done is undone, or handed back
-/// as a zombie to retry; the handles themselves stay with the caller.
+/// Reserves a range (aligned to `align`), maps `handles` (each with its length) one after
+/// another into it, and grants access to the whole range in one call. On failure what was done
+/// is undone, or handed back as a zombie to retry; the handles themselves stay with the caller.
 fn map_range(
     device: &dyn crate::device::Device,
-    handles: &[PhysHandle],
-    unit: usize,
+    handles: &[(PhysHandle, usize)],
+    align: usize,
     access: &[i32],
 ) -> std::result::Result<DevicePtr, (Error, Option<Zombie>)> {
-    let size = handles.len() * unit;
-    let va = device.reserve(size, unit).map_err(|e| (e, None))?;
+    let size = handles.iter().map(|&(_, len)| len).sum();
+    let va = device.reserve(size, align).map_err(|e| (e, None))?;
     let mut mapped = Vec::with_capacity(handles.len());
     let mut failure = None;
-    for (i, &handle) in handles.iter().enumerate() {
-        let at = va + (i * unit) as u64;
-        if let Err(err) = device.map(at, unit, handle, 0) {
+    for ((at, len), &(handle, _)) in mappings(va, handles).into_iter().zip(handles) {
+        if let Err(err) = device.map(at, len, handle, 0) {
             failure = Some(err);
             break;
         }
-        mapped.push((at, unit));
+        mapped.push((at, len));
     }
     if failure.is_none() {
         // One grant over the whole range. Its cost is per handle; granting parts from several

@@ -50,6 +50,8 @@ pub struct SegmentInfo {
     pub total_size: usize,
     pub allocated_size: usize,
     pub pool: PoolKind,
+    /// Lengths of the physical handles behind the segment, in address order.
+    pub chunk_sizes: Vec<usize>,
     pub blocks: Vec<BlockInfo>,
 }
 
@@ -60,6 +62,8 @@ pub struct StitchedInfo {
     pub in_use: bool,
     /// (address in the home segment, length) of each piece, in mapping order.
     pub pieces: Vec<(DevicePtr, usize)>,
+    /// Physical handles mapped into the range (one mapping each).
+    pub handle_count: usize,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -113,6 +117,7 @@ pub(super) fn take(
                     .map(|b| b.size)
                     .sum(),
                 pool: segment.pool,
+                chunk_sizes: segment.chunks.iter().map(|c| c.len).collect(),
                 blocks,
             }
         })
@@ -126,6 +131,7 @@ pub(super) fn take(
             size: s.size,
             in_use: s.in_use,
             pieces: s.pieces.iter().map(|p| (p.addr, p.len)).collect(),
+            handle_count: s.pieces.iter().map(|p| p.handles.len()).sum(),
         })
         .collect();
     stitched.sort_by_key(|s| s.address);
@@ -165,8 +171,8 @@ impl Snapshot {
             };
             let _ = write!(
                 out,
-                "{{\"address\":{},\"total_size\":{},\"allocated_size\":{},\"segment_type\":\"{pool}\",\"blocks\":[",
-                s.address, s.total_size, s.allocated_size
+                "{{\"address\":{},\"total_size\":{},\"allocated_size\":{},\"segment_type\":\"{pool}\",\"chunk_sizes\":{:?},\"blocks\":[",
+                s.address, s.total_size, s.allocated_size, s.chunk_sizes
             );
             for (j, b) in s.blocks.iter().enumerate() {
                 if j > 0 {
@@ -192,10 +198,11 @@ impl Snapshot {
             let pieces: Vec<String> = s.pieces.iter().map(|(a, l)| format!("[{a},{l}]")).collect();
             let _ = write!(
                 out,
-                "{{\"address\":{},\"size\":{},\"in_use\":{},\"pieces\":[{}]}}",
+                "{{\"address\":{},\"size\":{},\"in_use\":{},\"handles\":{},\"pieces\":[{}]}}",
                 s.address,
                 s.size,
                 s.in_use,
+                s.handle_count,
                 pieces.join(",")
             );
         }

@@ -15,12 +15,12 @@ use crate::device::{DevicePtr, PhysHandle, Stream};
 pub type StitchId = usize;
 
 /// One piece of a stitched range: `len` bytes of a segment, starting at `addr` in the segment's
-/// own range, backed by `handles` (one per granule, in order).
+/// own range, backed by `handles` (whole physical handles with their lengths, in order).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Piece {
     pub addr: DevicePtr,
     pub len: usize,
-    pub handles: Vec<PhysHandle>,
+    pub handles: Vec<(PhysHandle, usize)>,
 }
 
 /// A mapped stitched range.
@@ -224,7 +224,7 @@ mod tests {
         let piece = |addr| Piece {
             addr,
             len: 4,
-            handles: vec![PhysHandle(1)],
+            handles: vec![(PhysHandle(1), 4)],
         };
         let a = c.insert(100, vec![piece(0), piece(8)], Stream(1));
         let b = c.insert(200, vec![piece(16)], Stream(1));

@@ -29,7 +29,7 @@ pub const TABLE: &[Entry] = &[
     },
     Entry {
         name: "stitch",
-        description: "defaults: stitch before growing, frag_limit 2 MiB, reuse_limit 10",
+        description: "defaults: stitch before growing, frag_limit 2 MiB, reuse_limit 10, handles up to 32 MiB",
         apply: |_| {},
     },
     Entry {
@@ -51,6 +51,21 @@ pub const TABLE: &[Entry] = &[
         name: "stitch-reuse2",
         description: "stitch, reuse a cached stitched block only up to 2x the request",
         apply: |c| c.reuse_limit = 2.0,
+    },
+    Entry {
+        name: "stitch-chunk2m",
+        description: "stitch, segments of 2 MiB handles only (GMLake's layout)",
+        apply: |c| c.max_chunk = 2 * MIB,
+    },
+    Entry {
+        name: "stitch-chunk16m",
+        description: "stitch, physical handles of at most 16 MiB",
+        apply: |c| c.max_chunk = 16 * MIB,
+    },
+    Entry {
+        name: "stitch-chunk64m",
+        description: "stitch, physical handles of at most 64 MiB",
+        apply: |c| c.max_chunk = 64 * MIB,
     },
     Entry {
         name: "stitch-pieces16",

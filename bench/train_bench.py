@@ -57,7 +57,8 @@ def child(allocator, workload, steps, seed):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     step = workloads.WORKLOADS[workload]()
-    times, driver_peak, stitches = [], 0, []
+    timing = allocator == "glake" and glake.torch.call_times()["enabled"]
+    times, driver_peak, stitches, allocs, inside = [], 0, [], [], []
     for _ in range(steps):
         began = time.perf_counter()
         step(rng)
@@ -65,8 +66,13 @@ def child(allocator, workload, steps, seed):
         times.append((time.perf_counter() - began) * 1e3)
         free, total = torch.cuda.mem_get_info()
         driver_peak = max(driver_peak, total - free - baseline)
+        stats = torch.cuda.memory_stats()
+        allocs.append(stats.get("allocation.all.allocated", 0))
         if allocator == "glake":
-            stitches.append(torch.cuda.memory_stats().get("glake.stitches", 0))
+            stitches.append(stats.get("glake.stitches", 0))
+        if timing:
+            calls = glake.torch.call_times()
+            inside.append(calls["malloc_ns"] + calls["free_ns"])
     stats = torch.cuda.memory_stats()
     result = {
         "workload": workload,
@@ -80,13 +86,39 @@ def child(allocator, workload, steps, seed):
         "step_ms": [round(t, 1) for t in times],
         "num_alloc_retries": stats.get("num_alloc_retries", 0),
         "num_ooms": stats.get("num_ooms", 0),
+        "allocs_per_step": per_step(allocs),
     }
+    if timing:
+        result["allocator_ms_per_step"] = [round(ns / 1e6, 2) for ns in per_step(inside)]
     if allocator == "glake":
-        result["stitches_per_step"] = [b - a for a, b in zip([0] + stitches, stitches)]
+        result["stitches_per_step"] = per_step(stitches)
         for key in ("glake.stitches", "glake.stitch_reuse_hits", "glake.stitched_allocations",
                     "glake.stitched_mapped_bytes.peak", "num_device_alloc"):
             result[key] = stats.get(key, 0)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def per_step(totals):
+    """Per-step increments of a running total read after each step."""
+    return [b - a for a, b in zip([0] + totals, totals)]
+
+
+def gpu_local_cpus():
+    """The CPUs on the GPU's side of the machine that this process may use, or None."""
+    try:
+        bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader",
+                              "-i", "0"], capture_output=True, text=True, check=True)
+        bus_id = bus.stdout.strip().lower()
+        domain, rest = bus_id.split(":", 1)
+        path = pathlib.Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/local_cpulist")
+        cpus = set()
+        for part in path.read_text().strip().split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+        usable = cpus & os.sched_getaffinity(0)
+        return usable or None
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return None
 
 
 def parse_allocator(spec):
@@ -98,7 +130,7 @@ def parse_allocator(spec):
     return name, settings
 
 
-def run(spec, workload, steps, seed):
+def run(spec, workload, steps, seed, cpus):
     allocator, settings = parse_allocator(spec)
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
@@ -108,12 +140,14 @@ def run(spec, workload, steps, seed):
     command = [sys.executable, __file__, "--child", allocator, workload, "--steps", str(steps),
                "--seed", str(seed)]
     began = time.time()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    done = subprocess.run(command, env=env, capture_output=True, text=True, preexec_fn=pin)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
             result["allocator"] = spec
             result["wall_s"] = round(time.time() - began, 1)
+            result["cpus"] = len(cpus) if cpus else None
             return result
     tail = (done.stdout + done.stderr)[-3000:]
     return {"workload": workload, "allocator": spec, "error": f"exit {done.returncode}: {tail}"}
@@ -137,8 +171,7 @@ def table(results):
         ratio = f"{r['median_ms'] / base['median_ms']:.3f}" if base else ""
         # Step i has the same shapes in every run (same seed): the median of per-step ratios
         # is far less noisy than the ratio of medians.
-        paired = (f"{statistics.median(a / b for a, b in zip(r['step_ms'][WARMUP:], base['step_ms'][WARMUP:])):.3f}"
-                  if base else "")
+        paired = f"{statistics.median(paired_ratios(r, base)):.3f}" if base else ""
         total = sum(r["step_ms"][WARMUP:]) / 1e3
         total_ratio = f"{total * 1e3 / sum(base['step_ms'][WARMUP:]):.3f}" if base else ""
         lines.append(
@@ -148,6 +181,42 @@ def table(results):
             f"| {r['peak_requested'] / r['peak_reserved']:.3f} | {r['median_ms']:.0f} | {ratio} "
             f"| {paired} "
             f"| {total:.2f} | {total_ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def paired_ratios(run, base):
+    return [a / b for a, b in zip(run["step_ms"][WARMUP:], base["step_ms"][WARMUP:])]
+
+
+def pooled_table(results):
+    """Per workload and allocator over all rounds: the median of every per-step ratio to the
+    native run of the same round, each round's median, and all steps' time against native's."""
+    native = {(r["workload"], r.get("round", 0)): r for r in results
+              if r["allocator"] == "native" and "error" not in r}
+    groups = {}
+    for r in results:
+        base = native.get((r["workload"], r.get("round", 0)))
+        if "error" in r or base is None or r["allocator"] == "native":
+            continue
+        groups.setdefault((r["workload"], r["allocator"]), []).append((r, base))
+    lines = [
+        "| workload | allocator | rounds | pooled step-by-step x native | per round "
+        "| all steps after warm-up x native | allocations per step | allocator ms per step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (workload, allocator), pairs in groups.items():
+        pooled = [x for r, b in pairs for x in paired_ratios(r, b)]
+        rounds = ", ".join(f"{statistics.median(paired_ratios(r, b)):.3f}" for r, b in pairs)
+        total = (sum(sum(r["step_ms"][WARMUP:]) for r, _ in pairs)
+                 / sum(sum(b["step_ms"][WARMUP:]) for _, b in pairs))
+        allocs = [n for r, _ in pairs for n in r.get("allocs_per_step", [])[WARMUP:]]
+        inside = [ms for r, _ in pairs for ms in r.get("allocator_ms_per_step", [])[WARMUP:]]
+        lines.append(
+            f"| {workload} | {allocator} | {len(pairs)} | {statistics.median(pooled):.3f} "
+            f"| {rounds} | {total:.3f} "
+            f"| {statistics.median(allocs) if allocs else ''} "
+            f"| {f'{statistics.median(inside):.2f}' if inside else ''} |"
         )
     return "\n".join(lines)
 
@@ -175,13 +244,16 @@ def main():
             parse_allocator(allocator)
         except ValueError as err:
             parser.error(str(err))
+    cpus = gpu_local_cpus()
+    print(f"children pinned to {len(cpus)} CPUs near the GPU" if cpus else "children not pinned",
+          flush=True)
     results = []
     for workload in args.workloads.split(","):
         for round_index in range(args.rounds):
             shift = round_index % len(allocators)
             for allocator in allocators[shift:] + allocators[:shift]:
                 steps = args.steps or DEFAULT_STEPS[workload]
-                result = run(allocator, workload, steps, args.seed)
+                result = run(allocator, workload, steps, args.seed, cpus)
                 if args.rounds > 1:
                     result["round"] = round_index
                 results.append(result)
@@ -190,6 +262,8 @@ def main():
                     with open(args.jsonl, "a") as out:
                         out.write(json.dumps(result) + "\n")
     text = table(results)
+    if args.rounds > 1:
+        text += "\n\n" + pooled_table(results)
     print(text)
     if args.markdown:
         pathlib.Path(args.markdown).write_text(text + "\n")

@@ -55,6 +55,8 @@ def load():
     lib.gmlake_pool_allocations_json.argtypes = [
         c_int, ctypes.c_uint64, ctypes.c_uint64, out_text]
     lib.gmlake_pool_allocations_json.restype = c_int
+    lib.gmlake_call_times_json.argtypes = [out_text]
+    lib.gmlake_call_times_json.restype = c_int
     lib.glake_string_free.argtypes = [ctypes.c_void_p]
     lib.glake_string_free.restype = None
     lib.gmlake_last_error.argtypes = []

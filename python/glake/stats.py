@@ -26,6 +26,14 @@ def pool_allocations(device, pool_id):
     return json.loads(_library.text(lib.gmlake_pool_allocations_json, device, first, second))
 
 
+def call_times():
+    """Calls of the allocator's malloc and free and the nanoseconds spent inside them, all
+    devices together: {"enabled", "malloc_calls", "malloc_ns", "free_calls", "free_ns"}.
+    Counted only when GLAKE_TIME_CALLS=1 was set before the library was loaded."""
+    lib = _library.load()
+    return json.loads(_library.text(lib.gmlake_call_times_json))
+
+
 def nested(flat_stats):
     """PyTorch's nested form of memory_stats(): "a.b.c" -> {"a": {"b": {"c": value}}}."""
     out = {}

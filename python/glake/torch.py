@@ -85,6 +85,12 @@ def snapshot(device=None):
     return _stats.snapshot(_device_index(device))
 
 
+def call_times():
+    """Time spent inside glake's malloc and free (see glake.stats.call_times); enable with
+    enable(time_calls=True) or GLAKE_TIME_CALLS=1."""
+    return _stats.call_times()
+
+
 _BLOCK_STATES = {
     "active_allocated": "active_allocated",
     "active_stitched": "active_allocated",

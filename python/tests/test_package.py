@@ -11,6 +11,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ.setdefault("GLAKE_BACKEND", "host")
 os.environ.setdefault("GLAKE_HOST_DEVICES", "4")
 os.environ.setdefault("GLAKE_HOST_MEMORY", "1G")
+os.environ.setdefault("GLAKE_TIME_CALLS", "1")
 
 from glake import _library, options, stats  # noqa: E402
 
@@ -63,6 +64,8 @@ def test_statistics_follow_allocations(lib):
     assert stats.flat(3)["allocated_bytes.all.current"] == 0
     assert stats.snapshot(3) is None
     assert stats.pool_allocations(3, (1, 2)) is None
+    before = stats.call_times()
+    assert before["enabled"]
     ptr = lib.gmlake_malloc(5 * MIB, 3, None)
     assert ptr
     flat = stats.flat(3)
@@ -70,6 +73,10 @@ def test_statistics_follow_allocations(lib):
     assert flat["requested_bytes.all.current"] == 5 * MIB
     assert flat["reserved_bytes.all.current"] >= 6 * MIB
     lib.gmlake_free(ptr, 5 * MIB, 3, None)
+    after = stats.call_times()
+    assert after["malloc_calls"] == before["malloc_calls"] + 1
+    assert after["free_calls"] == before["free_calls"] + 1
+    assert after["malloc_ns"] > before["malloc_ns"] and after["free_ns"] > before["free_ns"]
     flat = stats.flat(3)
     assert flat["allocated_bytes.all.current"] == 0
     assert flat["allocated_bytes.all.peak"] == 6 * MIB
@@ -79,3 +86,5 @@ def test_statistics_follow_allocations(lib):
     assert stats.flat(3)["allocation.all.allocated"] == 0
     snap = stats.snapshot(3)
     assert sum(s["total_size"] for s in snap["segments"]) == flat["reserved_bytes.all.current"]
+    for segment in snap["segments"]:
+        assert sum(segment["chunk_sizes"]) == segment["total_size"]

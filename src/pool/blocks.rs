@@ -1,9 +1,10 @@
 //! Segments and blocks: the bookkeeping of the caching allocator, on addresses and sizes only.
 //!
-//! A segment is a few physical handles (chunks) mapped side by side at its own virtual range. Its bytes are covered by a
-//! doubly linked list of blocks in address order; a block is free, allocated, or pending (freed
-//! but waiting for events of other streams). Free blocks sit in best-fit sets keyed by pool and
-//! owner stream, and neighbours with the same owner coalesce. No driver is called here.
+//! A segment is a few physical handles (chunks) mapped side by side at its own virtual range.
+//! Its bytes are covered by a doubly linked list of blocks in address order; a block is free,
+//! allocated, or pending (freed but waiting for events of other streams). Free blocks sit in
+//! best-fit sets keyed by pool and owner stream, and neighbours with the same owner coalesce.
+//! No driver is called here.
 
 use std::collections::{btree_set, BTreeMap, BTreeSet};
 use std::iter::{Peekable, Rev};

@@ -10,6 +10,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod devices;
+mod timing;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CString};
@@ -103,7 +104,9 @@ pub extern "C-unwind" fn gmlake_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    match guarded(|| allocate(size, device, stream)) {
+    match timing::timed(&timing::MALLOC, || {
+        guarded(|| allocate(size, device, stream))
+    }) {
         Ok(ptr) => ptr,
         Err(kind) => throw(kind),
     }
@@ -115,22 +118,24 @@ pub extern "C" fn gmlake_free(ptr: *mut c_void, _size: usize, device: c_int, _st
     if ptr.is_null() {
         return;
     }
-    let freed = guarded(|| {
-        let addr = ptr as usize as u64;
-        match devices::existing(device).map(|p| p.free(addr)) {
-            Some(Err(err)) if err.kind() != ErrorKind::InvalidPointer => Err(err),
-            Some(Ok(())) => Ok(()),
-            // Not this device's: PyTorch passes the allocation's device, so this is a stray
-            // pointer, unless another pool knows it.
-            _ => devices::all()
-                .find_map(|(_, p)| p.free(addr).ok())
-                .ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::InvalidPointer,
-                        format!("{addr:#x} was not allocated by glake"),
-                    )
-                }),
-        }
+    let freed = timing::timed(&timing::FREE, || {
+        guarded(|| {
+            let addr = ptr as usize as u64;
+            match devices::existing(device).map(|p| p.free(addr)) {
+                Some(Err(err)) if err.kind() != ErrorKind::InvalidPointer => Err(err),
+                Some(Ok(())) => Ok(()),
+                // Not this device's: PyTorch passes the allocation's device, so this is a stray
+                // pointer, unless another pool knows it.
+                _ => devices::all()
+                    .find_map(|(_, p)| p.free(addr).ok())
+                    .ok_or_else(|| {
+                        Error::new(
+                            ErrorKind::InvalidPointer,
+                            format!("{addr:#x} was not allocated by glake"),
+                        )
+                    }),
+            }
+        })
     });
     if freed.is_err() {
         LAST_ERROR.with(|last| log::error!("{}", last.borrow().to_string_lossy()));
@@ -342,6 +347,16 @@ pub unsafe extern "C" fn gmlake_pool_allocations_json(
             }
         })
     })
+}
+
+/// Calls of `gmlake_malloc`/`gmlake_free` and the nanoseconds spent in them, as JSON; counted
+/// only when `GLAKE_TIME_CALLS=1` was set at start.
+///
+/// # Safety
+/// `out` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gmlake_call_times_json(out: *mut *mut c_char) -> c_int {
+    text_out(out, || Ok(timing::to_json()))
 }
 
 /// `torch.cuda.reset_peak_memory_stats(device)`.

@@ -17,10 +17,17 @@ Per run: peak allocated and peak requested bytes and peak reserved bytes from th
 statistics (torch.cuda.memory_stats(); glake answers through its Python package), the driver's
 view (largest `total - free` of cudaMemGetInfo after a step, less what was in use before the
 model was built), utilization (peak allocated / peak reserved, the usual figure, and peak
-requested / peak reserved, which does not depend on how each allocator rounds), and the median
+requested / peak reserved, which does not depend on how each allocator rounds), the median
 step time (each step ends with a device synchronisation; the first steps are warm-up and left
 out), the median of step-by-step ratios to the native run (step i has the same shapes in every
-run), and the time of all steps after warm-up. glake runs also report its stitch counters.
+run), the time of all steps after warm-up, the process's CPU time per step (less sensitive to
+other load on the machine than the wall clock) and the allocations per step. glake runs also
+report its stitch counters, and with GLAKE_TIME_CALLS=1 in their settings the time spent
+inside glake's malloc and free per step.
+
+Child processes are pinned to the CPUs next to the GPU (when sysfs tells which), so that no
+run pays for launching kernels from the far socket. With several rounds, a second table gives,
+per workload and allocator, the median of all per-step ratios pooled over the rounds.
 """
 import argparse
 import json
@@ -58,12 +65,13 @@ def child(allocator, workload, steps, seed):
     torch.manual_seed(seed)
     step = workloads.WORKLOADS[workload]()
     timing = allocator == "glake" and glake.torch.call_times()["enabled"]
-    times, driver_peak, stitches, allocs, inside = [], 0, [], [], []
+    times, cpu_times, driver_peak, stitches, allocs, inside = [], [], 0, [], [], []
     for _ in range(steps):
-        began = time.perf_counter()
+        began, cpu_began = time.perf_counter(), time.process_time()
         step(rng)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - began) * 1e3)
+        cpu_times.append((time.process_time() - cpu_began) * 1e3)
         free, total = torch.cuda.mem_get_info()
         driver_peak = max(driver_peak, total - free - baseline)
         stats = torch.cuda.memory_stats()
@@ -84,6 +92,7 @@ def child(allocator, workload, steps, seed):
         "driver_peak": driver_peak,
         "median_ms": statistics.median(times[WARMUP:] if steps > WARMUP else times),
         "step_ms": [round(t, 1) for t in times],
+        "cpu_ms": [round(t, 1) for t in cpu_times],
         "num_alloc_retries": stats.get("num_alloc_retries", 0),
         "num_ooms": stats.get("num_ooms", 0),
         "allocs_per_step": per_step(allocs),
@@ -185,8 +194,8 @@ def table(results):
     return "\n".join(lines)
 
 
-def paired_ratios(run, base):
-    return [a / b for a, b in zip(run["step_ms"][WARMUP:], base["step_ms"][WARMUP:])]
+def paired_ratios(run, base, key="step_ms"):
+    return [a / b for a, b in zip(run[key][WARMUP:], base[key][WARMUP:])]
 
 
 def pooled_table(results):
@@ -202,8 +211,9 @@ def pooled_table(results):
         groups.setdefault((r["workload"], r["allocator"]), []).append((r, base))
     lines = [
         "| workload | allocator | rounds | pooled step-by-step x native | per round "
-        "| all steps after warm-up x native | allocations per step | allocator ms per step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| all steps after warm-up x native | CPU time step-by-step x native "
+        "| allocations per step | allocator ms per step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (workload, allocator), pairs in groups.items():
         pooled = [x for r, b in pairs for x in paired_ratios(r, b)]
@@ -212,9 +222,12 @@ def pooled_table(results):
                  / sum(sum(b["step_ms"][WARMUP:]) for _, b in pairs))
         allocs = [n for r, _ in pairs for n in r.get("allocs_per_step", [])[WARMUP:]]
         inside = [ms for r, _ in pairs for ms in r.get("allocator_ms_per_step", [])[WARMUP:]]
+        cpu = [x for r, b in pairs if "cpu_ms" in r and "cpu_ms" in b
+               for x in paired_ratios(r, b, "cpu_ms")]
         lines.append(
             f"| {workload} | {allocator} | {len(pairs)} | {statistics.median(pooled):.3f} "
             f"| {rounds} | {total:.3f} "
+            f"| {f'{statistics.median(cpu):.3f}' if cpu else ''} "
             f"| {statistics.median(allocs) if allocs else ''} "
             f"| {f'{statistics.median(inside):.2f}' if inside else ''} |"
         )

@@ -39,10 +39,15 @@ pub struct Config {
     pub memory_fraction: f64,
     /// Most pieces one stitched block may map (each costs a set-access on CUDA).
     pub max_stitch_pieces: usize,
-    /// Largest physical handle a segment is made of (a power of two). Larger handles make
-    /// creating, mapping and stitching cheaper (CUDA's costs are per handle); stitches cut
-    /// segments only at handle boundaries. The device granularity gives GMLake's layout.
+    /// Largest physical handle a segment is made of (a power of two; a small pool uses smaller
+    /// ones, see `pool::blocks::chunk_limit`). Larger handles make creating, mapping and
+    /// stitching cheaper (CUDA's costs are per handle); stitches cut segments only at handle
+    /// boundaries. The device granularity gives GMLake's layout.
     pub max_chunk: usize,
+    /// A new handle is at most 1/`chunk_divisor` of the memory the pool holds, so the bytes a
+    /// stitch cannot use at the edges of split handles stay a small share of a pool of any
+    /// size, while a large pool, where the per-handle cost adds up, gets large handles.
+    pub chunk_divisor: usize,
 }
 
 impl Default for Config {
@@ -57,6 +62,7 @@ impl Default for Config {
             memory_fraction: 1.0,
             max_stitch_pieces: 256,
             max_chunk: 32 * MIB,
+            chunk_divisor: 512,
         }
     }
 }
@@ -104,6 +110,9 @@ const MAX_STITCH_PIECES: Var = Var {
 };
 const MAX_CHUNK: Var = Var {
     names: &["GLAKE_MAX_CHUNK"],
+};
+const CHUNK_DIVISOR: Var = Var {
+    names: &["GLAKE_CHUNK_DIVISOR"],
 };
 
 impl Var {
@@ -229,6 +238,12 @@ impl Config {
                 _ => warn_bad_value(name, &value, &self.max_chunk.to_string()),
             }
         }
+        if let Some((name, value)) = CHUNK_DIVISOR.lookup() {
+            match value.trim().parse::<usize>() {
+                Ok(n) if n >= 1 => self.chunk_divisor = n,
+                _ => warn_bad_value(name, &value, &self.chunk_divisor.to_string()),
+            }
+        }
     }
 
     /// Checks the values a program set directly (the environment path never fails).
@@ -254,6 +269,9 @@ impl Config {
                 "max_stitch_pieces {} must be >= 2",
                 self.max_stitch_pieces
             ));
+        }
+        if self.chunk_divisor == 0 {
+            return bad("chunk_divisor must be at least 1".to_string());
         }
         if !self.max_chunk.is_power_of_two() {
             return bad(format!(

@@ -97,16 +97,19 @@ fn freed_memory_is_reused_on_the_same_stream() {
     p.free(d).unwrap();
 }
 
-/// Fills a budget with blocks of `block` bytes, frees every other one, then asks for one
-/// block four times larger than any free one. Returns the pool's result and the peak reserved
-/// bytes.
+/// Takes `ballast` bytes (kept live), then fills a 64 MiB budget above that with blocks of
+/// `block` bytes, frees every other one, and asks for one block four times larger than any
+/// free one. Returns the pool's result and the peak reserved bytes above the ballast.
 fn fragment_then_ask(
     device: &SharedDevice,
     config: Config,
+    ballast: usize,
     block: usize,
 ) -> (Result<u64, glake::Error>, i64) {
     const BUDGET: usize = 64 * MIB;
-    let p = budget_pool(device, config, BUDGET);
+    // Less than a granule of slack: the cap, a fraction of the device, is not cut below it.
+    let p = budget_pool(device, config, ballast + BUDGET + MIB);
+    let held = (ballast > 0).then(|| p.malloc(ballast, Stream::DEFAULT).unwrap());
     // One segment of the whole budget, then split into blocks inside it.
     let whole = p.malloc(BUDGET, Stream::DEFAULT).unwrap();
     p.free(whole).unwrap();
@@ -129,26 +132,24 @@ fn fragment_then_ask(
         assert!(common::has_pattern(device, ptr, ask, 99));
     }
     p.check_invariants().unwrap();
-    let peak = p.stats().reserved_bytes.all.peak;
+    let peak = p.stats().reserved_bytes.all.peak - ballast as i64;
+    if let Some(held) = held {
+        p.free(held).unwrap();
+    }
     (result, peak)
 }
 
-/// GMLake's layout: every 2 MiB granule its own handle.
-fn gmlake_layout() -> Config {
-    Config {
-        max_chunk: 2 * MIB,
-        ..Config::default()
-    }
-}
+/// Memory a pool holds before its 64 MiB segment is made of 8 MiB handles (1/512 of it).
+const LARGE_POOL: usize = 4 << 30;
 
 #[test]
 fn fixed_budget_fragmented_fits_with_stitching_only() {
     let device = common::device();
-    // A 64 MiB segment is made of 8 MiB handles by default: holes of whole handles stitch.
-    // With 2 MiB handles any hole does.
-    for (config, block) in [(Config::default(), 8 * MIB), (gmlake_layout(), 4 * MIB)] {
-        let (with, peak_with) = fragment_then_ask(&device, config.clone(), block);
-        let (without, peak_without) = fragment_then_ask(&device, stitch_off(), block);
+    // In a large pool a 64 MiB segment is made of 8 MiB handles: holes of whole handles
+    // stitch. In a small pool (2 MiB handles) any hole does.
+    for (ballast, block) in [(LARGE_POOL, 8 * MIB), (0, 4 * MIB)] {
+        let (with, peak_with) = fragment_then_ask(&device, Config::default(), ballast, block);
+        let (without, peak_without) = fragment_then_ask(&device, stitch_off(), ballast, block);
         println!(
             "fragmented 64 MiB budget, {} MiB blocks: stitch ok={} peak reserved {} MiB; caching ok={} peak reserved {} MiB",
             block >> 20,
@@ -165,12 +166,19 @@ fn fixed_budget_fragmented_fits_with_stitching_only() {
 
 #[test]
 fn holes_without_a_whole_handle_are_not_stitched() {
-    // 4 MiB holes in a segment of 8 MiB handles: a stitch would need half handles, which CUDA
-    // cannot map, so under a full budget the request fails cleanly (and the holes stay usable).
     let device = common::device();
-    let (result, peak) = fragment_then_ask(&device, Config::default(), 4 * MIB);
+    // 4 MiB holes between 8 MiB handles: a stitch would need half handles, which CUDA cannot
+    // map, so under a full budget the request fails cleanly (and the holes stay usable).
+    let (result, peak) = fragment_then_ask(&device, Config::default(), LARGE_POOL, 4 * MIB);
     assert_eq!(result.unwrap_err().kind(), ErrorKind::OutOfMemory);
     assert!(peak <= 64 * MIB as i64);
+    // GMLake's layout (2 MiB handles, whatever the pool) stitches them.
+    let gmlake = Config {
+        max_chunk: 2 * MIB,
+        ..Config::default()
+    };
+    let (result, _) = fragment_then_ask(&device, gmlake, LARGE_POOL, 4 * MIB);
+    assert!(result.is_ok(), "{result:?}");
 }
 
 #[test]

@@ -124,8 +124,9 @@ fn config() -> impl Strategy<Value = Config> {
         prop_oneof![Just(1.0), Just(10.0)],
         prop_oneof![Just(1000 * GIB), Just(32 * MIB)],
         prop_oneof![Just(2usize), Just(4), Just(256)],
-        // GMLake's 2 MiB handles, or segments of up to 8 larger ones.
-        prop_oneof![Just(2 * MIB), Just(32 * MIB)],
+        // GMLake's 2 MiB handles, or segments of up to 8 larger ones (with no cap relative to
+        // the pool's size, so that the small pools here get them).
+        prop_oneof![Just((2 * MIB, 512)), Just((32 * MIB, 1))],
     )
         .prop_map(
             |(
@@ -135,7 +136,7 @@ fn config() -> impl Strategy<Value = Config> {
                 reuse_limit,
                 auto_gc_bytes,
                 max_stitch_pieces,
-                max_chunk,
+                (max_chunk, chunk_divisor),
             )| {
                 Config {
                     stitch,
@@ -145,6 +146,7 @@ fn config() -> impl Strategy<Value = Config> {
                     auto_gc_bytes,
                     max_stitch_pieces,
                     max_chunk,
+                    chunk_divisor,
                     ..Config::default()
                 }
             },

@@ -10,6 +10,7 @@ ENVIRONMENT = {
     "memory_fraction": "GLAKE_MEMORY_FRACTION",
     "max_stitch_pieces": "GLAKE_MAX_STITCH_PIECES",
     "max_chunk": "GLAKE_MAX_CHUNK",
+    "chunk_divisor": "GLAKE_CHUNK_DIVISOR",
     "time_calls": "GLAKE_TIME_CALLS",
     "log": "GLAKE_LOG",
 }

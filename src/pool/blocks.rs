@@ -60,13 +60,25 @@ pub struct Chunk {
 /// allocation still holds whole chunks a stitch can use.
 const CHUNKS_PER_SEGMENT: usize = 8;
 
+fn floor_power_of_two(n: usize) -> usize {
+    1usize << (usize::BITS - 1 - n.max(1).leading_zeros())
+}
+
+/// The largest chunk a pool holding `reserved` bytes gives a new segment: a power of two
+/// between `unit` and `max_chunk`, and at most `1/divisor` of `reserved` (see
+/// `Config::chunk_divisor`).
+pub fn chunk_limit(reserved: usize, unit: usize, max_chunk: usize, divisor: usize) -> usize {
+    floor_power_of_two(reserved / divisor.max(1))
+        .min(max_chunk)
+        .max(unit)
+}
+
 /// The chunk lengths of a new segment of `size` bytes (a multiple of `unit`, a power of two):
-/// equal power-of-two chunks between `unit` and `max_chunk`, then one chunk for the rest.
-pub fn chunk_sizes(size: usize, unit: usize, max_chunk: usize) -> Vec<usize> {
-    let target = (size / CHUNKS_PER_SEGMENT).max(unit);
-    // The largest power of two not above the target, within [unit, max_chunk].
-    let floor_pow2 = 1usize << (usize::BITS - 1 - target.leading_zeros());
-    let chunk = floor_pow2.min(max_chunk).max(unit);
+/// equal power-of-two chunks between `unit` and `limit`, then one chunk for the rest.
+pub fn chunk_sizes(size: usize, unit: usize, limit: usize) -> Vec<usize> {
+    let chunk = floor_power_of_two(size / CHUNKS_PER_SEGMENT)
+        .min(limit)
+        .max(unit);
     let mut sizes = vec![chunk; size / chunk];
     if size % chunk != 0 {
         sizes.push(size % chunk);
@@ -723,6 +735,17 @@ mod tests {
                 .iter()
                 .all(|&s| s % unit == 0 && s > 0 && s <= 64 * MIB));
         }
+    }
+
+    #[test]
+    fn chunk_limit_follows_the_pool() {
+        let unit = 2 * MIB;
+        assert_eq!(chunk_limit(0, unit, 32 * MIB, 512), unit);
+        assert_eq!(chunk_limit(1 << 30, unit, 32 * MIB, 512), unit);
+        assert_eq!(chunk_limit(3 << 30, unit, 32 * MIB, 512), 4 * MIB);
+        assert_eq!(chunk_limit(80 << 30, unit, 32 * MIB, 512), 32 * MIB);
+        assert_eq!(chunk_limit(80 << 30, unit, unit, 512), unit);
+        assert_eq!(chunk_limit(20 * MIB, unit, 32 * MIB, 1), 16 * MIB);
     }
 
     #[test]

@@ -763,7 +763,8 @@ impl Inner {
         self.reserved().saturating_add(bytes) <= self.cap
     }
 
-    /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`]),
+    /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`] and
+    /// [`blocks::chunk_limit`]),
     /// mapped at a new range with access set once. Returns its free block, or None when the
     /// cap or the device is full. Undoes every step if a later one fails.
     fn grow(
@@ -776,7 +777,13 @@ impl Inner {
         if !self.fits_cap(size) {
             return Ok(None);
         }
-        let sizes = blocks::chunk_sizes(size, self.granularity, self.config.max_chunk);
+        let limit = blocks::chunk_limit(
+            self.reserved(),
+            self.granularity,
+            self.config.max_chunk,
+            self.config.chunk_divisor,
+        );
+        let sizes = blocks::chunk_sizes(size, self.granularity, limit);
         let mut chunks: Vec<Chunk> = Vec::with_capacity(sizes.len());
         let mut offset = 0;
         for len in sizes {

@@ -7,6 +7,7 @@ with the same seed (same model, same sequence of shapes).
     python3 bench/train_bench.py --workloads opt-lora --allocators native,glake --steps 10
     python3 bench/train_bench.py --markdown results.md --jsonl results.jsonl
     python3 bench/train_bench.py --allocators 'native,glake,glake[GLAKE_FRAG_LIMIT=64M]'
+    python3 bench/train_bench.py --workloads moe,generate --lockstep --rounds 2
 
 An allocator may carry environment settings in brackets, separated by ';'. With --rounds N
 every workload runs N rounds, the order of the allocators rotating each round (the first
@@ -25,6 +26,11 @@ other load on the machine than the wall clock) and the allocations per step. gla
 report its stitch counters, and with GLAKE_TIME_CALLS=1 in their settings the time spent
 inside glake's malloc and free per step.
 
+With --lockstep the allocators' processes run side by side, one step each in turn (the order
+rotating every step), so that slow drifts of the machine (clocks, other load) fall on all of
+them alike; their memory must fit on the GPU together (not so for llama-ft on one H200), and
+the driver's view is not reported (cudaMemGetInfo sees every process).
+
 Child processes are pinned to the CPUs next to the GPU (when sysfs tells which), so that no
 run pays for launching kernels from the far socket. With several rounds, a second table gives,
 per workload and allocator, the median of all per-step ratios pooled over the rounds.
@@ -37,6 +43,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -46,8 +53,10 @@ WARMUP = 3
 GIB = 2**30
 
 
-def child(allocator, workload, steps, seed):
-    """Runs one (allocator, workload) pair in this process and prints one JSON line."""
+def child(allocator, workload, steps, seed, lockstep=False):
+    """Runs one (allocator, workload) pair in this process and prints one JSON line. In lock
+    step it prints READY once the model is built, then runs one step per line read from stdin
+    and prints STEP_DONE after each."""
     if allocator == "glake":
         sys.path.insert(0, str(HERE.parent / "python"))
         import glake.torch
@@ -66,7 +75,11 @@ def child(allocator, workload, steps, seed):
     step = workloads.WORKLOADS[workload]()
     timing = allocator == "glake" and glake.torch.call_times()["enabled"]
     times, cpu_times, driver_peak, stitches, allocs, inside = [], [], 0, [], [], []
+    if lockstep:
+        print("READY", flush=True)
     for _ in range(steps):
+        if lockstep and not sys.stdin.readline():
+            return
         began, cpu_began = time.perf_counter(), time.process_time()
         step(rng)
         torch.cuda.synchronize()
@@ -81,6 +94,8 @@ def child(allocator, workload, steps, seed):
         if timing:
             calls = glake.torch.call_times()
             inside.append(calls["malloc_ns"] + calls["free_ns"])
+        if lockstep:
+            print("STEP_DONE", flush=True)
     stats = torch.cuda.memory_stats()
     result = {
         "workload": workload,
@@ -89,7 +104,8 @@ def child(allocator, workload, steps, seed):
         "peak_allocated": stats["allocated_bytes.all.peak"],
         "peak_requested": stats["requested_bytes.all.peak"],
         "peak_reserved": stats["reserved_bytes.all.peak"],
-        "driver_peak": driver_peak,
+        # In lock step the other processes' memory is in cudaMemGetInfo's figures too.
+        "driver_peak": None if lockstep else driver_peak,
         "median_ms": statistics.median(times[WARMUP:] if steps > WARMUP else times),
         "step_ms": [round(t, 1) for t in times],
         "cpu_ms": [round(t, 1) for t in cpu_times],
@@ -139,7 +155,8 @@ def parse_allocator(spec):
     return name, settings
 
 
-def run(spec, workload, steps, seed, cpus):
+def child_command(spec, workload, steps, seed, lockstep=False):
+    """The command line and environment of the child process that runs `spec`."""
     allocator, settings = parse_allocator(spec)
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
@@ -147,19 +164,87 @@ def run(spec, workload, steps, seed, cpus):
     if allocator == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     command = [sys.executable, __file__, "--child", allocator, workload, "--steps", str(steps),
-               "--seed", str(seed)]
-    began = time.time()
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    done = subprocess.run(command, env=env, capture_output=True, text=True, preexec_fn=pin)
-    for line in done.stdout.splitlines():
+               "--seed", str(seed)] + (["--lockstep"] if lockstep else [])
+    return command, env
+
+
+def parse_result(stdout, spec, began, cpus):
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
             result["allocator"] = spec
             result["wall_s"] = round(time.time() - began, 1)
             result["cpus"] = len(cpus) if cpus else None
             return result
+    return None
+
+
+def pinning(cpus):
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
+def run(spec, workload, steps, seed, cpus):
+    command, env = child_command(spec, workload, steps, seed)
+    began = time.time()
+    done = subprocess.run(command, env=env, capture_output=True, text=True,
+                          preexec_fn=pinning(cpus))
+    result = parse_result(done.stdout, spec, began, cpus)
+    if result is not None:
+        return result
     tail = (done.stdout + done.stderr)[-3000:]
     return {"workload": workload, "allocator": spec, "error": f"exit {done.returncode}: {tail}"}
+
+
+def wait_for(process, token):
+    """Reads the child's output up to a line equal to `token`; False at end of output."""
+    for line in process.stdout:
+        if line.strip() == token:
+            return True
+    return False
+
+
+def run_lockstep(specs, workload, steps, seed, cpus):
+    """Runs every allocator of `specs` in its own process at the same time, one step at a time
+    in turn (the order rotating each step), so that slow drifts of the machine (clocks, other
+    load) fall on all of them alike. The processes' memory must fit on the GPU together."""
+    began = time.time()
+    children = []
+    for spec in specs:
+        command, env = child_command(spec, workload, steps, seed, lockstep=True)
+        errors = tempfile.TemporaryFile(mode="w+")
+        process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=errors, text=True,
+                                   preexec_fn=pinning(cpus))
+        alive = wait_for(process, "READY")
+        children.append({"spec": spec, "process": process, "errors": errors, "alive": alive})
+    for step in range(steps):
+        shift = step % len(children)
+        for c in children[shift:] + children[:shift]:
+            if not c["alive"]:
+                continue
+            try:
+                c["process"].stdin.write("STEP\n")
+                c["process"].stdin.flush()
+                c["alive"] = wait_for(c["process"], "STEP_DONE")
+            except BrokenPipeError:
+                c["alive"] = False
+    results = []
+    for c in children:
+        try:
+            c["process"].stdin.close()
+        except BrokenPipeError:
+            pass
+        rest = c["process"].stdout.read()
+        c["process"].wait()
+        result = parse_result(rest, c["spec"], began, cpus)
+        if result is None:
+            c["errors"].seek(0)
+            tail = (rest + c["errors"].read())[-3000:]
+            result = {"workload": workload, "allocator": c["spec"],
+                      "error": f"exit {c['process'].returncode}: {tail}"}
+        result["lockstep"] = True
+        results.append(result)
+    return results
 
 
 def table(results):
@@ -182,11 +267,13 @@ def table(results):
         # is far less noisy than the ratio of medians.
         paired = f"{statistics.median(paired_ratios(r, base)):.3f}" if base else ""
         total = sum(r["step_ms"][WARMUP:]) / 1e3
+        driver = "-" if r["driver_peak"] is None else f"{r['driver_peak'] / GIB:.2f}"
         total_ratio = f"{total * 1e3 / sum(base['step_ms'][WARMUP:]):.3f}" if base else ""
         lines.append(
             f"| {r['workload']} | {name} | {r['peak_allocated'] / GIB:.2f} "
             f"| {r['peak_requested'] / GIB:.2f} | {r['peak_reserved'] / GIB:.2f} "
-            f"| {r['driver_peak'] / GIB:.2f} | {r['peak_allocated'] / r['peak_reserved']:.3f} "
+            f"| {driver} "
+            f"| {r['peak_allocated'] / r['peak_reserved']:.3f} "
             f"| {r['peak_requested'] / r['peak_reserved']:.3f} | {r['median_ms']:.0f} | {ratio} "
             f"| {paired} "
             f"| {total:.2f} | {total_ratio} |"
@@ -244,12 +331,16 @@ def main():
                         help="rounds per workload, the allocator order rotating each round")
     parser.add_argument("--jsonl", help="append every run's result to this file")
     parser.add_argument("--markdown", help="write the table to this file")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="run the allocators' processes side by side, one step each in turn "
+                             "(their memory must fit on the GPU together)")
     parser.add_argument("--child", nargs=2, metavar=("ALLOCATOR", "WORKLOAD"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         allocator, workload = args.child
-        child(allocator, workload, args.steps or DEFAULT_STEPS[workload], args.seed)
+        child(allocator, workload, args.steps or DEFAULT_STEPS[workload], args.seed,
+              args.lockstep)
         return
     allocators = args.allocators.split(",")
     for allocator in allocators:
@@ -262,11 +353,15 @@ def main():
           flush=True)
     results = []
     for workload in args.workloads.split(","):
+        steps = args.steps or DEFAULT_STEPS[workload]
         for round_index in range(args.rounds):
             shift = round_index % len(allocators)
-            for allocator in allocators[shift:] + allocators[:shift]:
-                steps = args.steps or DEFAULT_STEPS[workload]
-                result = run(allocator, workload, steps, args.seed, cpus)
+            order = allocators[shift:] + allocators[:shift]
+            if args.lockstep:
+                batch = run_lockstep(order, workload, steps, args.seed, cpus)
+            else:
+                batch = [run(a, workload, steps, args.seed, cpus) for a in order]
+            for result in batch:
                 if args.rounds > 1:
                     result["round"] = round_index
                 results.append(result)

@@ -242,6 +242,7 @@ def run_lockstep(specs, workload, steps, seed, cpus):
             tail = (rest + c["errors"].read())[-3000:]
             result = {"workload": workload, "allocator": c["spec"],
                       "error": f"exit {c['process'].returncode}: {tail}"}
+        c["errors"].close()
         result["lockstep"] = True
         results.append(result)
     return results

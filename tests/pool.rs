@@ -34,6 +34,18 @@ fn budget_pool(device: &SharedDevice, config: Config, budget: usize) -> Pool {
     p
 }
 
+/// Allocates `count` blocks of `size` bytes on the default stream and frees every other one
+/// (the first, the third, ...), leaving holes that only a stitch can join. Returns them all.
+fn with_holes(p: &Pool, count: usize, size: usize) -> Vec<u64> {
+    let blocks: Vec<u64> = (0..count)
+        .map(|_| p.malloc(size, Stream::DEFAULT).unwrap())
+        .collect();
+    for &b in blocks.iter().step_by(2) {
+        p.free(b).unwrap();
+    }
+    blocks
+}
+
 #[test]
 fn small_and_large_requests_are_aligned_and_hold_bytes() {
     let device = common::device();
@@ -185,12 +197,7 @@ fn holes_without_a_whole_handle_are_not_stitched() {
 fn stitched_bytes_are_the_bytes_of_the_pieces() {
     let device = common::device();
     let p = pool(&device);
-    let blocks: Vec<u64> = (0..6)
-        .map(|_| p.malloc(6 * MIB, Stream::DEFAULT).unwrap())
-        .collect();
-    for &b in blocks.iter().step_by(2) {
-        p.free(b).unwrap();
-    }
+    let blocks = with_holes(&p, 6, 6 * MIB);
     let reserved = p.stats().reserved_bytes.all.current;
     let big = p.malloc(18 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(p.stats().reserved_bytes.all.current, reserved, "no growth");
@@ -245,21 +252,13 @@ fn defrag_level_one_grows_before_stitching() {
         ..Config::default()
     };
     let p = pool_with(&device, config.clone());
-    let blocks: Vec<u64> = (0..4)
-        .map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap())
-        .collect();
-    p.free(blocks[0]).unwrap();
-    p.free(blocks[2]).unwrap();
+    with_holes(&p, 4, 4 * MIB);
     let big = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(p.stats().stitches, 0, "room to grow: no stitch");
     p.free(big).unwrap();
     // Under a cap that is full, level 1 stitches.
     let q = budget_pool(&device, config, 16 * MIB);
-    let blocks: Vec<u64> = (0..4)
-        .map(|_| q.malloc(4 * MIB, Stream::DEFAULT).unwrap())
-        .collect();
-    q.free(blocks[0]).unwrap();
-    q.free(blocks[2]).unwrap();
+    with_holes(&q, 4, 4 * MIB);
     let big = q.malloc(8 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(q.stats().stitches, 1);
     assert_eq!(q.stats().reserved_bytes.all.peak, 16 * MIB as i64);
@@ -276,11 +275,7 @@ fn frag_limit_keeps_small_pieces_out_of_stitches() {
             ..Config::default()
         },
     );
-    let blocks: Vec<u64> = (0..4)
-        .map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap())
-        .collect();
-    p.free(blocks[0]).unwrap();
-    p.free(blocks[2]).unwrap();
+    with_holes(&p, 4, 4 * MIB);
     let big = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(p.stats().stitches, 0, "4 MiB pieces are below fragLimit");
     assert_eq!(p.stats().reserved_bytes.all.current, 24 * MIB as i64);
@@ -477,12 +472,7 @@ fn snapshot_json_names_segments_blocks_and_stitches() {
 fn a_larger_cached_stitch_serves_a_smaller_request_from_its_prefix() {
     let device = common::device();
     let p = pool(&device);
-    let blocks: Vec<u64> = (0..6)
-        .map(|_| p.malloc(6 * MIB, Stream::DEFAULT).unwrap())
-        .collect();
-    for &b in blocks.iter().step_by(2) {
-        p.free(b).unwrap();
-    }
+    let blocks = with_holes(&p, 6, 6 * MIB);
     let big = p.malloc(18 * MIB, Stream::DEFAULT).unwrap();
     p.free(big).unwrap();
     let reserved = p.stats().reserved_bytes.all.current;

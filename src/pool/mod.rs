@@ -764,9 +764,9 @@ impl Inner {
     }
 
     /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`] and
-    /// [`blocks::chunk_limit`]),
-    /// mapped at a new range with access set once. Returns its free block, or None when the
-    /// cap or the device is full. Undoes every step if a later one fails.
+    /// [`blocks::chunk_limit`]), mapped at a new range with access set once. Returns its free
+    /// block, or None when the cap or the device is full. Undoes every step if a later one
+    /// fails.
     fn grow(
         &mut self,
         device: &dyn crate::device::Device,
@@ -803,7 +803,7 @@ impl Inner {
             }
             offset += len;
         }
-        let layout: Vec<(PhysHandle, usize)> = chunks.iter().map(|c| (c.handle, c.len)).collect();
+        let layout = blocks::handle_layout(&chunks);
         let va = match map_range(device, &layout, self.granularity, &self.access) {
             Ok(va) => va,
             Err((err, zombie)) => {
@@ -912,11 +912,7 @@ impl Inner {
                 return Err(Error::internal("a planned stitch piece has no whole chunk"));
             };
             let segment = &self.map.segments[self.map.blocks[id].segment];
-            let handles: Vec<(PhysHandle, usize)> = segment
-                .chunks_covering(start, bytes)
-                .iter()
-                .map(|c| (c.handle, c.len))
-                .collect();
+            let handles = blocks::handle_layout(segment.chunks_covering(start, bytes));
             let len = handles.iter().map(|&(_, len)| len).sum();
             pieces.push(Piece {
                 addr: start,
@@ -945,7 +941,7 @@ impl Inner {
                     pieces.push(Piece {
                         addr: b.addr,
                         len: b.size,
-                        handles: segment.chunks.iter().map(|c| (c.handle, c.len)).collect(),
+                        handles: blocks::handle_layout(&segment.chunks),
                     });
                 }
                 other => {

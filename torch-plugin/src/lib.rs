@@ -96,6 +96,25 @@ fn allocate(size: usize, device: c_int, stream: *mut c_void) -> glake::Result<*m
     Ok(ptr as usize as *mut c_void)
 }
 
+/// Frees `ptr` in the pool of `device`, or in whichever pool knows it.
+fn release(ptr: *mut c_void, device: c_int) -> glake::Result<()> {
+    let addr = ptr as usize as u64;
+    match devices::existing(device).map(|p| p.free(addr)) {
+        Some(Err(err)) if err.kind() != ErrorKind::InvalidPointer => Err(err),
+        Some(Ok(())) => Ok(()),
+        // Not this device's: PyTorch passes the allocation's device, so this is a stray
+        // pointer, unless another pool knows it.
+        _ => devices::all()
+            .find_map(|(_, p)| p.free(addr).ok())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidPointer,
+                    format!("{addr:#x} was not allocated by glake"),
+                )
+            }),
+    }
+}
+
 /// Allocates `size` bytes on `device` for use on `stream`; throws on failure (never NULL for
 /// a nonzero size).
 #[no_mangle]
@@ -104,9 +123,10 @@ pub extern "C-unwind" fn gmlake_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    match timing::timed(&timing::MALLOC, || {
+    let allocated = timing::timed(&timing::MALLOC, || {
         guarded(|| allocate(size, device, stream))
-    }) {
+    });
+    match allocated {
         Ok(ptr) => ptr,
         Err(kind) => throw(kind),
     }
@@ -118,25 +138,7 @@ pub extern "C" fn gmlake_free(ptr: *mut c_void, _size: usize, device: c_int, _st
     if ptr.is_null() {
         return;
     }
-    let freed = timing::timed(&timing::FREE, || {
-        guarded(|| {
-            let addr = ptr as usize as u64;
-            match devices::existing(device).map(|p| p.free(addr)) {
-                Some(Err(err)) if err.kind() != ErrorKind::InvalidPointer => Err(err),
-                Some(Ok(())) => Ok(()),
-                // Not this device's: PyTorch passes the allocation's device, so this is a stray
-                // pointer, unless another pool knows it.
-                _ => devices::all()
-                    .find_map(|(_, p)| p.free(addr).ok())
-                    .ok_or_else(|| {
-                        Error::new(
-                            ErrorKind::InvalidPointer,
-                            format!("{addr:#x} was not allocated by glake"),
-                        )
-                    }),
-            }
-        })
-    });
+    let freed = timing::timed(&timing::FREE, || guarded(|| release(ptr, device)));
     if freed.is_err() {
         LAST_ERROR.with(|last| log::error!("{}", last.borrow().to_string_lossy()));
     }

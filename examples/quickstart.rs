@@ -13,8 +13,7 @@ const BUDGET: usize = 1024 * MIB;
 
 fn run(device: &SharedDevice, config: Config, label: &str) -> glake::Result<()> {
     let pool = Pool::new(device.clone(), config)?;
-    let total = device.mem_info()?.total;
-    pool.set_memory_fraction(BUDGET as f64 / total as f64)?;
+    pool.set_memory_limit(BUDGET)?;
 
     // Fill the budget with 16 blocks of 64 MiB, carved from one segment, then free every other.
     let whole = pool.malloc(BUDGET, Stream::DEFAULT)?;
@@ -78,11 +77,13 @@ fn main() {
             std::process::exit(1);
         }
     };
+    let total = device.mem_info().map_or(0, |info| info.total);
     println!(
-        "GLake {} on the {} backend (device {}, granularity {} KiB)\n",
+        "GLake {} on the {} backend (device {}, {} bytes, granularity {} KiB)\n",
         env!("CARGO_PKG_VERSION"),
         device.kind().name(),
         device.ordinal(),
+        total,
         device.granularity() >> 10
     );
     let stitching = Config::from_env();

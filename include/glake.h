@@ -269,8 +269,24 @@ glake_status glake_record_stream(struct glake_pool *pool, void *ptr, glake_strea
 // Returns cached, unused memory to the driver (after waiting for the device).
 glake_status glake_empty_cache(struct glake_pool *pool);
 
-// Caps the pool's physical memory at `fraction` of the device's memory, in (0, 1].
+// Caps the pool's physical memory at `fraction` of the device's memory, in (0, 1], kept as
+// the nearest byte (a fraction computed as budget / total gives the budget back exactly).
+// Replaces any earlier cap.
 glake_status glake_set_memory_fraction(struct glake_pool *pool, double fraction);
+
+// Caps the pool's physical memory at `bytes` (more than the device has means the device's
+// total; 0 is an error). Memory is created in whole granules, so the usable part of the cap
+// is `bytes` rounded down to the granularity. Replaces any earlier cap.
+glake_status glake_set_memory_limit(struct glake_pool *pool, uint64_t bytes);
+
+// Writes the pool's cap on physical memory in bytes to `out_bytes`, and, when `out_fraction`
+// is not NULL, the fraction last set (or the byte cap's share of the device) to it.
+//
+// # Safety
+// `out_bytes` must be NULL or valid for a write; `out_fraction` NULL or valid for a write.
+glake_status glake_get_memory_limit(struct glake_pool *pool,
+                                    uint64_t *out_bytes,
+                                    double *out_fraction);
 
 // Grants device `peer` access to all memory of the pool, now and for memory created later
 // (a VMM range is invisible to a peer GPU until access is granted).

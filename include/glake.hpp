@@ -5,6 +5,7 @@
 #define GLAKE_HPP
 
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -156,6 +157,12 @@ class Pool {
   void record_stream(void* ptr, glake_stream stream) { check(glake_record_stream(pool_, ptr, stream)); }
   void empty_cache() { check(glake_empty_cache(pool_)); }
   void set_memory_fraction(double fraction) { check(glake_set_memory_fraction(pool_, fraction)); }
+  void set_memory_limit(std::uint64_t bytes) { check(glake_set_memory_limit(pool_, bytes)); }
+  std::uint64_t memory_limit() const {
+    std::uint64_t bytes = 0;
+    check(glake_get_memory_limit(pool_, &bytes, nullptr));
+    return bytes;
+  }
 
   glake_stats stats() const {
     glake_stats out{};

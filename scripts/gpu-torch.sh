@@ -17,6 +17,9 @@ if ! python3 -c 'import pytest' 2>/dev/null && ls gpu-bundle/wheels/*.whl >/dev/
   python3 -m pip install -q --no-index --no-deps --target /tmp/glake-site gpu-bundle/wheels/*.whl &&
     export PYTHONPATH="$PYTHONPATH:/tmp/glake-site"
 fi
+# The GPU these results come from (kinds differ in memory and speed).
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 |
+  sed 's/^/gpu: /' | tee "$out/gpu.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -v -rs python/tests/gpu 2>&1 | tee "$out/pytest.txt" || status=1

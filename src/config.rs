@@ -37,6 +37,9 @@ pub struct Config {
     pub small_limit: usize,
     /// Fraction of the device's total memory this pool may create (1.0 = no cap).
     pub memory_fraction: f64,
+    /// Bytes of physical memory this pool may create (None = no byte cap). With a fraction
+    /// below 1 too, the lower cap applies.
+    pub memory_limit: Option<usize>,
     /// Most pieces one stitched block may map (each costs a set-access on CUDA).
     pub max_stitch_pieces: usize,
     /// Largest physical handle a segment is made of (a power of two; a small pool uses smaller
@@ -60,6 +63,7 @@ impl Default for Config {
             auto_gc_bytes: 1000 * GIB,
             small_limit: MIB,
             memory_fraction: 1.0,
+            memory_limit: None,
             max_stitch_pieces: 256,
             max_chunk: 32 * MIB,
             chunk_divisor: 512,
@@ -104,6 +108,9 @@ const AUTO_GC: Var = Var {
 };
 const MEMORY_FRACTION: Var = Var {
     names: &["GLAKE_MEMORY_FRACTION"],
+};
+const MEMORY_LIMIT: Var = Var {
+    names: &["GLAKE_MEMORY_LIMIT"],
 };
 const MAX_STITCH_PIECES: Var = Var {
     names: &["GLAKE_MAX_STITCH_PIECES"],
@@ -226,6 +233,12 @@ impl Config {
                 _ => warn_bad_value(name, &value, &self.memory_fraction.to_string()),
             }
         }
+        if let Some((name, value)) = MEMORY_LIMIT.lookup() {
+            match parse_bytes(&value) {
+                Some(bytes) if bytes > 0 => self.memory_limit = Some(bytes),
+                _ => warn_bad_value(name, &value, "no byte limit"),
+            }
+        }
         if let Some((name, value)) = MAX_STITCH_PIECES.lookup() {
             match value.trim().parse::<usize>() {
                 Ok(n) if n >= 2 => self.max_stitch_pieces = n,
@@ -257,6 +270,9 @@ impl Config {
                 "memory_fraction {} must be in (0, 1]",
                 self.memory_fraction
             ));
+        }
+        if self.memory_limit == Some(0) {
+            return bad("memory_limit must be at least 1 byte".to_string());
         }
         if self.small_limit == 0 || self.small_limit > 64 * MIB {
             return bad(format!(

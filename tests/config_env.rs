@@ -18,6 +18,7 @@ const ALL_NAMES: &[&str] = &[
     "autoGC",
     "auto_gc_limits",
     "GLAKE_MEMORY_FRACTION",
+    "GLAKE_MEMORY_LIMIT",
 ];
 
 fn clear() {
@@ -77,5 +78,11 @@ fn environment_names_and_aliases() {
 
     set("GLAKE_MEMORY_FRACTION", "0.25");
     assert_eq!(Config::from_env().memory_fraction, 0.25);
+    clear();
+
+    set("GLAKE_MEMORY_LIMIT", "12G");
+    assert_eq!(Config::from_env().memory_limit, Some(12 << 30));
+    set("GLAKE_MEMORY_LIMIT", "0");
+    assert_eq!(Config::from_env().memory_limit, None);
     clear();
 }

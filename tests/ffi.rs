@@ -182,6 +182,43 @@ fn each_bad_input_has_its_status_and_message() {
     assert_eq!(status, GLAKE_STATUS_SUCCESS);
     assert_eq!(glake_free(pool, small), GLAKE_STATUS_SUCCESS);
 
+    // Memory limit in bytes: read back exactly, and a fraction made from a budget likewise.
+    assert_eq!(
+        glake_set_memory_limit(pool, 0),
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert!(message().contains("0 bytes"), "{}", message());
+    assert_eq!(
+        glake_set_memory_limit(pool, 64 * MIB as u64),
+        GLAKE_STATUS_SUCCESS
+    );
+    let (mut bytes, mut fraction) = (0u64, 0f64);
+    assert_eq!(
+        unsafe { glake_get_memory_limit(pool, &mut bytes, &mut fraction) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(bytes, 64 * MIB as u64);
+    let (status, within) = malloc(pool, 48 * MIB);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    assert_eq!(malloc(pool, 32 * MIB).0, GLAKE_STATUS_OUT_OF_MEMORY);
+    assert_eq!(glake_free(pool, within), GLAKE_STATUS_SUCCESS);
+    let total = (bytes as f64 / fraction).round();
+    let budget = 1_000_000_007u64;
+    assert_eq!(
+        glake_set_memory_fraction(pool, budget as f64 / total),
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(
+        unsafe { glake_get_memory_limit(pool, &mut bytes, null_mut()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(bytes, budget);
+    assert_eq!(
+        unsafe { glake_get_memory_limit(pool, null_mut(), null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert_eq!(glake_set_memory_fraction(pool, 1.0), GLAKE_STATUS_SUCCESS);
+
     // Peer access to a device that does not exist.
     assert_eq!(
         glake_pool_enable_peer_access(pool, 7),

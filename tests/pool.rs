@@ -282,6 +282,28 @@ fn frag_limit_keeps_small_pieces_out_of_stitches() {
     p.free(big).unwrap();
 }
 
+/// On devices whose total is not a round number (an H100's, for one), a cap given as
+/// budget / total holds the whole budget, and a byte limit holds exactly its bytes.
+#[test]
+fn caps_hold_their_budget_on_any_device_total() {
+    for total in [85_000_000_003, 150_754_820_096, (64 << 30) - 1] {
+        let device: SharedDevice = common::host_device(total);
+        for config in [Config::default(), stitch_off()] {
+            let p = budget_pool(&device, config.clone(), 16 * MIB);
+            let whole = p.malloc(16 * MIB, Stream::DEFAULT).unwrap();
+            assert_eq!(p.memory_limit(), 16 * MIB, "total {total}");
+            assert!(p.malloc(2 * MIB, Stream::DEFAULT).is_err());
+            p.free(whole).unwrap();
+            let q = pool_with(&device, config);
+            q.set_memory_limit(16 * MIB).unwrap();
+            let whole = q.malloc(16 * MIB, Stream::DEFAULT).unwrap();
+            assert!(q.malloc(2 * MIB, Stream::DEFAULT).is_err());
+            q.free(whole).unwrap();
+            assert_eq!(q.memory_fraction(), (16 * MIB) as f64 / total as f64);
+        }
+    }
+}
+
 #[test]
 fn memory_fraction_caps_growth_and_oom_is_an_error() {
     let device = common::device();

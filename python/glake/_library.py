@@ -59,6 +59,11 @@ def load():
     lib.gmlake_call_times_json.restype = c_int
     lib.glake_string_free.argtypes = [ctypes.c_void_p]
     lib.glake_string_free.restype = None
+    lib.gmlake_set_memory_limit.argtypes = [ctypes.c_uint64, c_int]
+    lib.gmlake_set_memory_limit.restype = c_int
+    lib.gmlake_memory_limit.argtypes = [
+        c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double)]
+    lib.gmlake_memory_limit.restype = c_int
     lib.gmlake_last_error.argtypes = []
     lib.gmlake_last_error.restype = c_char_p
     _lib = lib

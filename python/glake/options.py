@@ -8,6 +8,7 @@ ENVIRONMENT = {
     "defrag_level": "GLAKE_DEFRAG_LEVEL",
     "auto_gc": "GLAKE_AUTO_GC",
     "memory_fraction": "GLAKE_MEMORY_FRACTION",
+    "memory_limit": "GLAKE_MEMORY_LIMIT",
     "max_stitch_pieces": "GLAKE_MAX_STITCH_PIECES",
     "max_chunk": "GLAKE_MAX_CHUNK",
     "chunk_divisor": "GLAKE_CHUNK_DIVISOR",

@@ -85,6 +85,18 @@ def snapshot(device=None):
     return _stats.snapshot(_device_index(device))
 
 
+def set_memory_limit(limit, device=None):
+    """Caps glake's physical memory on `device` at `limit` bytes, replacing any earlier cap or
+    torch.cuda.set_per_process_memory_fraction() (whose fraction is kept to the nearest byte)."""
+    _stats.set_memory_limit(_device_index(device), limit)
+
+
+def memory_limit(device=None):
+    """glake's cap on `device` as (bytes, fraction): the fraction last set, or the byte cap's
+    share of the device."""
+    return _stats.memory_limit(_device_index(device))
+
+
 def call_times():
     """Time spent inside glake's malloc and free (see glake.stats.call_times); enable with
     enable(time_calls=True) or GLAKE_TIME_CALLS=1."""

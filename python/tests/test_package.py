@@ -88,3 +88,22 @@ def test_statistics_follow_allocations(lib):
     assert sum(s["total_size"] for s in snap["segments"]) == flat["reserved_bytes.all.current"]
     for segment in snap["segments"]:
         assert sum(segment["chunk_sizes"]) == segment["total_size"]
+
+
+def test_memory_limit_in_bytes_and_as_a_fraction(lib):
+    # Device 2 of the host backend (1 GiB): untouched by any other test in this process.
+    device, total = 2, 1 << 30
+    stats.set_memory_limit(device, 16 * MIB)
+    assert stats.memory_limit(device) == (16 * MIB, 16 * MIB / total)
+    first = lib.gmlake_malloc(12 * MIB, device, None)
+    assert first
+    assert stats.snapshot(device)["memory_cap"] == 16 * MIB
+    with pytest.raises(ValueError):
+        stats.set_memory_limit(device, 0)
+    # A fraction made from a byte budget gives the budget back, to the byte.
+    budget = 1_000_000_007
+    lib.gmlake_memory_fraction(ctypes.c_double(budget / total), device)
+    assert stats.memory_limit(device) == (budget, budget / total)
+    assert stats.snapshot(device)["memory_cap"] == budget
+    lib.gmlake_free(first, 12 * MIB, device, None)
+    assert stats.flat(device)["num_ooms"] == 0

@@ -357,11 +357,46 @@ pub extern "C" fn glake_empty_cache(pool: *mut glake_pool) -> glake_status {
     })
 }
 
-/// Caps the pool's physical memory at `fraction` of the device's memory, in (0, 1].
+/// Caps the pool's physical memory at `fraction` of the device's memory, in (0, 1], kept as
+/// the nearest byte (a fraction computed as budget / total gives the budget back exactly).
+/// Replaces any earlier cap.
 #[no_mangle]
 pub extern "C" fn glake_set_memory_fraction(pool: *mut glake_pool, fraction: f64) -> glake_status {
     guard(|| {
         handles::get(pool_id(pool))?.set_memory_fraction(fraction)?;
+        Ok(())
+    })
+}
+
+/// Caps the pool's physical memory at `bytes` (more than the device has means the device's
+/// total; 0 is an error). Memory is created in whole granules, so the usable part of the cap
+/// is `bytes` rounded down to the granularity. Replaces any earlier cap.
+#[no_mangle]
+pub extern "C" fn glake_set_memory_limit(pool: *mut glake_pool, bytes: u64) -> glake_status {
+    guard(|| {
+        let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+        handles::get(pool_id(pool))?.set_memory_limit(bytes)?;
+        Ok(())
+    })
+}
+
+/// Writes the pool's cap on physical memory in bytes to `out_bytes`, and, when `out_fraction`
+/// is not NULL, the fraction last set (or the byte cap's share of the device) to it.
+///
+/// # Safety
+/// `out_bytes` must be NULL or valid for a write; `out_fraction` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_get_memory_limit(
+    pool: *mut glake_pool,
+    out_bytes: *mut u64,
+    out_fraction: *mut f64,
+) -> glake_status {
+    guard(|| {
+        let pool = handles::get(pool_id(pool))?;
+        unsafe { write_out(out_bytes, "out_bytes", pool.memory_limit() as u64)? };
+        if !out_fraction.is_null() {
+            unsafe { write_out(out_fraction, "out_fraction", pool.memory_fraction())? };
+        }
         Ok(())
     })
 }

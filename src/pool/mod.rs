@@ -19,6 +19,7 @@
 //! or released before the streams that may touch it are synchronised.
 
 pub mod blocks;
+pub mod cap;
 pub mod snapshot;
 
 use std::collections::HashMap;
@@ -31,6 +32,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::stats::MemoryStats;
 use crate::stitch::{self, Piece, StitchCache, StitchId};
 use blocks::{BlockId, BlockMap, BlockState, Chunk, PoolKind, SegmentId, Tag, SHARED};
+use cap::MemoryCap;
 
 /// Names a private pool (PyTorch's `MempoolId_t`).
 pub type PrivatePoolId = (u64, u64);
@@ -113,7 +115,7 @@ struct Inner {
     config: Config,
     granularity: usize,
     total_memory: usize,
-    cap: usize,
+    cap: MemoryCap,
     map: BlockMap,
     stitch: StitchCache,
     stitch_blocks: StitchBlocks,
@@ -170,7 +172,7 @@ impl Pool {
             ));
         }
         let total_memory = device.mem_info()?.total;
-        let cap = cap_for(total_memory, config.memory_fraction);
+        let cap = MemoryCap::new(total_memory, config.memory_fraction, config.memory_limit)?;
         let access = vec![device.ordinal()];
         Ok(Pool {
             device,
@@ -350,17 +352,34 @@ impl Pool {
         inner.release_cached(&*self.device)
     }
 
-    /// Caps the physical memory this pool creates at `fraction` of the device's memory.
+    /// Caps the physical memory this pool creates at `fraction` of the device's memory (the
+    /// nearest byte; see [`cap`]). Replaces any earlier cap.
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(Error::invalid_argument(format!(
-                "memory fraction {fraction} must be in (0, 1]"
-            )));
-        }
         let mut inner = lock(&self.inner);
+        inner.cap.set_fraction(fraction)?;
         inner.config.memory_fraction = fraction;
-        inner.cap = cap_for(inner.total_memory, fraction);
+        inner.config.memory_limit = None;
         Ok(())
+    }
+
+    /// Caps the physical memory this pool creates at `bytes` (the device's total at most).
+    /// Replaces any earlier cap.
+    pub fn set_memory_limit(&self, bytes: usize) -> Result<()> {
+        let mut inner = lock(&self.inner);
+        inner.cap.set_bytes(bytes)?;
+        inner.config.memory_fraction = 1.0;
+        inner.config.memory_limit = Some(bytes);
+        Ok(())
+    }
+
+    /// The cap on physical memory, in bytes.
+    pub fn memory_limit(&self) -> usize {
+        lock(&self.inner).cap.bytes()
+    }
+
+    /// The fraction last set, or the byte cap's share of the device.
+    pub fn memory_fraction(&self) -> f64 {
+        lock(&self.inner).cap.fraction()
     }
 
     /// Grants device `peer` access to all memory of this pool, now and from now on.
@@ -438,7 +457,7 @@ impl Pool {
             &inner.map,
             &inner.stitch,
             &inner.stats,
-            inner.cap,
+            inner.cap.bytes(),
             &requested,
         )
     }
@@ -488,10 +507,6 @@ impl Drop for Pool {
             log::error!("glake: releasing pool memory failed: {err}");
         }
     }
-}
-
-fn cap_for(total: usize, fraction: f64) -> usize {
-    ((total as f64) * fraction).min(total as f64) as usize
 }
 
 impl Inner {
@@ -607,7 +622,7 @@ impl Inner {
                     "cannot allocate {size} bytes on device {}: {} bytes reserved of a {} byte cap, {} allocated",
                     device.ordinal(),
                     self.reserved(),
-                    self.cap,
+                    self.cap.bytes(),
                     self.stats.allocated_bytes.all.current
                 )));
             }
@@ -760,7 +775,7 @@ impl Inner {
 
     /// Whether `bytes` more physical memory fits under the cap.
     fn fits_cap(&self, bytes: usize) -> bool {
-        self.reserved().saturating_add(bytes) <= self.cap
+        self.cap.fits(self.reserved(), bytes)
     }
 
     /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`] and

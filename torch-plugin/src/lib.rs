@@ -176,6 +176,39 @@ pub extern "C-unwind" fn gmlake_memory_fraction(fraction: f64, device: c_int) {
     }
 }
 
+/// Caps `device`'s pool at `bytes` of physical memory (`glake.torch.set_memory_limit`),
+/// replacing any earlier cap. 0 on success, -1 with `gmlake_last_error` otherwise.
+#[no_mangle]
+pub extern "C" fn gmlake_set_memory_limit(bytes: u64, device: c_int) -> c_int {
+    let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+    status(guarded(|| devices::pool(device)?.set_memory_limit(bytes)))
+}
+
+/// `device`'s cap on physical memory in bytes and as a fraction of the device (the fraction
+/// last set, or the byte cap's share). 0 on success, -1 with `gmlake_last_error` otherwise.
+///
+/// # Safety
+/// `out_bytes` and `out_fraction` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gmlake_memory_limit(
+    device: c_int,
+    out_bytes: *mut u64,
+    out_fraction: *mut f64,
+) -> c_int {
+    status(guarded(|| {
+        if out_bytes.is_null() || out_fraction.is_null() {
+            return Err(Error::new(ErrorKind::NullPointer, "an out pointer is NULL"));
+        }
+        let pool = devices::pool(device)?;
+        // SAFETY: non-null, and the caller passes pointers valid for a write.
+        unsafe {
+            *out_bytes = pool.memory_limit() as u64;
+            *out_fraction = pool.memory_fraction();
+        }
+        Ok(())
+    }))
+}
+
 /// The start of the allocation containing `ptr`; its size goes to `*size`.
 ///
 /// # Safety
@@ -292,6 +325,12 @@ fn text_out(out: *mut *mut c_char, text: impl FnOnce() -> glake::Result<String>)
         unsafe { *out = text };
         Ok(())
     });
+    status(result)
+}
+
+/// The status code of the calls made through ctypes: 0 on success, -1 with the message kept
+/// for `gmlake_last_error`.
+fn status<T>(result: Result<T, ErrorKind>) -> c_int {
     if result.is_ok() {
         0
     } else {

@@ -15,10 +15,6 @@
 // driver calls fail (for testing a program's error handling).
 #define GLAKE_CONFIG_FAULT_INJECTION 2
 
-// Device memory of the host backend when no budget is given: far more than any trace needs.
-// The host backend never touches the pages, so this costs nothing.
-#define HOST_MEMORY (1 << 40)
-
 // Result of every C API call.
 enum glake_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L

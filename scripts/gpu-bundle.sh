@@ -4,9 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf gpu-bundle && mkdir -p gpu-bundle
-cargo build --release --locked --examples --bins
+cargo build --release --locked -p glake -p glake-tools --examples --bins
 cargo build --release --locked -p gmlake
-cargo test --release --locked --no-run --message-format=json 2>/dev/null |
+cargo test --release --locked -p glake -p glake-tools --no-run --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys, shutil
 for line in sys.stdin:

@@ -3,8 +3,14 @@
 # GLAKE_TEST_BACKEND=cuda; the PyTorch plug-in's ABI test included), lints, the header check,
 # the CMake package with the C and C++ consumers, and the Python package (wheel and host tests).
 # GPU tests: scripts/gpu-run.sh and scripts/gpu-torch.sh on a GPU machine.
+# On a fresh machine it first installs what is missing (scripts/setup.sh: as root it installs,
+# otherwise it says which command to run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# shellcheck source=scripts/setup.sh
+source scripts/setup.sh
+setup
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

@@ -12,7 +12,6 @@ pub mod ffi;
 pub mod pool;
 pub mod stats;
 pub mod stitch;
-pub mod trace;
 
 pub use config::Config;
 pub use device::{BackendChoice, Stream};

@@ -2,7 +2,7 @@
 //! [`Config::default`] (not the environment), so that a replay is reproducible; tuning a knob
 //! is adding a line to [`TABLE`].
 
-use crate::config::{Config, DefragLevel};
+use glake::config::{Config, DefragLevel};
 
 const MIB: usize = 1 << 20;
 

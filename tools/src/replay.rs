@@ -7,12 +7,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::timed::{CallTime, TimedDevice};
+use super::timed::{self, CallTime, TimedDevice};
 use super::{NamedConfig, Op, Result, Trace, TraceError};
-use crate::device::host::{HostDevice, HostOptions};
-use crate::device::{DevicePtr, SharedDevice, Stream};
-use crate::error::ErrorKind;
-use crate::pool::Pool;
+use glake::device::host::{HostDevice, HostOptions};
+use glake::device::{DevicePtr, SharedDevice, Stream};
+use glake::error::ErrorKind;
+use glake::pool::Pool;
 
 /// Device memory of the host backend when no budget is given: far more than any trace needs.
 /// The host backend never touches the pages, so this costs nothing.
@@ -205,7 +205,7 @@ fn open_device(options: &ReplayOptions) -> Result<SharedDevice> {
             .map_err(|e| TraceError::from(e).context("opening the host backend"))?;
             Ok(Arc::new(device))
         }
-        Backend::Cuda => match crate::device::cuda::CudaDevice::open(0) {
+        Backend::Cuda => match glake::device::cuda::CudaDevice::open(0) {
             Ok(device) => Ok(Arc::new(device)),
             Err(err) => Err(TraceError::new(format!(
                 "--backend cuda: no usable CUDA device 0 ({err})"
@@ -214,7 +214,7 @@ fn open_device(options: &ReplayOptions) -> Result<SharedDevice> {
     }
 }
 
-fn driver_error(err: crate::Error, what: &str) -> TraceError {
+fn driver_error(err: glake::Error, what: &str) -> TraceError {
     let hint = if err.kind() == ErrorKind::ResourceLimit {
         " (the host backend maps every segment and stitched piece separately; raise the \
          limit with `sysctl -w vm.max_map_count=1048576`, or use --backend cuda)"
@@ -253,7 +253,7 @@ pub fn replay(
     options: &ReplayOptions,
 ) -> Result<ReplayResult> {
     let inner = open_device(options)?;
-    let timed = Arc::new(TimedDevice::new(inner));
+    let timed = Arc::new(timed::timed(inner));
     let device: SharedDevice = timed.clone();
     let mut pool_config = config.config.clone();
     if let Some(budget) = options.budget {
@@ -315,18 +315,18 @@ fn run(
     let mut native_step = 0;
     let mut native_now = 0;
     let (mut live, mut peak_live, mut ooms, mut driver_total) = (0u64, 0u64, 0u64, 0u64);
-    let calls_before = timed.calls();
-    let kinds_before = timed.by_kind();
+    let calls_before = timed.hook().calls();
+    let kinds_before = timed.hook().by_kind();
     let wall = Instant::now();
     for (index, op) in trace.ops.iter().enumerate() {
         match *op {
             Op::Alloc { id, size, stream } => {
                 let stream = streams.get(stream as usize).copied().unwrap_or_default();
-                let driver_before = timed.nanos();
+                let driver_before = timed.hook().nanos();
                 let start = Instant::now();
                 let result = pool.malloc(size as usize, stream);
                 let nanos = start.elapsed().as_nanos() as u64;
-                let driver = timed.nanos() - driver_before;
+                let driver = timed.hook().nanos() - driver_before;
                 driver_total += driver;
                 match result {
                     Ok(ptr) => {
@@ -354,11 +354,11 @@ fn run(
                 if slot.ptr == 0 {
                     continue;
                 }
-                let driver_before = timed.nanos();
+                let driver_before = timed.hook().nanos();
                 let start = Instant::now();
                 let result = pool.free(slot.ptr);
                 let nanos = start.elapsed().as_nanos() as u64;
-                let driver = timed.nanos() - driver_before;
+                let driver = timed.hook().nanos() - driver_before;
                 driver_total += driver;
                 result.map_err(|e| driver_error(e, &format!("free, op {index}")))?;
                 pairs.push(slot.malloc_ns + nanos);
@@ -389,8 +389,9 @@ fn run(
     }
     let wall_ns = wall.elapsed().as_nanos() as u64;
     let stats = pool.stats();
-    let driver_calls = timed.calls() - calls_before;
+    let driver_calls = timed.hook().calls() - calls_before;
     let driver_by_kind = timed
+        .hook()
         .by_kind()
         .into_iter()
         .map(|mut c| {
@@ -445,7 +446,7 @@ fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::{configs, read_trace};
+    use crate::{configs, read_trace};
 
     const MIB: u64 = 1 << 20;
 

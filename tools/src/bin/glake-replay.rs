@@ -1,16 +1,16 @@
 //! `glake-replay`: replays allocation traces through the glake pool and compares
 //! configurations (memory utilisation, OOMs under a budget, allocator time). The logic lives in
-//! `glake::trace`; this file is the command line and the plots.
+//! `glake_tools`; this file is the command line and the plots.
 //!
 //! Plotting lives here, not in the library, so that the C library does not carry it.
 
 use std::path::Path;
 use std::process::ExitCode;
 
-use glake::trace::budget::find_min_budget;
-use glake::trace::cli::{parse_args, Args, USAGE};
-use glake::trace::replay::Sample;
-use glake::trace::{configs, load, replay, report, ReplayOptions, ReplayResult, Trace};
+use glake_tools::budget::find_min_budget;
+use glake_tools::cli::{parse_args, Args, USAGE};
+use glake_tools::replay::Sample;
+use glake_tools::{configs, load, replay, report, ReplayOptions, ReplayResult, Trace};
 use plotters::prelude::*;
 
 /// Points per plotted series: enough for a 1200-pixel-wide chart.

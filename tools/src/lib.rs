@@ -1,4 +1,4 @@
-//! Trace replay: drives a real [`Pool`](crate::Pool) with allocation traces recorded from
+//! Trace replay: drives a real [`Pool`](glake::Pool) with allocation traces recorded from
 //! PyTorch, to measure what stitching buys (memory utilisation) and what it costs (allocator
 //! CPU time) on real workloads, without needing a GPU.
 //!
@@ -21,7 +21,7 @@ use std::fmt;
 pub use configs::NamedConfig;
 pub use parse::{load, read_trace};
 pub use replay::{replay, Backend, ReplayOptions, ReplayResult};
-pub use timed::TimedDevice;
+pub use timed::{timed, TimedDevice};
 
 /// Why a trace could not be read or replayed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,8 +60,8 @@ impl From<std::io::Error> for TraceError {
     }
 }
 
-impl From<crate::Error> for TraceError {
-    fn from(err: crate::Error) -> Self {
+impl From<glake::Error> for TraceError {
+    fn from(err: glake::Error) -> Self {
         TraceError::new(err.to_string())
     }
 }

@@ -5,9 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use crate::device::interpose::{Interposed, Interposer};
-use crate::device::{CallKind, SharedDevice};
-use crate::error::Result;
+use glake::device::interpose::{Interposed, Interposer};
+use glake::device::{CallKind, SharedDevice};
+use glake::error::Result;
 
 /// Calls and nanoseconds of one kind of driver call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,36 +39,37 @@ impl Interposer for CallTimer {
     }
 }
 
-/// Wraps a device and accumulates the wall time of every driver call.
+/// A device whose driver calls are timed: read the totals through `hook()`.
 pub type TimedDevice = Interposed<CallTimer>;
 
-impl TimedDevice {
-    pub fn new(inner: SharedDevice) -> Self {
-        Interposed::with(
-            inner,
-            CallTimer {
-                nanos: AtomicU64::new(0),
-                calls: AtomicU64::new(0),
-                by_kind: std::array::from_fn(|_| (AtomicU64::new(0), AtomicU64::new(0))),
-            },
-        )
-    }
+/// Wraps `inner` so that the wall time of every driver call adds up.
+pub fn timed(inner: SharedDevice) -> TimedDevice {
+    Interposed::with(
+        inner,
+        CallTimer {
+            nanos: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+            by_kind: std::array::from_fn(|_| (AtomicU64::new(0), AtomicU64::new(0))),
+        },
+    )
+}
 
+impl CallTimer {
     /// Nanoseconds spent inside driver calls so far.
     pub fn nanos(&self) -> u64 {
-        self.hook().nanos.load(Ordering::Relaxed)
+        self.nanos.load(Ordering::Relaxed)
     }
 
     /// Driver calls made so far.
     pub fn calls(&self) -> u64 {
-        self.hook().calls.load(Ordering::Relaxed)
+        self.calls.load(Ordering::Relaxed)
     }
 
     /// Calls and time per kind, for the kinds that were called.
     pub fn by_kind(&self) -> Vec<CallTime> {
         CallKind::ALL
             .iter()
-            .zip(self.hook().by_kind.iter())
+            .zip(self.by_kind.iter())
             .map(|(&kind, (calls, nanos))| CallTime {
                 kind,
                 calls: calls.load(Ordering::Relaxed),
@@ -82,25 +83,25 @@ impl TimedDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::host::{HostDevice, HostOptions};
-    use crate::device::{BackendKind, Device};
+    use glake::device::host::{HostDevice, HostOptions};
+    use glake::device::{BackendKind, Device};
     use std::sync::Arc;
 
     #[test]
     fn counts_driver_calls_and_time() {
         let host = HostDevice::shared(0, HostOptions::default()).unwrap();
-        let timed = TimedDevice::new(host);
+        let timed = timed(host);
         let g = timed.granularity();
-        assert_eq!(timed.calls(), 0, "getters are not driver calls");
+        assert_eq!(timed.hook().calls(), 0, "getters are not driver calls");
         let h = timed.create_physical(g).unwrap();
         let va = timed.reserve(g, g).unwrap();
         timed.map(va, g, h, 0).unwrap();
         timed.unmap(va, g).unwrap();
         timed.unreserve(va, g).unwrap();
         timed.release_physical(h).unwrap();
-        assert_eq!(timed.calls(), 6);
-        assert!(timed.nanos() > 0);
-        let kinds = timed.by_kind();
+        assert_eq!(timed.hook().calls(), 6);
+        assert!(timed.hook().nanos() > 0);
+        let kinds = timed.hook().by_kind();
         assert_eq!(kinds.len(), 6);
         assert!(kinds.iter().all(|c| c.calls == 1));
         let shared: SharedDevice = Arc::new(timed);

@@ -104,7 +104,7 @@ pub fn find_min_budget(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::{configs, read_trace};
+    use crate::{configs, read_trace};
 
     #[test]
     fn finds_a_budget_that_fits_and_one_below_that_does_not() {

@@ -297,7 +297,7 @@ pub fn plot_file(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::replay::{Backend, Percentiles};
+    use crate::replay::{Backend, Percentiles};
 
     fn result() -> ReplayResult {
         ReplayResult {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use super::configs::{self, NamedConfig, Overrides};
 use super::replay::Backend;
 use super::{Result, TraceError};
-use crate::config::{parse_bytes, DefragLevel};
+use glake::config::{parse_bytes, DefragLevel};
 
 pub const USAGE: &str = "\
 Replays allocation traces through the glake pool and compares configurations.

@@ -77,7 +77,7 @@ pub fn read_text<R: BufRead>(reader: R, name: &str) -> Result<Trace> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::Op;
+    use crate::Op;
     use std::io::Write;
 
     const TEXT: &str = "# action addr size stream\n\

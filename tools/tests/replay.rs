@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use glake::trace::{self, configs, ReplayOptions};
+use glake_tools::{self as trace, configs, ReplayOptions};
 
 const MIB: u64 = 1 << 20;
 

@@ -97,7 +97,7 @@ fn as_u64(value: &Value) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::{read_trace, Op};
+    use crate::{read_trace, Op};
     use serde_pickle::SerOptions;
 
     fn entry(action: &str, addr: i64, size: i64, stream: i64) -> Value {

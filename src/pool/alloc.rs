@@ -1,0 +1,204 @@
+//! The allocation path: a request is checked, rounded to its size class, and served from the
+//! small or the large pool, with the order of attempts the module documentation gives (reuse,
+//! stitching, growth, taking back other streams' memory, releasing the cache). What each
+//! attempt does lives with its concern; this file holds the order and the books of a new
+//! allocation.
+
+use super::blocks::{BlockId, PoolKind, Tag, SHARED};
+use super::{sizes, Inner, Live, Target};
+use crate::config::DefragLevel;
+use crate::device::{DevicePtr, Stream};
+use crate::error::{Error, Result};
+
+impl Inner {
+    pub(super) fn reserved(&self) -> usize {
+        self.stats.reserved_bytes.all.current as usize
+    }
+
+    pub(super) fn malloc(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+        tag: Tag,
+    ) -> Result<DevicePtr> {
+        if size == 0 {
+            return Err(Error::invalid_argument("size 0 requested"));
+        }
+        if size > isize::MAX as usize {
+            return Err(Error::invalid_argument(format!(
+                "size {size} is beyond any device"
+            )));
+        }
+        let pool = sizes::pool_of(size, self.config.small_limit);
+        let rounded = sizes::round(size, pool, self.granularity)?;
+        if rounded > self.total_memory {
+            self.stats.num_ooms += 1;
+            return Err(Error::out_of_memory(format!(
+                "request of {size} bytes is larger than the device's {} bytes",
+                self.total_memory
+            )));
+        }
+        if !self.pending.is_empty() {
+            self.process_pending(device)?;
+        }
+        let ptr = match pool {
+            PoolKind::Small => self.malloc_small(device, rounded, stream, tag)?,
+            PoolKind::Large => self.malloc_large(device, rounded, stream, tag)?,
+        };
+        let ptr = match ptr {
+            Some(ptr) => ptr,
+            None => {
+                self.stats.num_ooms += 1;
+                return Err(Error::out_of_memory(format!(
+                    "cannot allocate {size} bytes on device {}: {} bytes reserved of a {} byte cap, {} allocated",
+                    device.ordinal(),
+                    self.reserved(),
+                    self.cap.bytes(),
+                    self.stats.allocated_bytes.all.current
+                )));
+            }
+        };
+        if let Some(live) = self.live.get_mut(&ptr) {
+            live.requested = size;
+            let delta = size as i64;
+            self.stats.requested_bytes.add(pool, delta);
+        }
+        Ok(ptr)
+    }
+
+    /// Records a new allocation and its statistics.
+    pub(super) fn register(
+        &mut self,
+        ptr: DevicePtr,
+        target: Target,
+        size: usize,
+        stream: Stream,
+        pool: PoolKind,
+    ) {
+        self.live.insert(
+            ptr,
+            Live {
+                target,
+                size,
+                requested: 0,
+                stream,
+                pool,
+                extra_streams: Vec::new(),
+            },
+        );
+        self.stats.allocation.add(pool, 1);
+        self.stats.allocated_bytes.add(pool, size as i64);
+        self.stats.active.add(pool, 1);
+        self.stats.active_bytes.add(pool, size as i64);
+        self.sync_split_stats();
+    }
+
+    /// Brings the inactive-split statistics of both pools in step with the block map (one
+    /// operation, such as merging after a wait for all streams, may change both pools).
+    pub(super) fn sync_split_stats(&mut self) {
+        for pool in [PoolKind::Small, PoolKind::Large] {
+            let now = self.map.inactive_split_by_pool[pool as usize];
+            let (count, bytes) = match pool {
+                PoolKind::Small => (
+                    self.stats.inactive_split.small_pool.current,
+                    self.stats.inactive_split_bytes.small_pool.current,
+                ),
+                PoolKind::Large => (
+                    self.stats.inactive_split.large_pool.current,
+                    self.stats.inactive_split_bytes.large_pool.current,
+                ),
+            };
+            self.stats.inactive_split.add(pool, now.count - count);
+            self.stats.inactive_split_bytes.add(pool, now.bytes - bytes);
+        }
+    }
+
+    /// Takes free block `id` (split to `size`) as a plain allocation.
+    fn allocate_block(
+        &mut self,
+        id: BlockId,
+        size: usize,
+        stream: Stream,
+        pool: PoolKind,
+    ) -> DevicePtr {
+        let whole = self.map.blocks[id].size;
+        let split = whole - size >= sizes::unit(pool, self.granularity);
+        let size = if split { size } else { whole };
+        self.map.take_front(id, size, stream);
+        let ptr = self.map.blocks[id].addr;
+        self.register(ptr, Target::Block(id), size, stream, pool);
+        ptr
+    }
+
+    fn malloc_small(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+        tag: Tag,
+    ) -> Result<Option<DevicePtr>> {
+        for attempt in 0..3 {
+            if let Some(id) = self.map.best_fit(tag, PoolKind::Small, stream, size) {
+                return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
+            }
+            let segment_size = sizes::small_segment(size, self.granularity)?;
+            if let Some(id) = self.grow(device, PoolKind::Small, segment_size, tag)? {
+                return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
+            }
+            match attempt {
+                0 => self.reclaim_other_streams(device, stream)?,
+                1 => {
+                    self.stats.num_alloc_retries += 1;
+                    self.release_cached(device)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(None)
+    }
+
+    fn malloc_large(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+        tag: Tag,
+    ) -> Result<Option<DevicePtr>> {
+        // A private pool maps nothing twice: its graph replays use fixed addresses.
+        let stitch = self.config.stitch && tag == SHARED;
+        for attempt in 0..3 {
+            if let Some(id) = self.map.best_fit(tag, PoolKind::Large, stream, size) {
+                return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
+            }
+            if stitch {
+                if let Some(ptr) = self.reuse_stitched(size, stream) {
+                    return Ok(Some(ptr));
+                }
+                let eager = self.config.defrag_level == DefragLevel::BeforeGrow || attempt > 0;
+                if eager {
+                    if let Some(ptr) = self.stitch_new(device, size, stream)? {
+                        return Ok(Some(ptr));
+                    }
+                }
+            }
+            if let Some(id) = self.grow(device, PoolKind::Large, size, tag)? {
+                return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
+            }
+            if stitch && self.config.defrag_level == DefragLevel::WhenFull && attempt == 0 {
+                if let Some(ptr) = self.stitch_new(device, size, stream)? {
+                    return Ok(Some(ptr));
+                }
+            }
+            match attempt {
+                0 => self.reclaim_other_streams(device, stream)?,
+                1 => {
+                    self.stats.num_alloc_retries += 1;
+                    self.release_cached(device)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(None)
+    }
+}

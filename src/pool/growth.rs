@@ -1,0 +1,290 @@
+//! Growth and release of physical memory: creating segments under the cap, mapping ranges,
+//! granting access, and tearing driver objects down again. Teardown steps that fail are kept
+//! as zombies and retried, so a failed unmap neither loses memory nor leaves the books wrong.
+
+use super::blocks::{self, BlockId, Chunk, PoolKind, SegmentId, Tag};
+use super::Inner;
+use crate::device::{DevicePtr, PhysHandle};
+use crate::error::{Error, ErrorKind, Result};
+
+impl Inner {
+    /// Whether `bytes` more physical memory fits under the cap.
+    pub(super) fn fits_cap(&self, bytes: usize) -> bool {
+        self.cap.fits(self.reserved(), bytes)
+    }
+
+    /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`] and
+    /// [`blocks::chunk_limit`]), mapped at a new range with access set once. Returns its free
+    /// block, or None when the cap or the device is full. Undoes every step if a later one
+    /// fails.
+    pub(super) fn grow(
+        &mut self,
+        device: &dyn crate::device::Device,
+        pool: PoolKind,
+        size: usize,
+        tag: Tag,
+    ) -> Result<Option<BlockId>> {
+        if !self.fits_cap(size) {
+            return Ok(None);
+        }
+        let limit = blocks::chunk_limit(
+            self.reserved(),
+            self.granularity,
+            self.config.max_chunk,
+            self.config.chunk_divisor,
+        );
+        let sizes = blocks::chunk_sizes(size, self.granularity, limit);
+        let mut chunks: Vec<Chunk> = Vec::with_capacity(sizes.len());
+        let mut offset = 0;
+        for len in sizes {
+            match device.create_physical(len) {
+                Ok(handle) => chunks.push(Chunk {
+                    handle,
+                    offset,
+                    len,
+                }),
+                Err(err) => {
+                    self.bury(device, Zombie::handles(&chunks));
+                    if err.kind() == ErrorKind::OutOfMemory {
+                        return Ok(None);
+                    }
+                    return Err(err.context("creating physical memory"));
+                }
+            }
+            offset += len;
+        }
+        let layout = blocks::handle_layout(&chunks);
+        let va = match map_range(device, &layout, self.granularity, &self.access) {
+            Ok(va) => va,
+            Err((err, zombie)) => {
+                self.zombies.extend(zombie);
+                self.bury(device, Zombie::handles(&chunks));
+                return Err(err.context("mapping a new segment"));
+            }
+        };
+        let count = chunks.len() as i64;
+        let (_, block) = self.map.add_segment(va, size, chunks, pool, tag);
+        self.stats.segment.add(pool, 1);
+        self.stats.reserved_bytes.add(pool, size as i64);
+        self.stats.num_device_alloc += count;
+        Ok(Some(block))
+    }
+
+    /// Grants device `peer` access to every range mapped now (segments and stitched ranges),
+    /// and to every range mapped from now on.
+    pub(super) fn grant_access(
+        &mut self,
+        device: &dyn crate::device::Device,
+        peer: i32,
+    ) -> Result<()> {
+        if self.access.contains(&peer) {
+            return Ok(());
+        }
+        let mut access = self.access.clone();
+        access.push(peer);
+        let ranges: Vec<(DevicePtr, usize)> = self
+            .map
+            .segments
+            .iter()
+            .map(|(_, s)| (s.va, s.size))
+            .chain(self.stitch.blocks.iter().map(|(_, s)| (s.va, s.size)))
+            .collect();
+        for (va, size) in ranges {
+            device.set_access(va, size, &access)?;
+        }
+        self.access = access;
+        Ok(())
+    }
+
+    /// Releases one idle segment: it leaves the books at once, and its mappings, handles and
+    /// range are torn down now or, where a driver call fails, retried later.
+    fn release_segment(
+        &mut self,
+        device: &dyn crate::device::Device,
+        segment: SegmentId,
+    ) -> Result<()> {
+        let Some(removed) = self.map.remove_segment(segment) else {
+            return Err(Error::internal("released a segment that is in use"));
+        };
+        self.stats.segment.add(removed.pool, -1);
+        self.stats
+            .reserved_bytes
+            .add(removed.pool, -(removed.size as i64));
+        self.stats.num_device_free += removed.chunks.len() as i64;
+        self.sync_split_stats();
+        let zombie = Zombie {
+            unmaps: removed
+                .chunks
+                .iter()
+                .map(|c| (removed.va + c.offset as u64, c.len))
+                .collect(),
+            handles: removed.chunks.iter().map(|c| c.handle).collect(),
+            reservation: Some((removed.va, removed.size)),
+        };
+        self.bury(device, zombie);
+        Ok(())
+    }
+
+    /// Finishes tearing down a driver object; what fails is kept and retried later, so that a
+    /// failed unmap neither loses track of memory nor leaves the books wrong.
+    pub(super) fn bury(&mut self, device: &dyn crate::device::Device, mut zombie: Zombie) {
+        if let Err(err) = zombie.finish(device) {
+            log::warn!("glake: releasing driver memory failed, will retry: {err}");
+            self.zombies.push(zombie);
+        }
+    }
+
+    fn retry_zombies(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        let mut first_error = None;
+        for mut zombie in std::mem::take(&mut self.zombies) {
+            if let Err(err) = zombie.finish(device) {
+                first_error.get_or_insert(err);
+                self.zombies.push(zombie);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Frees all cached memory: idle stitched ranges and idle segments.
+    pub(super) fn release_cached(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        if self.routing > 0 {
+            // A capture may be underway: waiting for the device would end it.
+            return Ok(());
+        }
+        self.synchronize_all(device)?;
+        self.collect_stitched(device, true)?;
+        for segment in self.map.idle_segments() {
+            self.release_segment(device, segment)?;
+        }
+        self.retry_zombies(device)
+    }
+
+    /// Releases everything: called when the pool is dropped.
+    pub(super) fn teardown(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        // Nothing can capture once the pool is gone: private pools end here, and the frees
+        // held back for them complete after the device wait that precedes every release.
+        self.close_private();
+        for live in std::mem::take(&mut self.deferred) {
+            self.finish_free(live, None);
+        }
+        let ptrs: Vec<DevicePtr> = self.live.keys().copied().collect();
+        for ptr in ptrs {
+            if let Some(live) = self.live.remove(&ptr) {
+                self.stats.allocation.add(live.pool, -1);
+                self.stats
+                    .allocated_bytes
+                    .add(live.pool, -(live.size as i64));
+                self.finish_free(live, None);
+            }
+        }
+        // Nothing can retry after this: a failed step (and all it left untried) gets one more
+        // pass. Memory that may still be in use stays if that fails; the idle events go anyway.
+        let released = self
+            .release_cached(device)
+            .or_else(|_| self.release_cached(device));
+        for event in self.idle_events.drain(..) {
+            undo(device.destroy_event(event));
+        }
+        released
+    }
+}
+
+/// Driver objects still to be torn down: mappings to unmap, then handles to release and a
+/// range to free. Each step that succeeds is dropped from the lists, so a retry resumes.
+#[derive(Debug)]
+pub(super) struct Zombie {
+    pub(super) unmaps: Vec<(DevicePtr, usize)>,
+    pub(super) handles: Vec<PhysHandle>,
+    pub(super) reservation: Option<(DevicePtr, usize)>,
+}
+
+impl Zombie {
+    fn handles(chunks: &[Chunk]) -> Self {
+        Zombie {
+            unmaps: Vec::new(),
+            handles: chunks.iter().map(|c| c.handle).collect(),
+            reservation: None,
+        }
+    }
+
+    fn finish(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        while let Some(&(va, len)) = self.unmaps.last() {
+            device.unmap(va, len)?;
+            self.unmaps.pop();
+        }
+        while let Some(&handle) = self.handles.last() {
+            device.release_physical(handle)?;
+            self.handles.pop();
+        }
+        if let Some((va, size)) = self.reservation {
+            device.unreserve(va, size)?;
+            self.reservation = None;
+        }
+        Ok(())
+    }
+}
+
+/// Where each of `handles` (with its length) lies when they are mapped one after another from
+/// `va`; mappings are unmapped one by one, as they were made.
+pub(super) fn mappings<'a>(
+    va: DevicePtr,
+    handles: impl IntoIterator<Item = &'a (PhysHandle, usize)>,
+) -> Vec<(DevicePtr, usize)> {
+    let mut at = va;
+    handles
+        .into_iter()
+        .map(|&(_, len)| {
+            let mapping = (at, len);
+            at += len as u64;
+            mapping
+        })
+        .collect()
+}
+
+/// Reserves a range (aligned to `align`), maps `handles` (each with its length) one after
+/// another into it, and grants access to the whole range in one call. On failure what was done
+/// is undone, or handed back as a zombie to retry; the handles themselves stay with the caller.
+pub(super) fn map_range(
+    device: &dyn crate::device::Device,
+    handles: &[(PhysHandle, usize)],
+    align: usize,
+    access: &[i32],
+) -> std::result::Result<DevicePtr, (Error, Option<Zombie>)> {
+    let size = handles.iter().map(|&(_, len)| len).sum();
+    let va = device.reserve(size, align).map_err(|e| (e, None))?;
+    let mut mapped = Vec::with_capacity(handles.len());
+    let mut failure = None;
+    for ((at, len), &(handle, _)) in mappings(va, handles).into_iter().zip(handles) {
+        if let Err(err) = device.map(at, len, handle, 0) {
+            failure = Some(err);
+            break;
+        }
+        mapped.push((at, len));
+    }
+    if failure.is_none() {
+        // One grant over the whole range. Its cost is per handle; granting parts from several
+        // threads, or one handle per call, was measured slower on an H200.
+        match device.set_access(va, size, access) {
+            Ok(()) => return Ok(va),
+            Err(err) => failure = Some(err.context("setting access")),
+        }
+    }
+    let mut zombie = Zombie {
+        unmaps: mapped,
+        handles: Vec::new(),
+        reservation: Some((va, size)),
+    };
+    let err = failure.unwrap_or_else(|| Error::internal("mapping failed without an error"));
+    match zombie.finish(device) {
+        Ok(()) => Err((err, None)),
+        Err(_) => Err((err, Some(zombie))),
+    }
+}
+
+/// Logs the failure of a clean-up step taken after an earlier failure (the first error is the
+/// one reported).
+fn undo(result: Result<()>) {
+    if let Err(err) = result {
+        log::error!("glake: clean-up after a failed driver call also failed: {err}");
+    }
+}

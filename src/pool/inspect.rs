@@ -1,0 +1,133 @@
+//! Looking at the pool without changing it: which allocation a pointer belongs to, why an
+//! unknown pointer is wrong (null, double free, inside memory of the pool, foreign), snapshots,
+//! and the invariant checks the tests run. Errors and reports only; no allocator decisions.
+
+use std::collections::HashMap;
+
+use super::blocks::BlockState;
+use super::{snapshot, AllocationInfo, Inner, Live, Target};
+use crate::device::DevicePtr;
+use crate::error::{Error, ErrorKind};
+
+impl Inner {
+    /// The error for `ptr`, which is not a live allocation.
+    pub(super) fn classify_unknown(&self, ptr: DevicePtr) -> Error {
+        if ptr == 0 {
+            return Error::new(ErrorKind::NullPointer, "pointer is NULL");
+        }
+        if let Some(id) = self.map.block_at(ptr) {
+            if self.map.blocks[id].state != BlockState::Allocated {
+                return Error::new(
+                    ErrorKind::DoubleFree,
+                    format!("{ptr:#x} was already freed (double free)"),
+                );
+            }
+        }
+        if let Some(id) = self.stitch.by_va(ptr) {
+            if !self.stitch.blocks[id].in_use {
+                return Error::new(
+                    ErrorKind::DoubleFree,
+                    format!("{ptr:#x} was already freed (double free)"),
+                );
+            }
+        }
+        let held = self.pending.iter().map(|p| &p.live).chain(&self.deferred);
+        if held.into_iter().any(|live| self.live_ptr(live) == ptr) {
+            return Error::new(
+                ErrorKind::DoubleFree,
+                format!("{ptr:#x} was already freed (double free)"),
+            );
+        }
+        if self.map.block_containing(ptr).is_some() || self.stitch.containing(ptr).is_some() {
+            return Error::new(
+                ErrorKind::InvalidPointer,
+                format!("{ptr:#x} points inside memory of this pool but not at an allocation"),
+            );
+        }
+        Error::new(
+            ErrorKind::InvalidPointer,
+            format!("{ptr:#x} was not allocated by this pool"),
+        )
+    }
+
+    fn live_ptr(&self, live: &Live) -> DevicePtr {
+        match live.target {
+            Target::Block(id) => self.map.blocks[id].addr,
+            Target::Stitched(id) => self.stitch.blocks[id].va,
+        }
+    }
+
+    fn base_of(&self, ptr: DevicePtr) -> Option<DevicePtr> {
+        if self.live.contains_key(&ptr) {
+            return Some(ptr);
+        }
+        if let Some(id) = self.stitch.containing(ptr) {
+            // A reused stitched range may serve only a prefix of itself.
+            let s = &self.stitch.blocks[id];
+            let live = self.live.get(&s.va).filter(|_| s.in_use)?;
+            return (ptr < s.va + live.size as u64).then_some(s.va);
+        }
+        let id = self.map.block_containing(ptr)?;
+        let block = &self.map.blocks[id];
+        (block.state == BlockState::Allocated && self.live.contains_key(&block.addr))
+            .then_some(block.addr)
+    }
+
+    /// The live allocation containing `ptr`.
+    pub(super) fn allocation_of(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
+        let base = self.base_of(ptr)?;
+        let live = self.live.get(&base)?;
+        Some(AllocationInfo {
+            base,
+            size: live.size,
+            requested: live.requested,
+            stream: live.stream,
+            stitched: matches!(live.target, Target::Stitched(_)),
+        })
+    }
+
+    /// A picture of segments, blocks and stitched ranges.
+    pub(super) fn snapshot(&self) -> snapshot::Snapshot {
+        let requested: HashMap<DevicePtr, usize> = self
+            .live
+            .iter()
+            .filter(|(_, l)| matches!(l.target, Target::Block(_)))
+            .map(|(&p, l)| (p, l.requested))
+            .collect();
+        snapshot::take(
+            &self.map,
+            &self.stitch,
+            &self.stats,
+            self.cap.bytes(),
+            &requested,
+        )
+    }
+
+    /// Checks that the block map, the statistics and the stitched ranges agree.
+    pub(super) fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.map.check()?;
+        let reserved: usize = self.map.segments.iter().map(|(_, s)| s.size).sum();
+        if reserved as i64 != self.stats.reserved_bytes.all.current {
+            return Err(format!(
+                "segments hold {reserved} bytes, stats say {}",
+                self.stats.reserved_bytes.all.current
+            ));
+        }
+        let allocated: usize = self.live.values().map(|l| l.size).sum();
+        if allocated as i64 != self.stats.allocated_bytes.all.current {
+            return Err(format!(
+                "live allocations hold {allocated} bytes, stats say {}",
+                self.stats.allocated_bytes.all.current
+            ));
+        }
+        if self.map.inactive_split.bytes != self.stats.inactive_split_bytes.all.current {
+            return Err("inactive split bytes out of step".into());
+        }
+        for (id, s) in self.stitch.blocks.iter() {
+            if s.in_use != self.stitch_blocks.blocks.contains_key(&id) {
+                return Err(format!("stitched block {id} use flag out of step"));
+            }
+        }
+        Ok(())
+    }
+}

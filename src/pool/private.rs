@@ -1,0 +1,136 @@
+//! Private pools (PyTorch's graph pools): the memory of CUDA graph captures. Requests routed to
+//! one are served only from its own segments, tagged apart from the shared pool; at its last
+//! release its segments join the shared pool. While any routing is active a capture may be
+//! underway, so driver calls that are not stream work run in relaxed capture mode and frees
+//! that need events are deferred until the last routing ends.
+
+use super::blocks::{Tag, SHARED};
+use super::{Inner, Target};
+use crate::device::{CaptureMode, DevicePtr, Stream};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Names a private pool (PyTorch's `MempoolId_t`).
+pub type PrivatePoolId = (u64, u64);
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PrivatePool {
+    tag: Tag,
+    /// Routings begun (captures and pool contexts) not yet matched by a release.
+    uses: u32,
+}
+
+impl Inner {
+    /// Allocates from private pool `private` when given (which must be open), else from the
+    /// shared pool; while a capture may be underway, in relaxed capture mode.
+    pub(super) fn malloc_in(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+        private: Option<PrivatePoolId>,
+    ) -> Result<DevicePtr> {
+        let tag = match private {
+            None => SHARED,
+            Some(id) => match self.private.get(&id) {
+                Some(p) => p.tag,
+                None => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidState,
+                        format!("private pool {id:?} is not open"),
+                    ))
+                }
+            },
+        };
+        if self.routing == 0 {
+            return self.malloc(device, size, stream, tag);
+        }
+        // A capture may be underway on this thread: driver calls that are not stream work
+        // (creating and mapping memory) must not count as unsafe calls that end it.
+        let previous = device.exchange_capture_mode(CaptureMode::Relaxed)?;
+        let result = self.malloc(device, size, stream, tag);
+        if let Err(err) = device.exchange_capture_mode(previous) {
+            log::warn!("glake: restoring the stream capture mode failed: {err}");
+        }
+        result
+    }
+
+    /// Starts routing to private pool `id`, creating it or taking one more use of it.
+    pub(super) fn begin_private(&mut self, id: PrivatePoolId) {
+        self.routing += 1;
+        if let Some(pool) = self.private.get_mut(&id) {
+            pool.uses += 1;
+            return;
+        }
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        self.private.insert(id, PrivatePool { tag, uses: 1 });
+    }
+
+    /// Ends one routing; at the last, the frees deferred meanwhile record their events.
+    pub(super) fn end_private(
+        &mut self,
+        device: &dyn crate::device::Device,
+        id: PrivatePoolId,
+    ) -> Result<()> {
+        if !self.private.contains_key(&id) || self.routing == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("no routing to private pool {id:?} to end"),
+            ));
+        }
+        self.routing -= 1;
+        if self.routing > 0 {
+            return Ok(());
+        }
+        let mut first_error = None;
+        for live in std::mem::take(&mut self.deferred) {
+            if let Err(err) = self.free_after_events(device, live) {
+                first_error.get_or_insert(err);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Drops one use of private pool `id`; at the last, its segments join the shared pool.
+    pub(super) fn release_private(&mut self, id: PrivatePoolId) -> Result<()> {
+        let Some(pool) = self.private.get_mut(&id) else {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("private pool {id:?} is not open"),
+            ));
+        };
+        pool.uses = pool.uses.saturating_sub(1);
+        if pool.uses == 0 {
+            let tag = pool.tag;
+            self.private.remove(&id);
+            self.map.retag(tag, SHARED);
+            self.sync_split_stats();
+        }
+        Ok(())
+    }
+
+    /// The live allocations of private pool `id`, by address (None when it is not open).
+    pub(super) fn private_allocations(&self, id: PrivatePoolId) -> Option<Vec<DevicePtr>> {
+        let tag = self.private.get(&id)?.tag;
+        let mut ptrs: Vec<DevicePtr> = self
+            .live
+            .iter()
+            .filter(|(_, live)| match live.target {
+                Target::Block(b) => self.map.segments[self.map.blocks[b].segment].tag == tag,
+                Target::Stitched(_) => false,
+            })
+            .map(|(&ptr, _)| ptr)
+            .collect();
+        ptrs.sort_unstable();
+        Some(ptrs)
+    }
+
+    /// Ends all routing and joins every private pool to the shared pool (the pool is going).
+    pub(super) fn close_private(&mut self) {
+        self.routing = 0;
+        let tags: Vec<Tag> = self.private.drain().map(|(_, p)| p.tag).collect();
+        for tag in tags {
+            self.map.retag(tag, SHARED);
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! The pool's side of stitching: serving a large request from free blocks that are not
+//! adjacent, by mapping their chunks side by side at a new range. Plans and the cache of
+//! stitched ranges live in [`crate::stitch`]; here blocks are taken from and given back to the
+//! block map, ranges are mapped, reused and collected, and the statistics kept.
+
+use super::blocks::{self, BlockId, BlockState, PoolKind, SHARED};
+use super::growth::{map_range, mappings, Zombie};
+use super::keymap::KeyMap;
+use super::{Inner, Target};
+use crate::device::{DevicePtr, PhysHandle, Stream};
+use crate::error::{Error, Result};
+use crate::stitch::{self, Piece, StitchId};
+
+/// Most idle stitched ranges kept mapped, whatever their bytes (each is a driver object).
+const MAX_IDLE_STITCHED: usize = 4096;
+
+/// Idle stitched ranges examined per reuse attempt (bounds the cost of a miss).
+const REUSE_SCAN: usize = 16;
+
+/// The pieces of a stitched allocation: block ids while in use.
+#[derive(Debug, Default)]
+pub(super) struct StitchBlocks {
+    pub(super) blocks: KeyMap<StitchId, Vec<BlockId>>,
+}
+
+impl Inner {
+    /// Serves `size` from an idle stitched range whose pieces are all free for `stream`.
+    pub(super) fn reuse_stitched(&mut self, size: usize, stream: Stream) -> Option<DevicePtr> {
+        let max = ((size as f64) * self.config.reuse_limit) as usize;
+        let found = self
+            .stitch
+            .idle_candidates(size, max.max(size))
+            .take(REUSE_SCAN)
+            .find(|&id| {
+                stitch::prefix(&self.stitch.blocks[id].pieces, size).all(|(addr, len)| {
+                    self.map.block_containing(addr).is_some_and(|b| {
+                        let b = &self.map.blocks[b];
+                        b.state == BlockState::Free
+                            && (b.owner.is_none() || b.owner == Some(stream))
+                            && addr + len as u64 <= b.addr + b.size as u64
+                    })
+                })
+            })?;
+        let mut ids = Vec::new();
+        for (addr, len) in stitch::prefix(&self.stitch.blocks[found].pieces, size) {
+            // Checked above: each part lies inside one free block usable on `stream`.
+            ids.push(self.map.take_range(addr, len, stream)?);
+        }
+        self.stitch.acquire(found, stream);
+        self.stitch_blocks.blocks.insert(found, ids);
+        let va = self.stitch.blocks[found].va;
+        self.register(va, Target::Stitched(found), size, stream, PoolKind::Large);
+        self.stats.stitch_reuse_hits += 1;
+        self.stats.stitched_allocations += 1;
+        Some(va)
+    }
+
+    /// Builds a new stitched range of `size` bytes from free blocks of `stream`, creating new
+    /// physical memory for any shortfall. Only whole chunks map, so a free block offers the run
+    /// of whole chunks inside it (at least `frag_limit` bytes); the last piece maps its last
+    /// chunk whole but takes from the block only the bytes the request needs.
+    pub(super) fn stitch_new(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+    ) -> Result<Option<DevicePtr>> {
+        let min_piece = self.config.frag_limit.max(self.granularity);
+        let map = &self.map;
+        let candidates = map
+            .largest_free_blocks(PoolKind::Large, stream, min_piece)
+            .filter_map(|(_, id)| {
+                let (_, len) = map.whole_chunks_of(id)?;
+                (len >= min_piece).then_some((len, id))
+            });
+        let plan = match stitch::plan(candidates, size, self.config.max_stitch_pieces) {
+            Some(plan) => plan,
+            None => return Ok(None),
+        };
+        if plan.shortfall > 0 && !self.fits_cap(plan.shortfall) {
+            return Ok(None);
+        }
+        // Where each planned piece lies and what maps it, before taking splits the blocks.
+        let mut pieces: Vec<Piece> = Vec::with_capacity(plan.take.len() + 1);
+        for &(id, bytes) in &plan.take {
+            let Some((start, _)) = self.map.whole_chunks_of(id) else {
+                return Err(Error::internal("a planned stitch piece has no whole chunk"));
+            };
+            let segment = &self.map.segments[self.map.blocks[id].segment];
+            let handles = blocks::handle_layout(segment.chunks_covering(start, bytes));
+            let len = handles.iter().map(|&(_, len)| len).sum();
+            pieces.push(Piece {
+                addr: start,
+                len,
+                handles,
+            });
+        }
+        // Take the planned bytes first, so that growth cannot merge them.
+        let mut ids: Vec<BlockId> = Vec::with_capacity(plan.take.len() + 1);
+        for (piece, &(_, bytes)) in pieces.iter().zip(&plan.take) {
+            match self.map.take_range(piece.addr, bytes, stream) {
+                Some(id) => ids.push(id),
+                None => {
+                    self.give_back(&ids, stream);
+                    return Err(Error::internal("a planned stitch piece is not free"));
+                }
+            }
+        }
+        if plan.shortfall > 0 {
+            match self.grow(device, PoolKind::Large, plan.shortfall, SHARED) {
+                Ok(Some(id)) => {
+                    self.map.take(id, stream);
+                    ids.push(id);
+                    let b = &self.map.blocks[id];
+                    let segment = &self.map.segments[b.segment];
+                    pieces.push(Piece {
+                        addr: b.addr,
+                        len: b.size,
+                        handles: blocks::handle_layout(&segment.chunks),
+                    });
+                }
+                other => {
+                    self.give_back(&ids, stream);
+                    return other.map(|_| None);
+                }
+            }
+        }
+        let handles: Vec<(PhysHandle, usize)> = pieces
+            .iter()
+            .flat_map(|p| p.handles.iter().copied())
+            .collect();
+        let va = match map_range(device, &handles, self.granularity, &self.access) {
+            Ok(va) => va,
+            Err((err, zombie)) => {
+                self.give_back(&ids, stream);
+                self.zombies.extend(zombie);
+                return Err(err);
+            }
+        };
+        let piece_count = pieces.len();
+        let id = self.stitch.insert(va, pieces, stream);
+        let mapped = self.stitch.blocks[id].size;
+        self.stitch_blocks.blocks.insert(id, ids);
+        self.register(va, Target::Stitched(id), size, stream, PoolKind::Large);
+        self.stats.stitches += 1;
+        self.stats.stitched_bytes += size as i64;
+        self.stats.stitched_pieces += piece_count as i64;
+        self.stats.stitched_allocations += 1;
+        self.stats.stitched_blocks.add(1);
+        self.stats.stitched_mapped_bytes.add(mapped as i64);
+        log::debug!(
+            "glake: fuse {piece_count} pieces into {size} bytes at {va:#x} on device {}",
+            device.ordinal()
+        );
+        if let Err(err) = self.collect_stitched(device, false) {
+            log::warn!("glake: collecting stitched blocks failed: {err}");
+        }
+        Ok(Some(va))
+    }
+
+    /// Returns blocks taken for a stitch that did not happen to the free sets of `stream`.
+    fn give_back(&mut self, ids: &[BlockId], stream: Stream) {
+        for &id in ids {
+            self.map.release(id, Some(stream));
+        }
+        self.sync_split_stats();
+    }
+
+    /// Unmaps idle stitched ranges: all of them when `all`, else the least recently used ones
+    /// past the auto-GC byte limit or the idle-count limit.
+    pub(super) fn collect_stitched(
+        &mut self,
+        device: &dyn crate::device::Device,
+        all: bool,
+    ) -> Result<()> {
+        if self.routing > 0 {
+            return Ok(());
+        }
+        let over_bytes = self.stitch.mapped_bytes > self.config.auto_gc_bytes;
+        let over_count = self.stitch.idle_count() > MAX_IDLE_STITCHED;
+        if !all && !over_bytes && !over_count {
+            return Ok(());
+        }
+        let mut victims = Vec::new();
+        let mut mapped = self.stitch.mapped_bytes;
+        let mut idle = self.stitch.idle_count();
+        for id in self.stitch.idle_lru() {
+            if !all && mapped <= self.config.auto_gc_bytes && idle <= MAX_IDLE_STITCHED {
+                break;
+            }
+            mapped -= self.stitch.blocks[id].size;
+            idle -= 1;
+            victims.push(id);
+        }
+        if victims.is_empty() {
+            return Ok(());
+        }
+        // The ranges were last used on some stream whose work may still be queued.
+        device.synchronize_device()?;
+        self.stats.num_sync_all_streams += 1;
+        for id in victims {
+            let s = self.stitch.remove(id);
+            self.stats.stitch_collections += 1;
+            self.stats.stitched_blocks.add(-1);
+            self.stats.stitched_mapped_bytes.add(-(s.size as i64));
+            let zombie = Zombie {
+                unmaps: mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles)),
+                handles: Vec::new(),
+                reservation: Some((s.va, s.size)),
+            };
+            self.bury(device, zombie);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,196 @@
+//! Stream-ordered reuse: what happens to memory when it is freed. A block freed on stream S is
+//! reusable at once on S; a block also used on other streams (`record_stream`) waits for events
+//! recorded on them at free time; other streams get free memory only after the allocator has
+//! seen the owning stream's work complete. Frees that need events are held back while a
+//! capture may be underway (see `private`).
+
+use super::{Inner, Live, Target};
+use crate::device::{DevicePtr, Event, Stream};
+use crate::error::{Error, Result};
+
+/// A freed allocation waiting for events recorded on the extra streams that used it.
+#[derive(Debug)]
+pub(super) struct PendingFree {
+    pub(super) live: Live,
+    pub(super) events: Vec<Event>,
+}
+
+impl Inner {
+    /// Adds `stream` to the streams that use the allocation at `ptr`.
+    pub(super) fn record_stream(&mut self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+        let live = match self.live.get_mut(&ptr) {
+            Some(live) => live,
+            None => return Err(self.classify_unknown(ptr)),
+        };
+        if stream != live.stream && !live.extra_streams.contains(&stream) {
+            live.extra_streams.push(stream);
+        }
+        Ok(())
+    }
+
+    pub(super) fn free(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        let live = match self.live.remove(&ptr) {
+            Some(live) => live,
+            None => return Err(self.classify_unknown(ptr)),
+        };
+        self.stats.allocation.add(live.pool, -1);
+        self.stats
+            .allocated_bytes
+            .add(live.pool, -(live.size as i64));
+        self.stats
+            .requested_bytes
+            .add(live.pool, -(live.requested as i64));
+        if live.extra_streams.is_empty() {
+            let stream = live.stream;
+            self.finish_free(live, Some(stream));
+            return Ok(());
+        }
+        if self.routing > 0 {
+            // An event recorded on a capturing stream would become part of the graph.
+            self.set_target_pending(live.target);
+            self.deferred.push(live);
+            return Ok(());
+        }
+        self.free_after_events(device, live)
+    }
+
+    /// Frees an allocation used on extra streams: its memory waits for events recorded on them.
+    pub(super) fn free_after_events(
+        &mut self,
+        device: &dyn crate::device::Device,
+        live: Live,
+    ) -> Result<()> {
+        let mut events = Vec::with_capacity(live.extra_streams.len());
+        for &stream in &live.extra_streams {
+            let event = match self.idle_events.pop() {
+                Some(event) => event,
+                None => match device.create_event() {
+                    Ok(event) => event,
+                    Err(err) => {
+                        self.pending.push(PendingFree { live, events });
+                        return self.fail_pending(device, err);
+                    }
+                },
+            };
+            if let Err(err) = device.record_event(event, stream) {
+                self.idle_events.push(event);
+                self.pending.push(PendingFree { live, events });
+                return self.fail_pending(device, err);
+            }
+            events.push(event);
+        }
+        self.set_target_pending(live.target);
+        self.pending.push(PendingFree { live, events });
+        Ok(())
+    }
+
+    /// A free whose events could not be recorded: wait for the device instead, so the memory is
+    /// neither lost nor reused early, and report the error.
+    fn fail_pending(&mut self, device: &dyn crate::device::Device, err: Error) -> Result<()> {
+        if let Some(pending) = self.pending.last() {
+            self.set_target_pending(pending.live.target);
+        }
+        if device.synchronize_device().is_ok() {
+            if let Some(pending) = self.pending.pop() {
+                self.idle_events.extend(pending.events);
+                self.finish_free(pending.live, None);
+            }
+        }
+        Err(err.context("recording a stream event for a free"))
+    }
+
+    fn set_target_pending(&mut self, target: Target) {
+        match target {
+            Target::Block(id) => self.map.set_pending(id),
+            Target::Stitched(id) => {
+                if let Some(ids) = self.stitch_blocks.blocks.get(&id) {
+                    for &b in ids {
+                        self.map.set_pending(b);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Returns the memory of a freed allocation to the free sets, owned by `owner`.
+    pub(super) fn finish_free(&mut self, live: Live, owner: Option<Stream>) {
+        match live.target {
+            Target::Block(id) => {
+                self.map.release(id, owner);
+            }
+            Target::Stitched(id) => {
+                for b in self.stitch_blocks.blocks.remove(&id).unwrap_or_default() {
+                    self.map.release(b, owner);
+                }
+                self.stitch.park(id);
+            }
+        }
+        self.stats.active.add(live.pool, -1);
+        self.stats.active_bytes.add(live.pool, -(live.size as i64));
+        self.sync_split_stats();
+    }
+
+    /// Completes pending frees whose events have all completed.
+    pub(super) fn process_pending(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        if self.routing > 0 {
+            return Ok(());
+        }
+        let mut index = 0;
+        while index < self.pending.len() {
+            let mut done = true;
+            for &event in &self.pending[index].events {
+                if !device.query_event(event)? {
+                    done = false;
+                    break;
+                }
+            }
+            if done {
+                let pending = self.pending.swap_remove(index);
+                self.idle_events.extend(pending.events);
+                let stream = pending.live.stream;
+                self.finish_free(pending.live, Some(stream));
+            } else {
+                index += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the free memory of other streams usable by `stream`, by waiting for the device
+    /// when another stream owns free memory or frees are pending.
+    pub(super) fn reclaim_other_streams(
+        &mut self,
+        device: &dyn crate::device::Device,
+        stream: Stream,
+    ) -> Result<()> {
+        if self.routing > 0 {
+            return Ok(());
+        }
+        self.process_pending(device)?;
+        let others = self.map.owning_streams().iter().any(|&s| s != stream);
+        if others || !self.pending.is_empty() {
+            self.synchronize_all(device)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for all work on the device, then makes all free memory unowned and completes all
+    /// pending frees. A device-wide wait also covers streams the caller has destroyed since.
+    pub(super) fn synchronize_all(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        device.synchronize_device()?;
+        self.stats.num_sync_all_streams += 1;
+        for stream in self.map.owning_streams() {
+            self.map.disown(stream);
+        }
+        for pending in std::mem::take(&mut self.pending) {
+            self.idle_events.extend(pending.events);
+            self.finish_free(pending.live, None);
+        }
+        self.sync_split_stats();
+        Ok(())
+    }
+}

@@ -70,7 +70,11 @@ fn run(device: &SharedDevice, config: Config, label: &str) -> glake::Result<()> 
 
 fn main() {
     glake::init_logging();
-    let device = match device::open(BackendChoice::Auto, 0) {
+    let device = match device::open(
+        BackendChoice::Auto,
+        0,
+        glake::config::host_options_from_env(),
+    ) {
         Ok(device) => device,
         Err(err) => {
             eprintln!("no device: {err}");

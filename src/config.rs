@@ -171,6 +171,19 @@ pub fn env_bytes(name: &str) -> Option<usize> {
     }
 }
 
+/// Settings of the host backend: the defaults, overridden by `GLAKE_HOST_MEMORY` (bytes, or with
+/// a K/M/G/T suffix) and `GLAKE_HOST_DEVICES` (at least 1).
+pub fn host_options_from_env() -> crate::device::host::HostOptions {
+    let mut options = crate::device::host::HostOptions::default();
+    if let Some(bytes) = env_bytes("GLAKE_HOST_MEMORY") {
+        options.total_memory = bytes;
+    }
+    if let Some(count) = env_bytes("GLAKE_HOST_DEVICES") {
+        options.device_count = count.max(1);
+    }
+    options
+}
+
 fn parse_bool(text: &str) -> Option<bool> {
     match text.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "on" | "yes" => Some(true),

@@ -1,7 +1,8 @@
 //! Environment variables, GMLake's names and the tutorial's spellings. One test function, since
 //! the environment is shared by the whole process.
 
-use glake::config::{Config, DefragLevel};
+use glake::config::{host_options_from_env, Config, DefragLevel};
+use glake::device::host::HostOptions;
 
 const ALL_NAMES: &[&str] = &[
     "GLAKE_STITCH",
@@ -19,6 +20,8 @@ const ALL_NAMES: &[&str] = &[
     "auto_gc_limits",
     "GLAKE_MEMORY_FRACTION",
     "GLAKE_MEMORY_LIMIT",
+    "GLAKE_HOST_MEMORY",
+    "GLAKE_HOST_DEVICES",
 ];
 
 fn clear() {
@@ -84,5 +87,18 @@ fn environment_names_and_aliases() {
     assert_eq!(Config::from_env().memory_limit, Some(12 << 30));
     set("GLAKE_MEMORY_LIMIT", "0");
     assert_eq!(Config::from_env().memory_limit, None);
+    clear();
+
+    // The host backend's settings.
+    assert_eq!(host_options_from_env(), HostOptions::default());
+    set("GLAKE_HOST_MEMORY", "1G");
+    set("GLAKE_HOST_DEVICES", "4");
+    let host = host_options_from_env();
+    assert_eq!((host.total_memory, host.device_count), (1 << 30, 4));
+    set("GLAKE_HOST_MEMORY", "lots");
+    set("GLAKE_HOST_DEVICES", "0");
+    let host = host_options_from_env();
+    assert_eq!(host.total_memory, HostOptions::default().total_memory);
+    assert_eq!(host.device_count, 1);
     clear();
 }

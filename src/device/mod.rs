@@ -209,22 +209,17 @@ pub enum BackendChoice {
     Cuda,
 }
 
-/// Opens device `ordinal` of the chosen backend.
-pub fn open(choice: BackendChoice, ordinal: i32) -> Result<SharedDevice> {
+/// Opens device `ordinal` of the chosen backend; `host` sets up the host backend when that is
+/// the one opened.
+pub fn open(choice: BackendChoice, ordinal: i32, host: host::HostOptions) -> Result<SharedDevice> {
     match choice {
-        BackendChoice::Host => Ok(host::HostDevice::shared(
-            ordinal,
-            host::HostOptions::from_env(),
-        )?),
+        BackendChoice::Host => Ok(host::HostDevice::shared(ordinal, host)?),
         BackendChoice::Cuda => Ok(Arc::new(cuda::CudaDevice::open(ordinal)?)),
         BackendChoice::Auto => match cuda::CudaDevice::open(ordinal) {
             Ok(device) => Ok(Arc::new(device)),
             Err(err) => {
                 log::info!("no usable CUDA device ({err}); using the host backend");
-                Ok(host::HostDevice::shared(
-                    ordinal,
-                    host::HostOptions::from_env(),
-                )?)
+                Ok(host::HostDevice::shared(ordinal, host)?)
             }
         },
     }

@@ -6,7 +6,7 @@ use bitflags::bitflags;
 use static_assertions::{assert_eq_size, const_assert_eq};
 
 use super::{glake_status, guard, handles, Failure};
-use crate::config::{Config, DefragLevel};
+use crate::config::{host_options_from_env, Config, DefragLevel};
 use crate::device::{self, BackendChoice, BackendKind, Stream};
 use crate::stats::{MemoryStats, Stat, StatArray};
 
@@ -256,7 +256,7 @@ pub unsafe extern "C" fn glake_pool_create(
         let raw = unsafe { config.read() };
         let (config, backend, ordinal) = raw.to_config()?;
         let flags = ConfigFlags::from_bits_truncate(raw.flags);
-        let mut device = device::open(backend, ordinal)?;
+        let mut device = device::open(backend, ordinal, host_options_from_env())?;
         let mut fault = None;
         if flags.contains(ConfigFlags::FAULT_INJECTION) {
             let wrapped = std::sync::Arc::new(device::fault::FaultDevice::new(device));

@@ -64,7 +64,7 @@ pub fn pool(device: i32) -> Result<&'static Arc<Pool>> {
         return Ok(pool);
     }
     let pool = Arc::new(Pool::new(
-        device::open(backend(), device)?,
+        device::open(backend(), device, glake::config::host_options_from_env())?,
         Config::from_env(),
     )?);
     for (other, existing) in all() {

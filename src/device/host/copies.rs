@@ -1,0 +1,131 @@
+//! Copies of the host backend (host to device, device to host, device to device), checked
+//! against the mappings and queued on a stream, and the page-aligned host buffers that stand in
+//! for pinned memory.
+
+use super::memory::Memory;
+use super::streams::Op;
+use super::{lock, HostDevice};
+use crate::device::{DevicePtr, Stream};
+use crate::error::{Error, Result};
+
+impl HostDevice {
+    /// [`Device::copy_to_device`](crate::device::Device::copy_to_device). Like CUDA's copies
+    /// from pageable memory, the source is staged before the call returns, so the caller may
+    /// reuse it at once.
+    ///
+    /// # Safety
+    /// As for the trait call: `src` must be valid for `len` bytes (this backend reads them
+    /// before returning).
+    pub(super) unsafe fn copy_host_to_device(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        if src.is_null() || !lock(&self.memory).accessible(dst, len) {
+            return Err(Error::invalid_argument(format!(
+                "copy_to_device: {dst:#x}+{len} is not accessible device memory"
+            )));
+        }
+        // SAFETY: the caller guarantees `src` is valid for `len` bytes during this call.
+        let data = unsafe { std::slice::from_raw_parts(src, len) }.to_vec();
+        self.enqueue(
+            stream,
+            Op::Upload {
+                dst: dst as usize,
+                data,
+            },
+        )
+    }
+
+    /// [`Device::copy_to_host`](crate::device::Device::copy_to_host). Like CUDA's copies into
+    /// pageable memory, the call returns once the bytes have landed.
+    ///
+    /// # Safety
+    /// As for the trait call: `dst` must be valid for `len` bytes (this backend writes them
+    /// before returning).
+    pub(super) unsafe fn copy_device_to_host(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        if dst.is_null() || !lock(&self.memory).accessible(src, len) {
+            return Err(Error::invalid_argument(format!(
+                "copy_to_host: {src:#x}+{len} is not accessible device memory"
+            )));
+        }
+        self.enqueue(
+            stream,
+            Op::Copy {
+                dst: dst as usize,
+                src: src as usize,
+                len,
+            },
+        )?;
+        self.wait_for_stream(stream)
+    }
+
+    /// [`Device::copy_device`](crate::device::Device::copy_device).
+    pub(super) fn copy_device_to_device(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        {
+            let memory = lock(&self.memory);
+            if !memory.accessible(dst, len) || !memory.accessible(src, len) {
+                return Err(Error::invalid_argument(format!(
+                    "copy_device: {src:#x} -> {dst:#x} ({len} bytes) is not accessible"
+                )));
+            }
+        }
+        self.enqueue(
+            stream,
+            Op::Copy {
+                dst: dst as usize,
+                src: src as usize,
+                len,
+            },
+        )
+    }
+
+    /// [`Device::alloc_pinned`](crate::device::Device::alloc_pinned).
+    pub(super) fn alloc_host_pinned(&self, size: usize) -> Result<*mut u8> {
+        let layout = std::alloc::Layout::from_size_align(size.max(1), 4096)
+            .map_err(|e| Error::invalid_argument(format!("alloc_pinned({size}): {e}")))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            return Err(Error::out_of_memory(format!("alloc_pinned({size})")));
+        }
+        lock(&self.memory).pinned.insert(ptr as usize, layout);
+        Ok(ptr)
+    }
+
+    /// [`Device::free_pinned`](crate::device::Device::free_pinned).
+    ///
+    /// # Safety
+    /// `ptr` must come from [`HostDevice::alloc_host_pinned`] and not be in use.
+    pub(super) unsafe fn free_host_pinned(&self, ptr: *mut u8) -> Result<()> {
+        let layout = lock(&self.memory)
+            .pinned
+            .remove(&(ptr as usize))
+            .ok_or_else(|| Error::invalid_argument(format!("free_pinned: unknown {ptr:?}")))?;
+        // SAFETY: allocated by alloc_pinned with this layout, and the caller no longer uses it.
+        unsafe { std::alloc::dealloc(ptr, layout) };
+        Ok(())
+    }
+}
+
+/// Frees every pinned buffer still handed out, when the device goes away.
+pub(super) fn free_all_pinned(memory: &Memory) {
+    for (&ptr, &layout) in memory.pinned.iter() {
+        // SAFETY: allocated with this layout by alloc_pinned.
+        unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+    }
+}

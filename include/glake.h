@@ -103,6 +103,8 @@ enum glake_driver_call
   GLAKE_CALL_COPY = 17,
   GLAKE_CALL_PINNED = 18,
   GLAKE_CALL_MEM_INFO = 19,
+  GLAKE_CALL_HOST_REGISTER = 20,
+  GLAKE_CALL_HOST_QUERY = 21,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

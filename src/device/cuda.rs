@@ -17,7 +17,9 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
 
-use super::{BackendKind, CaptureMode, Device, DevicePtr, Event, MemInfo, PhysHandle, Stream};
+use super::{
+    BackendKind, CaptureMode, Device, DevicePtr, Event, HostMemory, MemInfo, PhysHandle, Stream,
+};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Oldest driver accepted: CUDA 11.2, the first with a stable virtual memory management API.
@@ -25,7 +27,7 @@ const MIN_DRIVER_VERSION: i32 = 11020;
 
 /// Every driver symbol this file calls, spelled as the `cudarc::driver::sys` wrappers load them.
 /// Checked up front because a missing one would make the wrapper panic.
-const REQUIRED_SYMBOLS: [&str; 36] = [
+const REQUIRED_SYMBOLS: [&str; 39] = [
     "cuInit",
     "cuDriverGetVersion",
     "cuGetErrorName",
@@ -61,6 +63,9 @@ const REQUIRED_SYMBOLS: [&str; 36] = [
     "cuMemcpyDtoDAsync_v2",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuPointerGetAttribute",
     "cuThreadExchangeStreamCaptureMode",
 ];
 
@@ -727,6 +732,69 @@ impl Device for CudaDevice {
             unsafe { sys::cuMemFreeHost(ptr.cast::<c_void>()) },
             "cuMemFreeHost",
         )
+    }
+    unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        let _guard = self.enter()?;
+        // SAFETY: the caller guarantees the range stays valid until it is unregistered.
+        check(
+            unsafe {
+                sys::cuMemHostRegister_v2(
+                    ptr.cast::<c_void>(),
+                    len,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                )
+            },
+            "cuMemHostRegister",
+        )
+        .map_err(|e| e.context(format!("page-locking {len} bytes at {ptr:?}")))
+    }
+
+    unsafe fn unregister_host(&self, ptr: *mut u8) -> Result<()> {
+        let _guard = self.enter()?;
+        // SAFETY: the caller guarantees no queued copy uses the range any more.
+        check(
+            unsafe { sys::cuMemHostUnregister(ptr.cast::<c_void>()) },
+            "cuMemHostUnregister",
+        )
+    }
+
+    fn host_memory(&self, ptr: *const u8, len: usize) -> Result<HostMemory> {
+        if ptr.is_null() {
+            return Err(Error::new(ErrorKind::NullPointer, "host pointer is NULL"));
+        }
+        let _guard = self.enter()?;
+        let last = (ptr as u64).saturating_add(len.saturating_sub(1) as u64);
+        for at in [ptr as u64, last] {
+            let mut kind: u32 = 0;
+            // SAFETY: `kind` is a valid out-pointer of the attribute's size; the driver only
+            // looks the address up. Pageable memory is unknown to it: an error, not UB.
+            let status = unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut kind as *mut u32).cast::<c_void>(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                    at,
+                )
+            };
+            if status != sys::CUresult::CUDA_SUCCESS
+                || kind != sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+            {
+                return Ok(HostMemory::Pageable);
+            }
+        }
+        Ok(HostMemory::Pinned)
+    }
+
+    fn numa_node(&self) -> Option<u32> {
+        let mut node = -1;
+        // SAFETY: valid out-pointer; an attribute the driver does not know is an error, not UB.
+        let status = unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut node,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
+                self.device,
+            )
+        };
+        (status == sys::CUresult::CUDA_SUCCESS && node >= 0).then_some(node as u32)
     }
 }
 

@@ -3,7 +3,7 @@
 //! the forwarding of each [`Device`] method is written once.
 
 use super::{
-    BackendKind, CallKind, CaptureMode, Device, DevicePtr, Event, MemInfo, PhysHandle,
+    BackendKind, CallKind, CaptureMode, Device, DevicePtr, Event, HostMemory, MemInfo, PhysHandle,
     SharedDevice, Stream,
 };
 use crate::error::Result;
@@ -177,5 +177,24 @@ impl<I: Interposer> Device for Interposed<I> {
         // SAFETY: forwarded under the caller's contract.
         self.hook
             .around(CallKind::Pinned, || unsafe { self.inner.free_pinned(ptr) })
+    }
+    unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: forwarded under the caller's contract.
+        self.hook.around(CallKind::HostRegister, || unsafe {
+            self.inner.register_host(ptr, len)
+        })
+    }
+    unsafe fn unregister_host(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: forwarded under the caller's contract.
+        self.hook.around(CallKind::HostRegister, || unsafe {
+            self.inner.unregister_host(ptr)
+        })
+    }
+    fn host_memory(&self, ptr: *const u8, len: usize) -> Result<HostMemory> {
+        self.hook
+            .around(CallKind::HostQuery, || self.inner.host_memory(ptr, len))
+    }
+    fn numa_node(&self) -> Option<u32> {
+        self.inner.numa_node()
     }
 }

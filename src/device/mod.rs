@@ -80,10 +80,12 @@ pub enum CallKind {
     Copy,
     Pinned,
     MemInfo,
+    HostRegister,
+    HostQuery,
 }
 
 impl CallKind {
-    pub const ALL: [CallKind; 20] = [
+    pub const ALL: [CallKind; 22] = [
         CallKind::Reserve,
         CallKind::Unreserve,
         CallKind::CreatePhysical,
@@ -104,7 +106,18 @@ impl CallKind {
         CallKind::Copy,
         CallKind::Pinned,
         CallKind::MemInfo,
+        CallKind::HostRegister,
+        CallKind::HostQuery,
     ];
+}
+
+/// Whether host memory is page-locked for the devices' DMA engines (allocated pinned or
+/// registered, by anyone in the process) or pageable (the driver stages it through buffers of its
+/// own, at a fraction of the link's speed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HostMemory {
+    Pinned,
+    Pageable,
 }
 
 /// How a thread's driver calls interact with stream captures under way (CUDA's
@@ -195,6 +208,25 @@ pub trait Device: Send + Sync {
     /// # Safety
     /// `ptr` must come from [`Device::alloc_pinned`] of this backend and not be in use.
     unsafe fn free_pinned(&self, ptr: *mut u8) -> Result<()>;
+
+    /// Page-locks `len` bytes of existing host memory at `ptr` for every device (CUDA's
+    /// `cuMemHostRegister`). Slow (it pins page by page): for long-lived buffers only.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for `len` bytes until [`Device::unregister_host`].
+    unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()>;
+    /// Undoes [`Device::register_host`] of the range starting at `ptr`.
+    ///
+    /// # Safety
+    /// No queued copy may still use the range.
+    unsafe fn unregister_host(&self, ptr: *mut u8) -> Result<()>;
+    /// Whether `[ptr, ptr+len)` is page-locked host memory (its first and last byte are), or
+    /// pageable. Any pointer may be asked about; nothing is dereferenced.
+    fn host_memory(&self, ptr: *const u8, len: usize) -> Result<HostMemory>;
+    /// The NUMA node nearest the device's host link, where the platform says.
+    fn numa_node(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// A shared device handle.

@@ -70,10 +70,12 @@ pub enum glake_driver_call {
     GLAKE_CALL_COPY = 17,
     GLAKE_CALL_PINNED = 18,
     GLAKE_CALL_MEM_INFO = 19,
+    GLAKE_CALL_HOST_REGISTER = 20,
+    GLAKE_CALL_HOST_QUERY = 21,
 }
 
 const_assert_eq!(
-    glake_driver_call::GLAKE_CALL_MEM_INFO as usize + 1,
+    glake_driver_call::GLAKE_CALL_HOST_QUERY as usize + 1,
     device::CallKind::ALL.len()
 );
 

@@ -3,9 +3,10 @@
 //! for pinned memory.
 
 use super::memory::Memory;
+use super::process;
 use super::streams::Op;
 use super::{lock, HostDevice};
-use crate::device::{DevicePtr, Stream};
+use crate::device::{DevicePtr, HostMemory, Stream};
 use crate::error::{Error, Result};
 
 impl HostDevice {
@@ -27,6 +28,17 @@ impl HostDevice {
             return Err(Error::invalid_argument(format!(
                 "copy_to_device: {dst:#x}+{len} is not accessible device memory"
             )));
+        }
+        if process::host_memory(src as usize, len) == HostMemory::Pinned {
+            // Read when the stream gets there: the caller keeps it unchanged until then.
+            return self.enqueue(
+                stream,
+                Op::Copy {
+                    dst: dst as usize,
+                    src: src as usize,
+                    len,
+                },
+            );
         }
         // SAFETY: the caller guarantees `src` is valid for `len` bytes during this call.
         let data = unsafe { std::slice::from_raw_parts(src, len) }.to_vec();
@@ -65,6 +77,9 @@ impl HostDevice {
                 len,
             },
         )?;
+        if process::host_memory(dst as usize, len) == HostMemory::Pinned {
+            return Ok(());
+        }
         self.wait_for_stream(stream)
     }
 
@@ -78,7 +93,10 @@ impl HostDevice {
     ) -> Result<()> {
         {
             let memory = lock(&self.memory);
-            if !memory.accessible(dst, len) || !memory.accessible(src, len) {
+            let reachable = |va: DevicePtr| {
+                memory.accessible(va, len) || process::granted(va, len, self.ordinal)
+            };
+            if !reachable(dst) || !reachable(src) {
                 return Err(Error::invalid_argument(format!(
                     "copy_device: {src:#x} -> {dst:#x} ({len} bytes) is not accessible"
                 )));
@@ -103,6 +121,11 @@ impl HostDevice {
         if ptr.is_null() {
             return Err(Error::out_of_memory(format!("alloc_pinned({size})")));
         }
+        if let Err(err) = process::lock_pages(ptr as usize, layout.size(), false) {
+            // SAFETY: just allocated with this layout and never handed out.
+            unsafe { std::alloc::dealloc(ptr, layout) };
+            return Err(err);
+        }
         lock(&self.memory).pinned.insert(ptr as usize, layout);
         Ok(ptr)
     }
@@ -116,6 +139,7 @@ impl HostDevice {
             .pinned
             .remove(&(ptr as usize))
             .ok_or_else(|| Error::invalid_argument(format!("free_pinned: unknown {ptr:?}")))?;
+        let _ = process::unlock_pages(ptr as usize, false);
         // SAFETY: allocated by alloc_pinned with this layout, and the caller no longer uses it.
         unsafe { std::alloc::dealloc(ptr, layout) };
         Ok(())
@@ -125,6 +149,7 @@ impl HostDevice {
 /// Frees every pinned buffer still handed out, when the device goes away.
 pub(super) fn free_all_pinned(memory: &Memory) {
     for (&ptr, &layout) in memory.pinned.iter() {
+        let _ = process::unlock_pages(ptr, false);
         // SAFETY: allocated with this layout by alloc_pinned.
         unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
     }

@@ -422,6 +422,7 @@ impl HostDevice {
         if raw == libc::MAP_FAILED {
             return Err(os_error("mmap(unmap)"));
         }
+        super::process::revoke(va, size);
         for (addr, mapping) in covered {
             memory.mappings.remove(&addr);
             if let Some(chunk) = memory.chunks.get_mut(&mapping.handle.0) {
@@ -478,6 +479,7 @@ impl HostDevice {
                 m.accessible = true;
             }
         }
+        super::process::grant(va, size, devices);
         Ok(())
     }
 }

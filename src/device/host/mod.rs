@@ -12,6 +12,7 @@
 
 mod copies;
 mod memory;
+mod process;
 mod streams;
 
 use std::collections::HashMap;
@@ -20,7 +21,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use self::memory::Memory;
 use self::streams::{Events, HostStream};
-use super::{BackendKind, Device, DevicePtr, Event, MemInfo, PhysHandle, SharedDevice, Stream};
+use super::{
+    BackendKind, Device, DevicePtr, Event, HostMemory, MemInfo, PhysHandle, SharedDevice, Stream,
+};
 use crate::error::{Error, ErrorKind, Result};
 
 const MIB: usize = 1 << 20;
@@ -91,7 +94,7 @@ impl HostDevice {
             memfd,
             memory: Mutex::new(Memory::new(options.total_memory)),
             streams: Mutex::new(HashMap::new()),
-            events: Arc::new(Events::default()),
+            events: Events::global(),
             next_id: AtomicU64::new(1),
         };
         device.start_stream(Stream::DEFAULT.0)?;
@@ -215,7 +218,8 @@ impl Device for HostDevice {
     }
 
     /// Like CUDA's copies from pageable memory, the source is staged before the call returns,
-    /// so the caller may reuse it at once.
+    /// so the caller may reuse it at once; page-locked sources are read when the stream gets
+    /// there, as a DMA engine would.
     unsafe fn copy_to_device(
         &self,
         dst: DevicePtr,
@@ -227,7 +231,8 @@ impl Device for HostDevice {
         unsafe { self.copy_host_to_device(dst, src, len, stream) }
     }
 
-    /// Like CUDA's copies into pageable memory, the call returns once the bytes have landed.
+    /// Like CUDA's copies into pageable memory, the call returns once the bytes have landed;
+    /// page-locked destinations are written when the stream gets there.
     unsafe fn copy_to_host(
         &self,
         dst: *mut u8,
@@ -256,6 +261,26 @@ impl Device for HostDevice {
     unsafe fn free_pinned(&self, ptr: *mut u8) -> Result<()> {
         // SAFETY: the caller keeps this call's contract, which is the inherent call's.
         unsafe { self.free_host_pinned(ptr) }
+    }
+
+    unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        if ptr.is_null() || len == 0 {
+            return Err(Error::invalid_argument(format!(
+                "register_host: {ptr:?}+{len} is not a host range"
+            )));
+        }
+        process::lock_pages(ptr as usize, len, true)
+    }
+
+    unsafe fn unregister_host(&self, ptr: *mut u8) -> Result<()> {
+        process::unlock_pages(ptr as usize, true).map(|_| ())
+    }
+
+    fn host_memory(&self, ptr: *const u8, len: usize) -> Result<HostMemory> {
+        if ptr.is_null() {
+            return Err(Error::new(ErrorKind::NullPointer, "host pointer is NULL"));
+        }
+        Ok(process::host_memory(ptr as usize, len))
     }
 }
 

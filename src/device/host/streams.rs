@@ -2,8 +2,8 @@
 //! in order, and an event completes when a worker reaches the point where it was recorded.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use super::{lock, HostDevice};
@@ -69,7 +69,8 @@ struct EventState {
     completed: u64,
 }
 
-/// Every event of a device: how many times each was recorded and how far the workers got.
+/// Every event of the process's host devices (a stream may wait for another device's event,
+/// as with CUDA): how many times each was recorded and how far the workers got.
 #[derive(Default)]
 pub(super) struct Events {
     states: Mutex<HashMap<u64, EventState>>,
@@ -77,6 +78,12 @@ pub(super) struct Events {
 }
 
 impl Events {
+    /// The events of the process, shared by all host devices.
+    pub(super) fn global() -> Arc<Events> {
+        static EVENTS: OnceLock<Arc<Events>> = OnceLock::new();
+        EVENTS.get_or_init(|| Arc::new(Events::default())).clone()
+    }
+
     fn complete(&self, event: u64, generation: u64) {
         let mut states = lock(&self.states);
         if let Some(state) = states.get_mut(&event) {
@@ -221,7 +228,9 @@ impl HostDevice {
 
     /// [`Device::create_event`](crate::device::Device::create_event).
     pub(super) fn add_event(&self) -> Result<Event> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        // Unique in the process: events are shared by all host devices.
+        static NEXT_EVENT: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT_EVENT.fetch_add(1, Ordering::Relaxed);
         lock(&self.events.states).insert(id, EventState::default());
         Ok(Event(id))
     }

@@ -312,6 +312,139 @@ impl Config {
     }
 }
 
+/// Settings of a copy engine ([`crate::transfer::Engine`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransferConfig {
+    /// Lanes (threads with their own staging) of the target's own link. Pageable copies are
+    /// bound by how fast threads copy host memory, so this sets their speed.
+    pub lanes: usize,
+    /// Lanes of each relay through a peer.
+    pub relay_lanes: usize,
+    /// Staging slots per lane: chunks in flight at once.
+    pub slots: usize,
+    /// Bytes of each slot (the largest chunk).
+    pub chunk: usize,
+    /// The smallest chunk a copy is cut into.
+    pub min_chunk: usize,
+    /// Most peers to relay through (0: the target's own link only).
+    pub max_peers: usize,
+    /// Measure each path's bandwidth when the engine starts (with relays only).
+    pub measure: bool,
+    pub policy: crate::transfer::Policy,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        TransferConfig {
+            lanes: (cpus / 2).clamp(1, 16),
+            relay_lanes: (cpus / 4).clamp(1, 8),
+            slots: 2,
+            chunk: 8 * MIB,
+            min_chunk: 512 << 10,
+            max_peers: 8,
+            measure: true,
+            policy: crate::transfer::Policy::default(),
+        }
+    }
+}
+
+const COPY_LANES: Var = Var {
+    names: &["GLAKE_COPY_LANES"],
+};
+const COPY_RELAY_LANES: Var = Var {
+    names: &["GLAKE_COPY_RELAY_LANES"],
+};
+const COPY_SLOTS: Var = Var {
+    names: &["GLAKE_COPY_SLOTS"],
+};
+const COPY_CHUNK: Var = Var {
+    names: &["GLAKE_COPY_CHUNK"],
+};
+const COPY_PEERS: Var = Var {
+    names: &["GLAKE_COPY_PEERS"],
+};
+const COPY_MIN_PAGEABLE: Var = Var {
+    names: &["GLAKE_COPY_MIN_PAGEABLE"],
+};
+const COPY_MIN_RELAY: Var = Var {
+    names: &["GLAKE_COPY_MIN_RELAY"],
+};
+
+/// Sets `field` from a count variable (at least `min`), warning on a bad value.
+fn apply_count(var: &Var, min: usize, field: &mut usize) {
+    if let Some((name, value)) = var.lookup() {
+        match value.trim().parse::<usize>() {
+            Ok(n) if n >= min => *field = n,
+            _ => warn_bad_value(name, &value, &field.to_string()),
+        }
+    }
+}
+
+/// Sets `field` from a byte-count variable (at least `min`), warning on a bad value.
+fn apply_size(var: &Var, min: usize, field: &mut usize) {
+    if let Some((name, value)) = var.lookup() {
+        match parse_bytes(&value) {
+            Some(n) if n >= min => *field = n,
+            _ => warn_bad_value(name, &value, &field.to_string()),
+        }
+    }
+}
+
+impl TransferConfig {
+    /// Defaults with every `GLAKE_COPY_*` variable applied.
+    pub fn from_env() -> Self {
+        let mut config = TransferConfig::default();
+        config.apply_env();
+        config
+    }
+
+    /// Overrides fields with the `GLAKE_COPY_*` variables that are set.
+    pub fn apply_env(&mut self) {
+        apply_count(&COPY_LANES, 1, &mut self.lanes);
+        apply_count(&COPY_RELAY_LANES, 1, &mut self.relay_lanes);
+        apply_count(&COPY_SLOTS, 1, &mut self.slots);
+        apply_size(&COPY_CHUNK, 64 << 10, &mut self.chunk);
+        apply_count(&COPY_PEERS, 0, &mut self.max_peers);
+        apply_size(&COPY_MIN_PAGEABLE, 0, &mut self.policy.min_pageable);
+        apply_size(&COPY_MIN_RELAY, 0, &mut self.policy.min_relay);
+        self.min_chunk = self.min_chunk.min(self.chunk);
+    }
+
+    /// Checks values a program set directly.
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |what: String| Err(crate::Error::invalid_argument(what));
+        if self.lanes == 0 || self.lanes > 256 {
+            return bad(format!("lanes {} must be in 1..=256", self.lanes));
+        }
+        if self.relay_lanes == 0 || self.relay_lanes > 256 {
+            return bad(format!(
+                "relay_lanes {} must be in 1..=256",
+                self.relay_lanes
+            ));
+        }
+        if self.slots == 0 || self.slots > 64 {
+            return bad(format!("slots {} must be in 1..=64", self.slots));
+        }
+        if self.chunk < 4096 || self.chunk > 1 << 30 {
+            return bad(format!("chunk {} must be in 4 KiB..=1 GiB", self.chunk));
+        }
+        if self.min_chunk == 0 || self.min_chunk > self.chunk {
+            return bad(format!(
+                "min_chunk {} must be in 1..=chunk ({})",
+                self.min_chunk, self.chunk
+            ));
+        }
+        if !(self.policy.min_share.is_finite() && (0.0..=1.0).contains(&self.policy.min_share)) {
+            return bad(format!(
+                "policy.min_share {} must be in [0, 1]",
+                self.policy.min_share
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

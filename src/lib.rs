@@ -1,8 +1,8 @@
 //! GLake: a caching GPU allocator on CUDA virtual memory management that stitches free
 //! fragments into contiguous virtual ranges instead of reserving more memory.
 //!
-//! Layers, top to bottom: [`ffi`] (C API) -> [`pool`], [`stitch`], [`stats`], [`config`]
-//! -> [`device`] (the only seam that touches a driver).
+//! Layers, top to bottom: [`ffi`] (C API) -> [`pool`], [`stitch`], [`transfer`], [`stats`],
+//! [`config`] -> [`device`] (the only seam that touches a driver).
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod config;
@@ -12,8 +12,9 @@ pub mod ffi;
 pub mod pool;
 pub mod stats;
 pub mod stitch;
+pub mod transfer;
 
-pub use config::Config;
+pub use config::{Config, TransferConfig};
 pub use device::{BackendChoice, Stream};
 pub use error::{Error, ErrorKind, Result};
 pub use pool::Pool;

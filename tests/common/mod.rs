@@ -35,7 +35,7 @@ pub fn host_device(total: usize) -> Arc<HostDevice> {
     )
 }
 
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {

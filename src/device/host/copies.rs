@@ -146,6 +146,13 @@ impl HostDevice {
     }
 }
 
+impl HostDevice {
+    /// Pinned buffers handed out and not freed (leak checks in tests).
+    pub fn live_pinned(&self) -> usize {
+        lock(&self.memory).pinned.len()
+    }
+}
+
 /// Frees every pinned buffer still handed out, when the device goes away.
 pub(super) fn free_all_pinned(memory: &Memory) {
     for (&ptr, &layout) in memory.pinned.iter() {

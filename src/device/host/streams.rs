@@ -226,6 +226,11 @@ impl HostDevice {
         Ok(())
     }
 
+    /// Streams created and not destroyed, the default stream included (leak checks in tests).
+    pub fn live_streams(&self) -> usize {
+        lock(&self.streams).len()
+    }
+
     /// [`Device::create_event`](crate::device::Device::create_event).
     pub(super) fn add_event(&self) -> Result<Event> {
         // Unique in the process: events are shared by all host devices.

@@ -1,0 +1,97 @@
+//! One copy as the lanes see it: what to move, the cursor its chunks come from, the events that
+//! order it against the caller's stream, and how the lanes report back.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
+
+use super::plan::{Cursor, Direction};
+use crate::device::{DevicePtr, Event, HostMemory};
+use crate::error::Error;
+
+/// A copy handed to a set of lanes.
+pub struct Job {
+    pub direction: Direction,
+    pub host: HostMemory,
+    /// Start of the host side (read for host-to-device, written for device-to-host).
+    pub host_ptr: usize,
+    /// Start of the device side, on the target device.
+    pub device_ptr: DevicePtr,
+    pub cursor: Cursor,
+    /// Recorded on the caller's stream: device work of the copy waits for it.
+    pub start: Event,
+    /// One event per lane taking part, recorded after its last piece of work.
+    pub finals: Vec<Event>,
+    failed: AtomicBool,
+    error: Mutex<Option<Error>>,
+    remaining: Mutex<usize>,
+    finished: Condvar,
+}
+
+impl Job {
+    pub fn new(
+        direction: Direction,
+        host: HostMemory,
+        host_ptr: usize,
+        device_ptr: DevicePtr,
+        cursor: Cursor,
+        start: Event,
+        finals: Vec<Event>,
+    ) -> Self {
+        let lanes = finals.len();
+        Job {
+            direction,
+            host,
+            host_ptr,
+            device_ptr,
+            cursor,
+            start,
+            finals,
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+            remaining: Mutex::new(lanes),
+            finished: Condvar::new(),
+        }
+    }
+
+    /// Whether a lane has failed: the others stop taking chunks.
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Records a lane's failure (the first error is the one reported).
+    pub fn fail(&self, err: Error) {
+        self.failed.store(true, Ordering::Release);
+        let mut slot = lock(&self.error);
+        slot.get_or_insert(err);
+    }
+
+    /// A lane is done with this job (all its device work is queued, and for pageable
+    /// device-to-host copies its bytes have landed).
+    pub fn lane_done(&self) {
+        let mut remaining = lock(&self.remaining);
+        *remaining = remaining.saturating_sub(1);
+        if *remaining == 0 {
+            self.finished.notify_all();
+        }
+    }
+
+    /// Waits until every lane is done; the first error, if any.
+    pub fn wait(&self) -> Option<Error> {
+        let mut remaining = lock(&self.remaining);
+        while *remaining > 0 {
+            remaining = match self.finished.wait(remaining) {
+                Ok(guard) => guard,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+        }
+        drop(remaining);
+        lock(&self.error).take()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}

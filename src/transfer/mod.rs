@@ -1,0 +1,511 @@
+//! Multipath copies between host memory and one device (the target), faster than the driver's
+//! own calls: pageable host memory passes through pinned staging buffers that several lanes
+//! (threads, each with its own stream) fill and drain in parallel, and large copies also run
+//! through peer GPUs that have their own host link and reach the target over NVLink.
+//!
+//! - [`plan`]: routing policy and chunking, on sizes only (no device calls).
+//! - [`lanes`]: the worker threads and their staging slots.
+//! - [`staging`]: pinned host buffers and relay buffers on peers, made once.
+//! - [`topology`]: NUMA nodes and CPU binding.
+//!
+//! Ordering, as with `cuMemcpyAsync`: a copy starts after the work queued on the caller's
+//! stream before the call, and work queued on that stream after the call sees its result.
+//! A copy with pageable host memory returns once that memory is no longer needed (the source
+//! has been read, or the destination written); one with page-locked host memory may return
+//! earlier, and the caller keeps that memory unchanged (or unread) until the stream gets there.
+//! Blocking copies return when the data has arrived.
+
+pub mod job;
+pub mod lanes;
+pub mod plan;
+pub mod staging;
+pub mod topology;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::config::TransferConfig;
+use crate::device::{DevicePtr, Event, HostMemory, SharedDevice, Stream};
+use crate::error::{Error, ErrorKind, Result};
+use job::Job;
+use lanes::{LaneHandle, LaneSpec};
+pub use plan::{Direction, Path, Policy, Route};
+use staging::{DeviceBuffer, PinnedBuffer};
+
+/// When a copy call returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// Once the data has arrived.
+    Blocking,
+    /// Ordered on the caller's stream (see the module documentation for when host memory may
+    /// be reused).
+    StreamOrdered,
+}
+
+/// Counters of an engine, for reports and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    pub copies: u64,
+    pub bytes: u64,
+    /// Copies handed straight to the driver (small, or pinned with no relay worth it).
+    pub driver_copies: u64,
+    /// Bytes that went through the engine's lanes.
+    pub engine_bytes: u64,
+}
+
+/// Events made on demand per device and reused: the start and final events of copies.
+struct EventPool {
+    devices: HashMap<i32, SharedDevice>,
+    free: Mutex<HashMap<i32, Vec<Event>>>,
+}
+
+impl EventPool {
+    fn take(&self, device: i32) -> Result<Event> {
+        if let Some(event) = lock(&self.free).get_mut(&device).and_then(Vec::pop) {
+            return Ok(event);
+        }
+        self.device(device)?.create_event()
+    }
+
+    fn give(&self, device: i32, events: impl IntoIterator<Item = Event>) {
+        lock(&self.free).entry(device).or_default().extend(events);
+    }
+
+    fn device(&self, ordinal: i32) -> Result<&SharedDevice> {
+        self.devices
+            .get(&ordinal)
+            .ok_or_else(|| Error::internal(format!("no device {ordinal} in this engine")))
+    }
+}
+
+impl Drop for EventPool {
+    fn drop(&mut self) {
+        for (ordinal, events) in lock(&self.free).drain() {
+            if let Some(device) = self.devices.get(&ordinal) {
+                for event in events {
+                    let _ = device.destroy_event(event);
+                }
+            }
+        }
+    }
+}
+
+/// The copy engine of one target device.
+pub struct Engine {
+    target: SharedDevice,
+    config: TransferConfig,
+    paths: Vec<Path>,
+    /// Lanes of each path, in the order of `paths`.
+    lanes: Vec<Vec<LaneHandle>>,
+    events: EventPool,
+    /// Keeps the lanes' queues in one order per copy, so concurrent copies interleave whole.
+    dispatch: Mutex<()>,
+    stats: Mutex<TransferStats>,
+}
+
+impl Engine {
+    /// An engine copying to and from `target`, relaying through those of `peers` that can
+    /// reach it (and only when `config.max_peers` allows). Makes every lane, stream, event and
+    /// staging buffer now; measures each path's bandwidth when `config.measure` is set.
+    pub fn new(
+        target: SharedDevice,
+        peers: Vec<SharedDevice>,
+        config: TransferConfig,
+    ) -> Result<Engine> {
+        config.validate()?;
+        let mut relays = Vec::new();
+        for peer in peers {
+            if relays.len() >= config.max_peers || peer.ordinal() == target.ordinal() {
+                continue;
+            }
+            // The target reads and writes the relay buffers on the peer; the peer maps them.
+            match target.can_access_peer(peer.ordinal()) {
+                Ok(true) => relays.push(peer),
+                Ok(false) => log::info!(
+                    "glake: device {} cannot reach device {}; no relay through it",
+                    target.ordinal(),
+                    peer.ordinal()
+                ),
+                Err(err) => log::warn!("glake: peer check failed: {err}"),
+            }
+        }
+        let mut devices = HashMap::new();
+        devices.insert(target.ordinal(), target.clone());
+        for peer in &relays {
+            devices.insert(peer.ordinal(), peer.clone());
+        }
+        let events = EventPool {
+            devices,
+            free: Mutex::new(HashMap::new()),
+        };
+        let mut paths = vec![Path {
+            via: None,
+            gbps: 0.0,
+        }];
+        let mut lanes = vec![Vec::new()];
+        let target_cpus = topology::cpus_near(&target);
+        for i in 0..config.lanes {
+            let spec = LaneSpec {
+                target: target.clone(),
+                peer: None,
+                slots: config.slots,
+                chunk: config.chunk,
+                cpus: target_cpus.clone(),
+            };
+            lanes[0].push(LaneHandle::spawn(
+                spec,
+                format!("glake-copy-{}-{i}", target.ordinal()),
+            )?);
+        }
+        for peer in &relays {
+            let cpus = topology::cpus_near(peer);
+            let mut path_lanes = Vec::new();
+            for i in 0..config.relay_lanes {
+                let spec = LaneSpec {
+                    target: target.clone(),
+                    peer: Some(peer.clone()),
+                    slots: config.slots,
+                    chunk: config.chunk,
+                    cpus: cpus.clone(),
+                };
+                path_lanes.push(LaneHandle::spawn(
+                    spec,
+                    format!("glake-copy-{}-via{}-{i}", target.ordinal(), peer.ordinal()),
+                )?);
+            }
+            paths.push(Path {
+                via: Some(peer.ordinal()),
+                gbps: 0.0,
+            });
+            lanes.push(path_lanes);
+        }
+        let mut engine = Engine {
+            target,
+            config,
+            paths,
+            lanes,
+            events,
+            dispatch: Mutex::new(()),
+            stats: Mutex::new(TransferStats::default()),
+        };
+        if engine.config.measure && engine.paths.len() > 1 {
+            engine.measure()?;
+        }
+        Ok(engine)
+    }
+
+    pub fn target(&self) -> &SharedDevice {
+        &self.target
+    }
+
+    /// The paths and their measured bandwidths (0 until measured).
+    pub fn paths(&self) -> &[Path] {
+        &self.paths
+    }
+
+    pub fn config(&self) -> &TransferConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> TransferStats {
+        *lock(&self.stats)
+    }
+
+    /// Times a pinned host-to-device copy through each path alone and keeps the bandwidths,
+    /// which decide which relays take part in a copy.
+    pub fn measure(&mut self) -> Result<()> {
+        let len = self.config.chunk * 8;
+        let source = PinnedBuffer::new(&self.target, len)?;
+        let target_buffer = DeviceBuffer::new(&self.target, len, &[])?;
+        for path in 0..self.paths.len() {
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                let started = Instant::now();
+                // SAFETY: both buffers live until the blocking copy has returned.
+                unsafe {
+                    self.run_job(
+                        Direction::HostToDevice,
+                        HostMemory::Pinned,
+                        source.ptr() as usize,
+                        target_buffer.va(),
+                        len,
+                        Stream::DEFAULT,
+                        Completion::Blocking,
+                        &[path],
+                    )?
+                };
+                best = best.min(started.elapsed().as_secs_f64());
+            }
+            self.paths[path].gbps = len as f64 / best / 1e9;
+        }
+        log::info!(
+            "glake: copy paths of device {}: {:?}",
+            self.target.ordinal(),
+            self.paths
+        );
+        Ok(())
+    }
+
+    /// Copies `len` bytes from host memory at `src` to device memory at `dst` (on the target).
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes; for page-locked memory with
+    /// [`Completion::StreamOrdered`], until the stream has reached this copy.
+    pub unsafe fn copy_to_device(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: Stream,
+        completion: Completion,
+    ) -> Result<()> {
+        // SAFETY: forwarded under the caller's contract.
+        unsafe {
+            self.copy(
+                Direction::HostToDevice,
+                src as usize,
+                dst,
+                len,
+                stream,
+                completion,
+            )
+        }
+    }
+
+    /// Copies `len` bytes from device memory at `src` (on the target) to host memory at `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes; for page-locked memory with
+    /// [`Completion::StreamOrdered`], until the stream has reached this copy.
+    pub unsafe fn copy_to_host(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: Stream,
+        completion: Completion,
+    ) -> Result<()> {
+        // SAFETY: forwarded under the caller's contract.
+        unsafe {
+            self.copy(
+                Direction::DeviceToHost,
+                dst as usize,
+                src,
+                len,
+                stream,
+                completion,
+            )
+        }
+    }
+
+    /// The route a copy of `len` bytes with host memory of kind `host` takes.
+    pub fn route(&self, len: usize, host: HostMemory) -> Route {
+        plan::route(len, host, &self.paths, &self.config.policy)
+    }
+
+    /// # Safety
+    /// As for [`Engine::copy_to_device`] and [`Engine::copy_to_host`].
+    unsafe fn copy(
+        &self,
+        direction: Direction,
+        host_ptr: usize,
+        device_ptr: DevicePtr,
+        len: usize,
+        stream: Stream,
+        completion: Completion,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        if host_ptr == 0 {
+            return Err(Error::new(ErrorKind::NullPointer, "host pointer is NULL"));
+        }
+        if device_ptr == 0 {
+            return Err(Error::new(ErrorKind::NullPointer, "device pointer is NULL"));
+        }
+        if host_ptr.checked_add(len).is_none() || device_ptr.checked_add(len as u64).is_none() {
+            return Err(Error::invalid_argument(format!(
+                "a copy of {len} bytes runs past the end of the address space"
+            )));
+        }
+        let host = self.target.host_memory(host_ptr as *const u8, len)?;
+        let route = self.route(len, host);
+        {
+            let mut stats = lock(&self.stats);
+            stats.copies += 1;
+            stats.bytes += len as u64;
+            match &route {
+                Route::Driver => stats.driver_copies += 1,
+                Route::Engine(_) => stats.engine_bytes += len as u64,
+            }
+        }
+        match route {
+            // SAFETY: forwarded under the caller's contract.
+            Route::Driver => unsafe {
+                self.driver_copy(direction, host_ptr, device_ptr, len, stream, completion)
+            },
+            // SAFETY: forwarded under the caller's contract.
+            Route::Engine(paths) => unsafe {
+                self.run_job(
+                    direction, host, host_ptr, device_ptr, len, stream, completion, &paths,
+                )
+            },
+        }
+    }
+
+    /// One call of the driver on the caller's stream (its own semantics for pageable memory:
+    /// the call returns once host memory may be reused).
+    unsafe fn driver_copy(
+        &self,
+        direction: Direction,
+        host_ptr: usize,
+        device_ptr: DevicePtr,
+        len: usize,
+        stream: Stream,
+        completion: Completion,
+    ) -> Result<()> {
+        match direction {
+            // SAFETY: the caller keeps the host memory valid as the contract says.
+            Direction::HostToDevice => unsafe {
+                self.target
+                    .copy_to_device(device_ptr, host_ptr as *const u8, len, stream)?
+            },
+            // SAFETY: as above.
+            Direction::DeviceToHost => unsafe {
+                self.target
+                    .copy_to_host(host_ptr as *mut u8, device_ptr, len, stream)?
+            },
+        }
+        if completion == Completion::Blocking {
+            self.target.synchronize_stream(stream)?;
+        }
+        Ok(())
+    }
+
+    /// Runs a copy on the lanes of `paths` (pinned copies on the first lane of each path
+    /// only: with nothing to stage, more lanes would only queue more chunks on one link and
+    /// leave a longer tail) and orders it on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run_job(
+        &self,
+        direction: Direction,
+        host: HostMemory,
+        host_ptr: usize,
+        device_ptr: DevicePtr,
+        len: usize,
+        stream: Stream,
+        completion: Completion,
+        paths: &[usize],
+    ) -> Result<()> {
+        let staged = host == HostMemory::Pageable;
+        let chosen: Vec<&LaneHandle> = paths
+            .iter()
+            .filter_map(|&p| self.lanes.get(p))
+            .flat_map(|lanes| lanes.iter().take(if staged { usize::MAX } else { 1 }))
+            .collect();
+        if chosen.is_empty() {
+            return Err(Error::internal("a copy was routed to no lane"));
+        }
+        let target = self.target.ordinal();
+        let chunk = plan::chunk_size(
+            len,
+            chosen.len() * self.config.slots,
+            self.config.min_chunk,
+            self.config.chunk,
+        );
+        let start = self.events.take(target)?;
+        let mut finals = Vec::with_capacity(chosen.len());
+        let mut owners = Vec::with_capacity(chosen.len());
+        let mut setup = self.target.record_event(start, stream);
+        if setup.is_ok() {
+            for lane in &chosen {
+                let owner = if lane.ends_on_peer(direction) {
+                    lane.via().unwrap_or(target)
+                } else {
+                    target
+                };
+                match self.events.take(owner) {
+                    Ok(event) => {
+                        finals.push(event);
+                        owners.push(owner);
+                    }
+                    Err(err) => {
+                        setup = Err(err);
+                        break;
+                    }
+                }
+            }
+        }
+        if let Err(err) = setup {
+            self.events.give(target, [start]);
+            for (owner, event) in owners.into_iter().zip(finals) {
+                self.events.give(owner, [event]);
+            }
+            return Err(err.context("preparing a copy"));
+        }
+        let job = Arc::new(Job::new(
+            direction,
+            host,
+            host_ptr,
+            device_ptr,
+            plan::Cursor::new(len, chunk),
+            start,
+            finals.clone(),
+        ));
+        let mut sent = 0;
+        let mut failure = None;
+        {
+            let _order = lock(&self.dispatch);
+            for (index, lane) in chosen.iter().enumerate() {
+                match lane.send(job.clone(), index) {
+                    Ok(()) => sent += 1,
+                    Err(err) => {
+                        failure = Some(err);
+                        break;
+                    }
+                }
+            }
+        }
+        if sent < chosen.len() {
+            // Lanes that got the job count themselves down; the rest are counted here.
+            job.fail(failure.unwrap_or_else(|| Error::internal("a lane refused a copy")));
+            for _ in sent..chosen.len() {
+                job.lane_done();
+            }
+        }
+        let outcome = match job.wait() {
+            Some(err) => Err(err),
+            None => self.finish(stream, completion, &finals, &owners),
+        };
+        self.events.give(target, [start]);
+        for (owner, event) in owners.into_iter().zip(finals) {
+            self.events.give(owner, [event]);
+        }
+        outcome
+    }
+
+    /// Makes `stream` wait for the lanes' final events, or waits for them (blocking).
+    fn finish(
+        &self,
+        stream: Stream,
+        completion: Completion,
+        finals: &[Event],
+        owners: &[i32],
+    ) -> Result<()> {
+        for (&event, &owner) in finals.iter().zip(owners) {
+            match completion {
+                Completion::Blocking => self.events.device(owner)?.synchronize_event(event)?,
+                Completion::StreamOrdered => self.target.stream_wait_event(stream, event)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}

@@ -1,0 +1,264 @@
+//! How a copy is cut and routed, on sizes and measured bandwidths only (no device calls), so
+//! that the policy is tested without a GPU.
+//!
+//! A copy is cut into chunks; every path that takes part pulls the next chunk from one shared
+//! cursor whenever it has a free staging slot, so each path carries bytes in proportion to its
+//! speed in that very copy. The bandwidths measured once per engine decide which paths take
+//! part at all (a path far slower than the best only lengthens the tail) and from which size on
+//! the engine is worth its set-up over the driver's own call.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+pub use crate::device::HostMemory;
+
+/// The direction of a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    HostToDevice,
+    DeviceToHost,
+}
+
+/// One way from the host to the target device: its own link, or a peer's link followed by a
+/// peer copy (NVLink) into the target.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Path {
+    /// None: the target's own link; Some(peer): relayed through device `peer`.
+    pub via: Option<i32>,
+    /// Measured GB/s of this path alone for pinned memory (0 when not measured).
+    pub gbps: f64,
+}
+
+/// Thresholds and shares of the routing policy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Policy {
+    /// Pageable copies below this go straight to the driver.
+    pub min_pageable: usize,
+    /// Pinned copies below this go straight to the driver (one link gains nothing from the
+    /// engine; only relays do, and only once their set-up is paid back).
+    pub min_relay: usize,
+    /// A relay takes part only if its bandwidth is at least this share of the direct link's.
+    pub min_share: f64,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            min_pageable: 1 << 20,
+            min_relay: 32 << 20,
+            min_share: 0.25,
+        }
+    }
+}
+
+/// Where a copy goes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Route {
+    /// One call of the driver on the caller's stream.
+    Driver,
+    /// The engine, over these paths (indexes into the paths given to [`route`]; the direct
+    /// path, when present, comes first).
+    Engine(Vec<usize>),
+}
+
+/// Chooses the route of a copy of `len` bytes whose host side is `host`, given the engine's
+/// `paths` (the direct path first, then relays).
+pub fn route(len: usize, host: HostMemory, paths: &[Path], policy: &Policy) -> Route {
+    let direct = paths.iter().position(|p| p.via.is_none());
+    let best = paths.iter().map(|p| p.gbps).fold(0.0, f64::max);
+    let relays: Vec<usize> = paths
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.via.is_some() && (best <= 0.0 || p.gbps >= policy.min_share * best))
+        .map(|(i, _)| i)
+        .collect();
+    let use_relays = len >= policy.min_relay && !relays.is_empty();
+    match host {
+        HostMemory::Pinned if !use_relays => Route::Driver,
+        HostMemory::Pageable if len < policy.min_pageable => Route::Driver,
+        _ => {
+            let mut chosen: Vec<usize> = direct.into_iter().collect();
+            if use_relays {
+                chosen.extend(relays);
+            }
+            if chosen.is_empty() {
+                Route::Driver
+            } else {
+                Route::Engine(chosen)
+            }
+        }
+    }
+}
+
+/// A chunk of a copy: its byte offset and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// Hands out the chunks of one copy to the paths that pull them, each chunk once.
+#[derive(Debug)]
+pub struct Cursor {
+    len: usize,
+    chunk: usize,
+    next: AtomicUsize,
+}
+
+impl Cursor {
+    /// Chunks of `chunk` bytes (the last may be shorter) over `len` bytes.
+    pub fn new(len: usize, chunk: usize) -> Self {
+        Cursor {
+            len,
+            chunk: chunk.max(1),
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// Number of chunks in all.
+    pub fn count(&self) -> usize {
+        self.len.div_ceil(self.chunk)
+    }
+
+    /// The next chunk not yet taken, or None when all are.
+    pub fn take(&self) -> Option<Chunk> {
+        let index = self.next.fetch_add(1, Ordering::Relaxed);
+        let offset = index.checked_mul(self.chunk)?;
+        (offset < self.len).then(|| Chunk {
+            offset,
+            len: self.chunk.min(self.len - offset),
+        })
+    }
+}
+
+/// The chunk size for a copy of `len` bytes over `lanes` parallel lanes: large enough to keep
+/// per-chunk costs (a driver call, an event) small, small enough that every lane gets several
+/// chunks and the last ones do not leave lanes idle; a multiple of 64 KiB, within
+/// [`min`, `max`].
+pub fn chunk_size(len: usize, lanes: usize, min: usize, max: usize) -> usize {
+    const ALIGN: usize = 64 << 10;
+    let per_lane = len / (lanes.max(1) * 4);
+    let size = per_lane.clamp(min.max(ALIGN), max.max(min).max(ALIGN));
+    size.div_ceil(ALIGN) * ALIGN
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn paths() -> Vec<Path> {
+        vec![
+            Path {
+                via: None,
+                gbps: 55.0,
+            },
+            Path {
+                via: Some(1),
+                gbps: 50.0,
+            },
+            Path {
+                via: Some(2),
+                gbps: 5.0,
+            },
+        ]
+    }
+
+    #[test]
+    fn small_and_single_link_pinned_copies_go_to_the_driver() {
+        let policy = Policy::default();
+        let direct_only = &paths()[..1];
+        assert_eq!(
+            route(4096, HostMemory::Pageable, &paths(), &policy),
+            Route::Driver
+        );
+        assert_eq!(
+            route(1 << 30, HostMemory::Pinned, direct_only, &policy),
+            Route::Driver
+        );
+        assert_eq!(
+            route(MIB, HostMemory::Pinned, &paths(), &policy),
+            Route::Driver
+        );
+        assert_eq!(
+            route(64 * MIB, HostMemory::Pageable, direct_only, &policy),
+            Route::Engine(vec![0])
+        );
+    }
+
+    #[test]
+    fn slow_relays_stay_out() {
+        let policy = Policy::default();
+        assert_eq!(
+            route(1 << 30, HostMemory::Pinned, &paths(), &policy),
+            Route::Engine(vec![0, 1])
+        );
+        assert_eq!(
+            route(1 << 30, HostMemory::Pageable, &paths(), &policy),
+            Route::Engine(vec![0, 1])
+        );
+        // Below the relay threshold a pageable copy uses its own link only.
+        assert_eq!(
+            route(8 * MIB, HostMemory::Pageable, &paths(), &policy),
+            Route::Engine(vec![0])
+        );
+    }
+
+    #[test]
+    fn unmeasured_paths_all_take_part() {
+        let unmeasured: Vec<Path> = paths()
+            .into_iter()
+            .map(|p| Path { gbps: 0.0, ..p })
+            .collect();
+        assert_eq!(
+            route(1 << 30, HostMemory::Pinned, &unmeasured, &Policy::default()),
+            Route::Engine(vec![0, 1, 2])
+        );
+    }
+
+    #[test]
+    fn the_cursor_hands_out_every_byte_once() {
+        for (len, chunk) in [(0, 4), (1, 4), (4, 4), (5, 4), (10 * MIB + 3, MIB)] {
+            let cursor = Cursor::new(len, chunk);
+            let mut covered = 0;
+            let mut taken = 0;
+            while let Some(c) = cursor.take() {
+                assert_eq!(c.offset, covered);
+                assert!(c.len > 0 && c.len <= chunk);
+                covered += c.len;
+                taken += 1;
+            }
+            assert_eq!(covered, len);
+            assert_eq!(taken, cursor.count());
+            assert_eq!(cursor.take(), None, "stays exhausted");
+        }
+    }
+
+    #[test]
+    fn the_cursor_is_shared_between_threads() {
+        let cursor = Cursor::new(1000 * 4096 + 7, 4096);
+        let total: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut sum = 0;
+                        while let Some(c) = cursor.take() {
+                            sum += c.len;
+                        }
+                        sum
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+        });
+        assert_eq!(total, 1000 * 4096 + 7);
+    }
+
+    #[test]
+    fn chunk_sizes_stay_in_bounds_and_aligned() {
+        assert_eq!(chunk_size(1 << 30, 8, 2 * MIB, 16 * MIB), 16 * MIB);
+        assert_eq!(chunk_size(4 * MIB, 8, 2 * MIB, 16 * MIB), 2 * MIB);
+        let mid = chunk_size(200 * MIB, 8, MIB, 16 * MIB);
+        assert!((MIB..=16 * MIB).contains(&mid) && mid % (64 << 10) == 0);
+    }
+}

@@ -1,0 +1,546 @@
+//! The copy engine on the backend under test (host by default; GLAKE_TEST_BACKEND=cuda on a
+//! GPU): every size class, unaligned ends, pageable, pinned and registered host memory, device
+//! memory from a pool (stitched ranges too) and from elsewhere, stream order, concurrent copies,
+//! relays through a second device, and failures halfway through a copy.
+
+mod common;
+
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use glake::device::cuda::CudaDevice;
+use glake::device::fault::FaultDevice;
+use glake::device::host::{HostDevice, HostOptions};
+use glake::device::{CallKind, DevicePtr, HostMemory, SharedDevice, Stream};
+use glake::transfer::staging::{DeviceBuffer, PinnedBuffer};
+use glake::transfer::{Completion, Engine, Policy, Route};
+use glake::{Config, Pool, TransferConfig};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const CHUNK: usize = 256 * KIB;
+
+/// Small lanes and chunks, so that chunk edges and every route show up at small sizes.
+fn config() -> TransferConfig {
+    TransferConfig {
+        lanes: 3,
+        relay_lanes: 2,
+        slots: 2,
+        chunk: CHUNK,
+        min_chunk: 64 * KIB,
+        max_peers: 1,
+        measure: false,
+        policy: Policy {
+            min_pageable: 64 * KIB,
+            min_relay: MIB,
+            min_share: 0.0,
+        },
+    }
+}
+
+/// Device 0 of the backend under test, and device 1 when there is one (always on the host
+/// backend, which has as many devices as it is told).
+fn devices() -> (SharedDevice, Option<SharedDevice>) {
+    if common::backend_is_cuda() {
+        let first: SharedDevice = Arc::new(CudaDevice::open(0).expect("CUDA device 0"));
+        let second = CudaDevice::open(1)
+            .ok()
+            .map(|d| Arc::new(d) as SharedDevice);
+        (first, second)
+    } else {
+        let options = HostOptions {
+            device_count: 2,
+            ..HostOptions::default()
+        };
+        let first: SharedDevice = Arc::new(HostDevice::new(0, options).expect("host 0"));
+        let second: SharedDevice = Arc::new(HostDevice::new(1, options).expect("host 1"));
+        (first, Some(second))
+    }
+}
+
+/// Host memory of one kind, `len` bytes (plus slack for unaligned views).
+enum HostBuf {
+    Pageable(Vec<u8>),
+    Pinned(PinnedBuffer),
+}
+
+impl HostBuf {
+    fn new(device: &SharedDevice, kind: HostMemory, len: usize) -> Self {
+        match kind {
+            HostMemory::Pageable => HostBuf::Pageable(vec![0; len + 64]),
+            HostMemory::Pinned => HostBuf::Pinned(PinnedBuffer::new(device, len + 64).unwrap()),
+        }
+    }
+
+    fn ptr(&mut self) -> *mut u8 {
+        match self {
+            HostBuf::Pageable(v) => v.as_mut_ptr(),
+            HostBuf::Pinned(p) => p.ptr(),
+        }
+    }
+
+    fn slice(&mut self, offset: usize, len: usize) -> &mut [u8] {
+        // SAFETY: every buffer has len + 64 bytes and offsets stay below 64.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr().add(offset), len) }
+    }
+}
+
+/// H2D then D2H of `len` bytes through `engine`, from host offset `host_off` to device offset
+/// `dev_off` of `dst`, with host memory of `kind`; checks the bytes that come back.
+#[allow(clippy::too_many_arguments)]
+fn round_trip(
+    engine: &Engine,
+    dst: DevicePtr,
+    len: usize,
+    kind: HostMemory,
+    host_off: usize,
+    dev_off: u64,
+    completion: Completion,
+    seed: u64,
+) {
+    let device = engine.target().clone();
+    let mut src = HostBuf::new(&device, kind, len);
+    let data = common::pattern(seed, len);
+    src.slice(host_off, len).copy_from_slice(&data);
+    let stream = Stream::DEFAULT;
+    unsafe {
+        engine
+            .copy_to_device(
+                dst + dev_off,
+                src.ptr().add(host_off),
+                len,
+                stream,
+                completion,
+            )
+            .unwrap_or_else(|e| panic!("H2D of {len} ({kind:?}): {e}"));
+    }
+    let mut back = HostBuf::new(&device, kind, len);
+    unsafe {
+        engine
+            .copy_to_host(
+                back.ptr().add(host_off),
+                dst + dev_off,
+                len,
+                stream,
+                completion,
+            )
+            .unwrap_or_else(|e| panic!("D2H of {len} ({kind:?}): {e}"));
+    }
+    if completion == Completion::StreamOrdered {
+        device.synchronize_stream(stream).unwrap();
+    }
+    assert!(
+        back.slice(host_off, len) == &data[..],
+        "{len} bytes ({kind:?}, host +{host_off}, device +{dev_off}, {completion:?}) came back different"
+    );
+}
+
+fn sizes() -> Vec<usize> {
+    let mut sizes = vec![
+        0,
+        1,
+        7,
+        4095,
+        4096,
+        4097,
+        64 * KIB - 1,
+        64 * KIB,
+        64 * KIB + 1,
+    ];
+    for edge in [CHUNK, 2 * CHUNK, 6 * CHUNK, MIB] {
+        sizes.extend([edge - 1, edge, edge + 1]);
+    }
+    sizes.extend([3 * CHUNK + 7, 5 * MIB + 3]);
+    sizes
+}
+
+#[test]
+fn every_size_arrives_whole_on_every_route() {
+    let (device, peer) = devices();
+    let pool = Pool::new(device.clone(), Config::default()).unwrap();
+    let dst = pool.malloc(6 * MIB, Stream::DEFAULT).unwrap();
+    let direct = Engine::new(device.clone(), Vec::new(), config()).unwrap();
+    let relayed = Engine::new(device.clone(), peer.into_iter().collect(), config()).unwrap();
+    let mut seed = 1;
+    for engine in [&direct, &relayed] {
+        for len in sizes() {
+            for kind in [HostMemory::Pageable, HostMemory::Pinned] {
+                for (host_off, dev_off) in [(0, 0), (3, 1), (1, 513)] {
+                    for completion in [Completion::Blocking, Completion::StreamOrdered] {
+                        seed += 1;
+                        round_trip(engine, dst, len, kind, host_off, dev_off, completion, seed);
+                    }
+                }
+            }
+        }
+    }
+    let stats = relayed.stats();
+    assert!(
+        stats.driver_copies > 0 && stats.engine_bytes > 0,
+        "{stats:?}"
+    );
+    pool.free(dst).unwrap();
+}
+
+#[test]
+fn routes_follow_size_memory_kind_and_paths() {
+    let (device, peer) = devices();
+    let direct = Engine::new(device.clone(), Vec::new(), config()).unwrap();
+    assert_eq!(direct.route(4 * KIB, HostMemory::Pageable), Route::Driver);
+    assert_eq!(
+        direct.route(MIB, HostMemory::Pageable),
+        Route::Engine(vec![0])
+    );
+    assert_eq!(direct.route(64 * MIB, HostMemory::Pinned), Route::Driver);
+    if let Some(peer) = peer {
+        let relayed = Engine::new(device, vec![peer.clone()], config()).unwrap();
+        assert_eq!(relayed.paths().len(), 2);
+        assert_eq!(relayed.paths()[1].via, Some(peer.ordinal()));
+        assert_eq!(
+            relayed.route(64 * MIB, HostMemory::Pinned),
+            Route::Engine(vec![0, 1])
+        );
+        assert_eq!(relayed.route(MIB - 1, HostMemory::Pinned), Route::Driver);
+    }
+}
+
+#[test]
+fn several_gib_round_trip() {
+    let (device, peer) = devices();
+    let len = 2 * (1 << 30) + 5;
+    let buffer = DeviceBuffer::new(&device, len, &[]).unwrap();
+    let engine = Engine::new(
+        device.clone(),
+        peer.into_iter().collect(),
+        TransferConfig {
+            chunk: 8 * MIB,
+            ..config()
+        },
+    )
+    .unwrap();
+    let mut src = vec![0u8; len];
+    for (i, b) in src.iter_mut().enumerate().step_by(4093) {
+        *b = (i / 4093) as u8 | 1;
+    }
+    *src.last_mut().unwrap() = 0xa5;
+    unsafe {
+        engine
+            .copy_to_device(
+                buffer.va(),
+                src.as_ptr(),
+                len,
+                Stream::DEFAULT,
+                Completion::Blocking,
+            )
+            .unwrap();
+    }
+    let mut back = vec![0u8; len];
+    unsafe {
+        engine
+            .copy_to_host(
+                back.as_mut_ptr(),
+                buffer.va(),
+                len,
+                Stream::DEFAULT,
+                Completion::Blocking,
+            )
+            .unwrap();
+    }
+    assert!(src == back, "2 GiB + 5 bytes came back different");
+}
+
+#[test]
+fn registered_host_memory_counts_as_pinned() {
+    let (device, _) = devices();
+    let engine = Engine::new(device.clone(), Vec::new(), config()).unwrap();
+    let pool = Pool::new(device.clone(), Config::default()).unwrap();
+    let dst = pool.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    let mut host = vec![0u8; 4 * MIB];
+    assert_eq!(
+        device.host_memory(host.as_ptr(), host.len()).unwrap(),
+        HostMemory::Pageable
+    );
+    unsafe { device.register_host(host.as_mut_ptr(), host.len()).unwrap() };
+    assert_eq!(
+        device.host_memory(host.as_ptr(), host.len()).unwrap(),
+        HostMemory::Pinned
+    );
+    let data = common::pattern(77, host.len());
+    host.copy_from_slice(&data);
+    unsafe {
+        engine
+            .copy_to_device(
+                dst,
+                host.as_ptr(),
+                host.len(),
+                Stream::DEFAULT,
+                Completion::Blocking,
+            )
+            .unwrap();
+    }
+    assert_eq!(common::read(&device, dst, host.len()), data);
+    unsafe { device.unregister_host(host.as_mut_ptr()).unwrap() };
+    assert_eq!(
+        device.host_memory(host.as_ptr(), host.len()).unwrap(),
+        HostMemory::Pageable
+    );
+    pool.free(dst).unwrap();
+}
+
+#[test]
+fn concurrent_copies_from_many_threads() {
+    let (device, peer) = devices();
+    let engine =
+        Arc::new(Engine::new(device.clone(), peer.into_iter().collect(), config()).unwrap());
+    let pool = Arc::new(Pool::new(device.clone(), Config::default()).unwrap());
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let engine = engine.clone();
+            let pool = pool.clone();
+            s.spawn(move || {
+                let dst = pool.malloc(3 * MIB, Stream::DEFAULT).unwrap();
+                for i in 0..8u64 {
+                    let len = [100 * KIB, 3 * MIB, MIB + 17, 5][(i % 4) as usize];
+                    let kind = if (t + i) % 2 == 0 {
+                        HostMemory::Pageable
+                    } else {
+                        HostMemory::Pinned
+                    };
+                    round_trip(
+                        &engine,
+                        dst,
+                        len,
+                        kind,
+                        (i % 3) as usize,
+                        0,
+                        Completion::Blocking,
+                        t * 100 + i,
+                    );
+                }
+                pool.free(dst).unwrap();
+            });
+        }
+    });
+}
+
+#[test]
+fn copies_into_stitched_ranges() {
+    let (device, _) = devices();
+    let pool = Pool::new(
+        device.clone(),
+        Config {
+            max_chunk: device.granularity(),
+            ..Config::default()
+        },
+    )
+    .unwrap();
+    pool.set_memory_limit(16 * MIB).unwrap();
+    let blocks: Vec<u64> = (0..4)
+        .map(|_| pool.malloc(4 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    for &b in blocks.iter().step_by(2) {
+        pool.free(b).unwrap();
+    }
+    let stitched = pool.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(pool.stats().stitches, 1);
+    let engine = Engine::new(device.clone(), Vec::new(), config()).unwrap();
+    let len = 8 * MIB - 3;
+    for kind in [HostMemory::Pageable, HostMemory::Pinned] {
+        round_trip(&engine, stitched, len, kind, 1, 3, Completion::Blocking, 9);
+    }
+    // The bytes landed in the two blocks the range was stitched from, one half each.
+    let data = common::pattern(9, len);
+    let (head, tail) = (&data[..4 * MIB - 3], &data[4 * MIB - 3..]);
+    let a = common::read(&device, blocks[0], 4 * MIB);
+    let b = common::read(&device, blocks[2], 4 * MIB);
+    let holds = |first: &[u8], second: &[u8]| &first[3..] == head && second == tail;
+    assert!(
+        holds(&a, &b) || holds(&b, &a),
+        "the stitched bytes are not in its pieces"
+    );
+    pool.free(stitched).unwrap();
+}
+
+/// Always on the host backend: a gate holds the caller's stream, so the copy's device work
+/// must wait for it (a pageable copy larger than the staging slots waits with it, as CUDA's
+/// own pageable copies do), and work queued after the copy on that stream sees its data.
+#[test]
+fn copies_keep_stream_order() {
+    let options = HostOptions {
+        device_count: 2,
+        ..HostOptions::default()
+    };
+    let host = Arc::new(HostDevice::new(0, options).unwrap());
+    let peer: SharedDevice = Arc::new(HostDevice::new(1, options).unwrap());
+    let device: SharedDevice = host.clone();
+    for peers in [Vec::new(), vec![peer]] {
+        let engine = Engine::new(device.clone(), peers, config()).unwrap();
+        let pool = Pool::new(device.clone(), Config::default()).unwrap();
+        for kind in [HostMemory::Pageable, HostMemory::Pinned] {
+            let len = MIB + 5;
+            let dst = pool.malloc(len, Stream::DEFAULT).unwrap();
+            let copy = pool.malloc(len, Stream::DEFAULT).unwrap();
+            common::write(&device, dst, &vec![0u8; len]);
+            let stream = device.create_stream().unwrap();
+            let (open, gate) = mpsc::channel::<()>();
+            host.enqueue_host_fn(
+                stream,
+                Box::new(move || {
+                    let _ = gate.recv();
+                }),
+            )
+            .unwrap();
+            // While the gate holds the stream, nothing of the copy may land.
+            let watcher = {
+                let device = device.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    let untouched = common::read(&device, dst, len).iter().all(|&b| b == 0);
+                    let _ = open.send(());
+                    untouched
+                })
+            };
+            let data = common::pattern(5, len);
+            let mut src = HostBuf::new(&device, kind, len);
+            src.slice(0, len).copy_from_slice(&data);
+            unsafe {
+                engine
+                    .copy_to_device(dst, src.ptr(), len, stream, Completion::StreamOrdered)
+                    .unwrap();
+            }
+            device.copy_device(copy, dst, len, stream).unwrap();
+            device.synchronize_stream(stream).unwrap();
+            assert!(
+                watcher.join().unwrap(),
+                "{kind:?}: the copy ran before the gate opened"
+            );
+            assert_eq!(common::read(&device, copy, len), data, "{kind:?}");
+            device.destroy_stream(stream).unwrap();
+            pool.free(dst).unwrap();
+            pool.free(copy).unwrap();
+        }
+    }
+}
+
+#[test]
+fn relays_carry_bytes_and_are_measured() {
+    let (device, peer) = devices();
+    let Some(peer) = peer else {
+        eprintln!("one device: no relay to test");
+        return;
+    };
+    let mut engine = Engine::new(device.clone(), vec![peer], config()).unwrap();
+    engine.measure().unwrap();
+    assert!(
+        engine.paths().iter().all(|p| p.gbps > 0.0),
+        "{:?}",
+        engine.paths()
+    );
+    let buffer = DeviceBuffer::new(&device, 32 * MIB, &[]).unwrap();
+    for kind in [HostMemory::Pageable, HostMemory::Pinned] {
+        round_trip(
+            &engine,
+            buffer.va(),
+            32 * MIB - 3,
+            kind,
+            2,
+            1,
+            Completion::Blocking,
+            3,
+        );
+    }
+}
+
+/// Always on the host backend, whose leak counters see every buffer, stream and mapping.
+#[test]
+fn failures_halfway_return_errors_and_leave_nothing_behind() {
+    let options = HostOptions {
+        device_count: 2,
+        ..HostOptions::default()
+    };
+    let host = Arc::new(HostDevice::new(0, options).unwrap());
+    let peer_host = Arc::new(HostDevice::new(1, options).unwrap());
+    let faulty = Arc::new(FaultDevice::new(host.clone()));
+    let device: SharedDevice = faulty.clone();
+    let peer: SharedDevice = peer_host.clone();
+
+    // A staging allocation fails while the engine starts: an error, and nothing is left.
+    faulty.fail_nth(CallKind::Pinned, 4);
+    assert!(Engine::new(device.clone(), vec![peer.clone()], config()).is_err());
+    assert_eq!(host.live_pinned(), 0);
+    assert_eq!(host.live_streams(), 1, "only the default stream");
+    assert_eq!(peer_host.live_objects(), (0, 0, 0));
+
+    let engine = Engine::new(device.clone(), vec![peer.clone()], config()).unwrap();
+    let pool = Pool::new(host.clone(), Config::default()).unwrap();
+    let dst = pool.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    let data = common::pattern(11, 8 * MIB);
+    let mut back = vec![0u8; 8 * MIB];
+    let calls = [
+        CallKind::Copy,
+        CallKind::RecordEvent,
+        CallKind::SynchronizeEvent,
+    ];
+    for (round, kind) in calls.into_iter().enumerate() {
+        for panic in [false, true] {
+            // A chunk's call fails (or panics) halfway through a copy each way.
+            if panic {
+                faulty.panic_nth(kind, 3);
+            } else {
+                faulty.fail_nth(kind, 3);
+            }
+            let h2d = unsafe {
+                engine.copy_to_device(
+                    dst,
+                    data.as_ptr(),
+                    data.len(),
+                    Stream::DEFAULT,
+                    Completion::Blocking,
+                )
+            };
+            if panic {
+                faulty.panic_nth(kind, 2);
+            } else {
+                faulty.fail_nth(kind, 2);
+            }
+            let d2h = unsafe {
+                engine.copy_to_host(
+                    back.as_mut_ptr(),
+                    dst,
+                    back.len(),
+                    Stream::DEFAULT,
+                    Completion::Blocking,
+                )
+            };
+            assert!(
+                h2d.is_err() && d2h.is_err(),
+                "round {round} {kind:?}: {h2d:?} {d2h:?}"
+            );
+            faulty.clear();
+            // Later copies work.
+            for completion in [Completion::Blocking, Completion::StreamOrdered] {
+                round_trip(
+                    &engine,
+                    dst,
+                    8 * MIB,
+                    HostMemory::Pageable,
+                    0,
+                    0,
+                    completion,
+                    round as u64,
+                );
+            }
+        }
+    }
+    pool.free(dst).unwrap();
+    drop(pool);
+    drop(engine);
+    assert_eq!(host.live_pinned(), 0, "staging buffers freed");
+    assert_eq!(host.live_streams(), 1, "lane streams destroyed");
+    assert_eq!(
+        peer_host.live_objects(),
+        (0, 0, 0),
+        "relay buffers released"
+    );
+    assert_eq!(peer_host.live_streams(), 1);
+}

@@ -2,6 +2,7 @@
 #include <glake.hpp>
 
 #include <string>
+#include <vector>
 
 #include "common.hpp"
 
@@ -62,3 +63,26 @@ TEST(Hpp, PoolsMove) {
 }
 
 }  // namespace
+
+TEST(Hpp, TransfersCopyBothWays) {
+  glake::Pool pool(cpp_config());
+  glake::Transfer transfer(0, pool.backend());
+  const std::size_t len = 12 * MiB + 5;
+  glake::Allocation a = pool.allocate(len);
+  std::vector<unsigned char> src(len), back(len, 0);
+  for (std::size_t i = 0; i < len; i++) src[i] = static_cast<unsigned char>(i * 13 + 1);
+  transfer.to_device(a.get(), src.data(), len);
+  transfer.to_host(back.data(), a.get(), len, nullptr, /*async=*/true);
+  EXPECT_EQ(back, src);
+  glake_transfer_stats stats = transfer.stats();
+  EXPECT_EQ(stats.copies, 2u);
+  EXPECT_EQ(stats.engine_bytes, 2u * len);
+  glake::Transfer moved = std::move(transfer);
+  EXPECT_EQ(transfer.handle(), nullptr);
+  try {
+    moved.to_device(a.get(), nullptr, 16);
+    FAIL() << "expected an error";
+  } catch (const glake::Error& e) {
+    EXPECT_EQ(e.status(), GLAKE_STATUS_NULL_POINTER);
+  }
+}

@@ -15,6 +15,16 @@
 // driver calls fail (for testing a program's error handling).
 #define GLAKE_CONFIG_FAULT_INJECTION 2
 
+// `glake_transfer_create` flags: apply the `GLAKE_COPY_*` environment variables.
+#define GLAKE_TRANSFER_READ_ENV 1
+
+// `glake_transfer_create` flags: use the target's own link only (no relays through peers).
+#define GLAKE_TRANSFER_NO_PEERS 2
+
+// `glake_memcpy_*` flags: order the copy on the stream and return as early as the host memory
+// allows (see `glake_memcpy_htod`); without it the call returns when the data has arrived.
+#define GLAKE_MEMCPY_ASYNC 1
+
 // Result of every C API call.
 enum glake_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -208,6 +218,24 @@ typedef struct glake_stats {
   struct glake_stat stitched_mapped_bytes;
 } glake_stats;
 
+// An opaque copy engine of one target device.
+typedef struct glake_transfer {
+  uint8_t _private[0];
+} glake_transfer;
+
+// Counters of a copy engine.
+typedef struct glake_transfer_stats {
+  uint64_t copies;
+  uint64_t bytes;
+  // Copies handed straight to the driver (small, or pinned with no relay worth it).
+  uint64_t driver_copies;
+  // Bytes moved by the engine's lanes.
+  uint64_t engine_bytes;
+  // Paths of the engine: the target's own link plus relays.
+  uint32_t paths;
+  uint32_t reserved;
+} glake_transfer_stats;
+
 
 
 
@@ -361,6 +389,64 @@ glake_status glake_pool_inject_fault(struct glake_pool *pool,
                                      uint32_t call,
                                      uint64_t nth,
                                      uint32_t status);
+
+// Creates a copy engine for device `device` of `backend` (a `glake_backend` value), relaying
+// through every other device of that backend that can reach it unless
+// `GLAKE_TRANSFER_NO_PEERS` is given. Starts its threads and pins its staging buffers now
+// (tens of milliseconds): create one per device and keep it.
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_transfer_create(uint32_t backend,
+                                   int32_t device,
+                                   uint32_t flags,
+                                   struct glake_transfer **out);
+
+// Stops a copy engine and frees its staging memory (after waiting for its work). The handle
+// is invalid afterwards.
+glake_status glake_transfer_destroy(struct glake_transfer *transfer);
+
+// Copies `bytes` from host memory at `src` (pageable, pinned or registered: any) to device
+// memory at `dst` on the engine's device (from glake's pools or from anywhere else).
+//
+// Ordering is that of `cuMemcpyHtoDAsync` on `stream` (NULL: the default stream): the copy
+// starts after the work queued on `stream` before the call, and work queued on `stream`
+// afterwards sees the data. Without `GLAKE_MEMCPY_ASYNC` the call returns when the data has
+// arrived. With it, a pageable `src` may be reused when the call returns (it has been read;
+// a copy larger than the staging buffers therefore waits for the stream's earlier work, as
+// the driver's own pageable copies do), while a page-locked `src` must stay unchanged until
+// the stream reaches the copy.
+//
+// # Safety
+// `src` must be valid for `bytes` bytes of reads (as long as said above); `dst` must be device
+// memory of the engine's device.
+glake_status glake_memcpy_htod(struct glake_transfer *transfer,
+                               void *dst,
+                               const void *src,
+                               size_t bytes,
+                               glake_stream stream,
+                               uint32_t flags);
+
+// Copies `bytes` from device memory at `src` on the engine's device to host memory at `dst`.
+// Ordering as for `glake_memcpy_htod`. With `GLAKE_MEMCPY_ASYNC` a pageable `dst` holds the
+// data when the call returns; a page-locked one once the stream has reached the copy.
+//
+// # Safety
+// `dst` must be valid for `bytes` bytes of writes (as long as said above); `src` must be device
+// memory of the engine's device.
+glake_status glake_memcpy_dtoh(struct glake_transfer *transfer,
+                               void *dst,
+                               const void *src,
+                               size_t bytes,
+                               glake_stream stream,
+                               uint32_t flags);
+
+// Copies the engine's counters to `out`.
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_transfer_get_stats(struct glake_transfer *transfer,
+                                      struct glake_transfer_stats *out);
 
 #ifdef __cplusplus
 }  // extern "C"

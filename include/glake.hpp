@@ -215,6 +215,54 @@ class Stream {
   glake_stream stream_ = nullptr;
 };
 
+/// A copy engine of one device (glake_transfer_*): host<->device copies over several lanes and
+/// paths, from and to any host memory. Create one per device and keep it.
+class Transfer {
+ public:
+  explicit Transfer(int32_t device = 0, glake_backend backend = GLAKE_BACKEND_AUTO,
+                    uint32_t flags = GLAKE_TRANSFER_READ_ENV) {
+    check(glake_transfer_create(static_cast<uint32_t>(backend), device, flags, &transfer_));
+  }
+  Transfer(const Transfer&) = delete;
+  Transfer& operator=(const Transfer&) = delete;
+  Transfer(Transfer&& other) noexcept : transfer_(std::exchange(other.transfer_, nullptr)) {}
+  Transfer& operator=(Transfer&& other) noexcept {
+    if (this != &other) {
+      destroy();
+      transfer_ = std::exchange(other.transfer_, nullptr);
+    }
+    return *this;
+  }
+  ~Transfer() { destroy(); }
+
+  glake_transfer* handle() const noexcept { return transfer_; }
+
+  /// Host to device; returns when the data has arrived, or with `async`, as
+  /// glake_memcpy_htod says (ordered on `stream`).
+  void to_device(void* dst, const void* src, std::size_t bytes, glake_stream stream = nullptr,
+                 bool async = false) {
+    check(glake_memcpy_htod(transfer_, dst, src, bytes, stream, async ? GLAKE_MEMCPY_ASYNC : 0));
+  }
+  /// Device to host; as to_device().
+  void to_host(void* dst, const void* src, std::size_t bytes, glake_stream stream = nullptr,
+               bool async = false) {
+    check(glake_memcpy_dtoh(transfer_, dst, src, bytes, stream, async ? GLAKE_MEMCPY_ASYNC : 0));
+  }
+
+  glake_transfer_stats stats() const {
+    glake_transfer_stats out{};
+    check(glake_transfer_get_stats(transfer_, &out));
+    return out;
+  }
+
+ private:
+  void destroy() noexcept {
+    if (transfer_ != nullptr) (void)glake_transfer_destroy(std::exchange(transfer_, nullptr));
+  }
+
+  glake_transfer* transfer_ = nullptr;
+};
+
 }  // namespace glake
 
 #endif  // GLAKE_HPP

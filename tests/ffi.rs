@@ -306,3 +306,110 @@ fn status_names() {
     let version = unsafe { CStr::from_ptr(glake_version()) }.to_str().unwrap();
     assert_eq!(version, env!("CARGO_PKG_VERSION"));
 }
+
+#[test]
+fn transfers_copy_both_ways_and_refuse_bad_input() {
+    let pool = create(&host_config());
+    let mut transfer = null_mut();
+    let host = glake_backend::GLAKE_BACKEND_HOST as u32;
+    assert_eq!(
+        unsafe { glake_transfer_create(host, 0, 0x80, &mut transfer) },
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert!(message().contains("unknown bits"), "{}", message());
+    assert_eq!(
+        unsafe { glake_transfer_create(host, 0, GLAKE_TRANSFER_NO_PEERS, null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert_eq!(
+        unsafe { glake_transfer_create(host, 0, GLAKE_TRANSFER_READ_ENV, &mut transfer) },
+        GLAKE_STATUS_SUCCESS,
+        "{}",
+        message()
+    );
+    // Large enough for the lanes both ways, and one small copy for the driver.
+    let len = 9 * MIB + 3;
+    let (status, dst) = malloc(pool, len);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    let mut back = vec![0u8; len];
+    unsafe {
+        assert_eq!(
+            glake_memcpy_htod(transfer, dst, data.as_ptr().cast(), len, null_mut(), 0),
+            GLAKE_STATUS_SUCCESS,
+            "{}",
+            message()
+        );
+        assert_eq!(
+            glake_memcpy_dtoh(
+                transfer,
+                back.as_mut_ptr().cast(),
+                dst,
+                len,
+                null_mut(),
+                GLAKE_MEMCPY_ASYNC
+            ),
+            GLAKE_STATUS_SUCCESS,
+            "{}",
+            message()
+        );
+    }
+    assert!(
+        back == data,
+        "a pageable destination holds the data on return"
+    );
+    let mut one = [0u8; 1];
+    unsafe {
+        assert_eq!(
+            glake_memcpy_dtoh(transfer, one.as_mut_ptr().cast(), dst, 1, null_mut(), 0),
+            GLAKE_STATUS_SUCCESS
+        );
+    }
+    assert_eq!(one[0], data[0]);
+    let mut stats = glake_transfer_stats::default();
+    assert_eq!(
+        unsafe { glake_transfer_get_stats(transfer, &mut stats) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(stats.copies, 3);
+    assert_eq!(stats.bytes, 2 * len as u64 + 1);
+    assert_eq!(stats.driver_copies, 1);
+    assert_eq!(stats.engine_bytes, 2 * len as u64);
+
+    // Bad input: NULL pointers, unknown flags, a pool handle, a destroyed engine.
+    unsafe {
+        assert_eq!(
+            glake_memcpy_htod(transfer, dst, std::ptr::null(), 16, null_mut(), 0),
+            GLAKE_STATUS_NULL_POINTER
+        );
+        assert_eq!(
+            glake_memcpy_htod(transfer, dst, data.as_ptr().cast(), 16, null_mut(), 4),
+            GLAKE_STATUS_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            glake_memcpy_htod(pool.cast(), dst, data.as_ptr().cast(), 16, null_mut(), 0),
+            GLAKE_STATUS_INVALID_HANDLE
+        );
+        assert_eq!(
+            glake_memcpy_dtoh(null_mut(), back.as_mut_ptr().cast(), dst, 16, null_mut(), 0),
+            GLAKE_STATUS_NULL_POINTER
+        );
+        assert_eq!(
+            glake_transfer_get_stats(transfer, null_mut()),
+            GLAKE_STATUS_NULL_POINTER
+        );
+    }
+    assert_eq!(glake_transfer_destroy(transfer), GLAKE_STATUS_SUCCESS);
+    assert_eq!(
+        glake_transfer_destroy(transfer),
+        GLAKE_STATUS_INVALID_HANDLE
+    );
+    unsafe {
+        assert_eq!(
+            glake_memcpy_htod(transfer, dst, data.as_ptr().cast(), 16, null_mut(), 0),
+            GLAKE_STATUS_INVALID_HANDLE
+        );
+    }
+    assert_eq!(glake_free(pool, dst), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+}

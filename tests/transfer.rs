@@ -13,12 +13,13 @@ use glake::device::fault::FaultDevice;
 use glake::device::host::{HostDevice, HostOptions};
 use glake::device::{CallKind, DevicePtr, HostMemory, SharedDevice, Stream};
 use glake::transfer::staging::{DeviceBuffer, PinnedBuffer};
-use glake::transfer::{Completion, Engine, Policy, Route};
+use glake::transfer::{Completion, Direction, Engine, Policy, Route};
 use glake::{Config, Pool, TransferConfig};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 const CHUNK: usize = 256 * KIB;
+const H2D: Direction = Direction::HostToDevice;
 
 /// Small lanes and chunks, so that chunk edges and every route show up at small sizes.
 fn config() -> TransferConfig {
@@ -28,10 +29,12 @@ fn config() -> TransferConfig {
         slots: 2,
         chunk: CHUNK,
         min_chunk: 64 * KIB,
+        bytes_per_lane: 64 * KIB,
         max_peers: 1,
         measure: false,
         policy: Policy {
             min_pageable: 64 * KIB,
+            min_pageable_d2h: 64 * KIB,
             min_relay: MIB,
             min_share: 0.0,
         },
@@ -186,21 +189,30 @@ fn every_size_arrives_whole_on_every_route() {
 fn routes_follow_size_memory_kind_and_paths() {
     let (device, peer) = devices();
     let direct = Engine::new(device.clone(), Vec::new(), config()).unwrap();
-    assert_eq!(direct.route(4 * KIB, HostMemory::Pageable), Route::Driver);
     assert_eq!(
-        direct.route(MIB, HostMemory::Pageable),
+        direct.route(4 * KIB, H2D, HostMemory::Pageable),
+        Route::Driver
+    );
+    assert_eq!(
+        direct.route(MIB, H2D, HostMemory::Pageable),
         Route::Engine(vec![0])
     );
-    assert_eq!(direct.route(64 * MIB, HostMemory::Pinned), Route::Driver);
+    assert_eq!(
+        direct.route(64 * MIB, H2D, HostMemory::Pinned),
+        Route::Driver
+    );
     if let Some(peer) = peer {
         let relayed = Engine::new(device, vec![peer.clone()], config()).unwrap();
         assert_eq!(relayed.paths().len(), 2);
         assert_eq!(relayed.paths()[1].via, Some(peer.ordinal()));
         assert_eq!(
-            relayed.route(64 * MIB, HostMemory::Pinned),
+            relayed.route(64 * MIB, H2D, HostMemory::Pinned),
             Route::Engine(vec![0, 1])
         );
-        assert_eq!(relayed.route(MIB - 1, HostMemory::Pinned), Route::Driver);
+        assert_eq!(
+            relayed.route(MIB - 1, H2D, HostMemory::Pinned),
+            Route::Driver
+        );
     }
 }
 

@@ -154,12 +154,7 @@ impl glake_config {
         if self.reserved != 0 {
             return Err(invalid("glake_config.reserved must be 0".into()));
         }
-        let backend = match self.backend {
-            0 => BackendChoice::Auto,
-            1 => BackendChoice::Host,
-            2 => BackendChoice::Cuda,
-            other => return Err(invalid(format!("unknown backend {other}"))),
-        };
+        let backend = backend_of(self.backend)?;
         let stitch = match self.stitch {
             0 => false,
             1 => true,
@@ -189,7 +184,20 @@ impl glake_config {
     }
 }
 
-fn stream_of(stream: glake_stream) -> Stream {
+/// The backend a `glake_backend` value names.
+pub(super) fn backend_of(value: u32) -> Result<BackendChoice, Failure> {
+    match value {
+        0 => Ok(BackendChoice::Auto),
+        1 => Ok(BackendChoice::Host),
+        2 => Ok(BackendChoice::Cuda),
+        other => Err(Failure::new(
+            glake_status::GLAKE_STATUS_INVALID_ARGUMENT,
+            format!("unknown backend {other}"),
+        )),
+    }
+}
+
+pub(super) fn stream_of(stream: glake_stream) -> Stream {
     Stream(stream as u64)
 }
 
@@ -201,7 +209,7 @@ fn pool_id(pool: *mut glake_pool) -> usize {
 ///
 /// # Safety
 /// A non-NULL `out` must be valid for a write of `T`.
-unsafe fn write_out<T>(out: *mut T, what: &str, value: T) -> Result<(), Failure> {
+pub(super) unsafe fn write_out<T>(out: *mut T, what: &str, value: T) -> Result<(), Failure> {
     if out.is_null() {
         return Err(Failure::null(what));
     }

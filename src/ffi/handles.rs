@@ -1,14 +1,17 @@
-//! Pool handles for C. A handle is a number that is never reused, looked up in a registry on
-//! every call, so a handle used after `glake_pool_destroy` (or a made-up one) is an error
-//! instead of undefined behaviour, and a call racing a destroy keeps its pool alive until done.
+//! Handles for C. A handle is a number that is never reused, looked up in a registry on every
+//! call, so a handle used after its destroy call (or a made-up one) is an error instead of
+//! undefined behaviour, and a call racing a destroy keeps its object alive until done. Pools and
+//! copy engines have a registry each; their numbers come from one counter, so a handle of one
+//! kind is never a live handle of the other.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::{glake_status, Failure};
 use crate::device::fault::FaultDevice;
 use crate::pool::Pool;
+use crate::transfer::Engine;
 
 /// A registered pool, with its fault injector when it was created with one.
 #[derive(Clone)]
@@ -17,45 +20,83 @@ pub(crate) struct Entry {
     pub fault: Option<Arc<FaultDevice>>,
 }
 
-type Registry = HashMap<usize, Entry>;
-
-fn registry() -> &'static Mutex<Registry> {
-    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
-    REGISTRY.get_or_init(|| Mutex::new(HashMap::new()))
+/// Live objects of one kind by handle value.
+pub(crate) struct Registry<T> {
+    what: &'static str,
+    live: Mutex<HashMap<usize, T>>,
 }
 
-fn locked() -> std::sync::MutexGuard<'static, Registry> {
-    match registry().lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
+impl<T: Clone> Registry<T> {
+    fn new(what: &'static str) -> Self {
+        Registry {
+            what,
+            live: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn locked(&self) -> MutexGuard<'_, HashMap<usize, T>> {
+        match self.live.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    /// Registers `value` and returns its handle value (never 0, never reused).
+    pub(crate) fn insert(&self, value: T) -> usize {
+        // Start high and step by 16 so that handles look like aligned pointers and never
+        // collide with small integers a caller might pass by mistake.
+        static NEXT: AtomicUsize = AtomicUsize::new(0x6c_0000);
+        let id = NEXT.fetch_add(16, Ordering::Relaxed);
+        self.locked().insert(id, value);
+        id
+    }
+
+    fn invalid(&self, id: usize) -> Failure {
+        if id == 0 {
+            Failure::null(self.what)
+        } else {
+            Failure::new(
+                glake_status::GLAKE_STATUS_INVALID_HANDLE,
+                format!(
+                    "{what} handle {id:#x} is not a live {what} (destroyed, or never created)",
+                    what = self.what
+                ),
+            )
+        }
+    }
+
+    /// The object behind a handle.
+    pub(crate) fn get(&self, id: usize) -> Result<T, Failure> {
+        self.locked()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| self.invalid(id))
+    }
+
+    /// Removes a handle; the object is dropped once no call still uses it.
+    pub(crate) fn remove(&self, id: usize) -> Result<T, Failure> {
+        self.locked().remove(&id).ok_or_else(|| self.invalid(id))
     }
 }
 
-/// Registers a pool and returns its handle value (never 0, never reused).
+/// The pools made through the C API.
+pub(crate) fn pools() -> &'static Registry<Entry> {
+    static POOLS: OnceLock<Registry<Entry>> = OnceLock::new();
+    POOLS.get_or_init(|| Registry::new("pool"))
+}
+
+/// The copy engines made through the C API.
+pub(crate) fn transfers() -> &'static Registry<Arc<Engine>> {
+    static TRANSFERS: OnceLock<Registry<Arc<Engine>>> = OnceLock::new();
+    TRANSFERS.get_or_init(|| Registry::new("transfer"))
+}
+
+/// Registers a pool and returns its handle value.
 pub(crate) fn insert(pool: Pool, fault: Option<Arc<FaultDevice>>) -> usize {
-    // Start high and step by 16 so that handles look like aligned pointers and never collide
-    // with small integers a caller might pass by mistake.
-    static NEXT: AtomicUsize = AtomicUsize::new(0x6c_0000);
-    let id = NEXT.fetch_add(16, Ordering::Relaxed);
-    locked().insert(
-        id,
-        Entry {
-            pool: Arc::new(pool),
-            fault,
-        },
-    );
-    id
-}
-
-fn invalid(id: usize) -> Failure {
-    if id == 0 {
-        Failure::null("pool")
-    } else {
-        Failure::new(
-            glake_status::GLAKE_STATUS_INVALID_HANDLE,
-            format!("pool handle {id:#x} is not a live pool (destroyed, or never created)"),
-        )
-    }
+    pools().insert(Entry {
+        pool: Arc::new(pool),
+        fault,
+    })
 }
 
 /// The pool behind a handle.
@@ -64,13 +105,10 @@ pub(crate) fn get(id: usize) -> Result<Arc<Pool>, Failure> {
 }
 
 pub(crate) fn entry(id: usize) -> Result<Entry, Failure> {
-    locked().get(&id).cloned().ok_or_else(|| invalid(id))
+    pools().get(id)
 }
 
-/// Removes a handle; the pool is dropped once no call still uses it.
+/// Removes a pool handle; the pool is dropped once no call still uses it.
 pub(crate) fn remove(id: usize) -> Result<Arc<Pool>, Failure> {
-    locked()
-        .remove(&id)
-        .map(|e| e.pool)
-        .ok_or_else(|| invalid(id))
+    pools().remove(id).map(|e| e.pool)
 }

@@ -6,8 +6,10 @@
 
 mod exports;
 mod handles;
+mod transfer;
 
 pub use exports::*;
+pub use transfer::*;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};

@@ -22,6 +22,7 @@ pub mod staging;
 pub mod topology;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -52,6 +53,35 @@ pub struct TransferStats {
     pub driver_copies: u64,
     /// Bytes that went through the engine's lanes.
     pub engine_bytes: u64,
+}
+
+/// The counters behind [`TransferStats`], updated without a lock on every copy.
+#[derive(Debug, Default)]
+struct Counters {
+    copies: AtomicU64,
+    bytes: AtomicU64,
+    driver_copies: AtomicU64,
+    engine_bytes: AtomicU64,
+}
+
+impl Counters {
+    fn count(&self, len: usize, route: &Route) {
+        self.copies.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(len as u64, Ordering::Relaxed);
+        match route {
+            Route::Driver => self.driver_copies.fetch_add(1, Ordering::Relaxed),
+            Route::Engine(_) => self.engine_bytes.fetch_add(len as u64, Ordering::Relaxed),
+        };
+    }
+
+    fn read(&self) -> TransferStats {
+        TransferStats {
+            copies: self.copies.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            driver_copies: self.driver_copies.load(Ordering::Relaxed),
+            engine_bytes: self.engine_bytes.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// Events made on demand per device and reused: the start and final events of copies.
@@ -101,7 +131,7 @@ pub struct Engine {
     events: EventPool,
     /// Keeps the lanes' queues in one order per copy, so concurrent copies interleave whole.
     dispatch: Mutex<()>,
-    stats: Mutex<TransferStats>,
+    stats: Counters,
 }
 
 impl Engine {
@@ -187,7 +217,7 @@ impl Engine {
             lanes,
             events,
             dispatch: Mutex::new(()),
-            stats: Mutex::new(TransferStats::default()),
+            stats: Counters::default(),
         };
         if engine.config.measure && engine.paths.len() > 1 {
             engine.measure()?;
@@ -209,7 +239,7 @@ impl Engine {
     }
 
     pub fn stats(&self) -> TransferStats {
-        *lock(&self.stats)
+        self.stats.read()
     }
 
     /// Times a pinned host-to-device copy through each path alone and keeps the bandwidths,
@@ -299,9 +329,9 @@ impl Engine {
         }
     }
 
-    /// The route a copy of `len` bytes with host memory of kind `host` takes.
-    pub fn route(&self, len: usize, host: HostMemory) -> Route {
-        plan::route(len, host, &self.paths, &self.config.policy)
+    /// The route a copy of `len` bytes in `direction` with host memory of kind `host` takes.
+    pub fn route(&self, len: usize, direction: Direction, host: HostMemory) -> Route {
+        plan::route(len, direction, host, &self.paths, &self.config.policy)
     }
 
     /// # Safety
@@ -329,17 +359,13 @@ impl Engine {
                 "a copy of {len} bytes runs past the end of the address space"
             )));
         }
-        let host = self.target.host_memory(host_ptr as *const u8, len)?;
-        let route = self.route(len, host);
-        {
-            let mut stats = lock(&self.stats);
-            stats.copies += 1;
-            stats.bytes += len as u64;
-            match &route {
-                Route::Driver => stats.driver_copies += 1,
-                Route::Engine(_) => stats.engine_bytes += len as u64,
-            }
-        }
+        let (host, route) = if self.config.policy.surely_driver(len, direction) {
+            (HostMemory::Pageable, Route::Driver)
+        } else {
+            let host = self.target.host_memory(host_ptr as *const u8, len)?;
+            (host, self.route(len, direction, host))
+        };
+        self.stats.count(len, &route);
         match route {
             // SAFETY: forwarded under the caller's contract.
             Route::Driver => unsafe {
@@ -399,10 +425,16 @@ impl Engine {
         paths: &[usize],
     ) -> Result<()> {
         let staged = host == HostMemory::Pageable;
+        // Pageable copies wake lanes in proportion to their size; pinned ones one per path.
+        let per_path = if staged {
+            plan::lanes_for(len, usize::MAX, self.config.bytes_per_lane)
+        } else {
+            1
+        };
         let chosen: Vec<&LaneHandle> = paths
             .iter()
             .filter_map(|&p| self.lanes.get(p))
-            .flat_map(|lanes| lanes.iter().take(if staged { usize::MAX } else { 1 }))
+            .flat_map(|lanes| lanes.iter().take(per_path))
             .collect();
         if chosen.is_empty() {
             return Err(Error::internal("a copy was routed to no lane"));

@@ -24,7 +24,7 @@ impl HostDevice {
         len: usize,
         stream: Stream,
     ) -> Result<()> {
-        if src.is_null() || !lock(&self.memory).accessible(dst, len) {
+        if src.is_null() || !self.reachable(dst, len) {
             return Err(Error::invalid_argument(format!(
                 "copy_to_device: {dst:#x}+{len} is not accessible device memory"
             )));
@@ -64,7 +64,7 @@ impl HostDevice {
         len: usize,
         stream: Stream,
     ) -> Result<()> {
-        if dst.is_null() || !lock(&self.memory).accessible(src, len) {
+        if dst.is_null() || !self.reachable(src, len) {
             return Err(Error::invalid_argument(format!(
                 "copy_to_host: {src:#x}+{len} is not accessible device memory"
             )));
@@ -92,11 +92,7 @@ impl HostDevice {
         stream: Stream,
     ) -> Result<()> {
         {
-            let memory = lock(&self.memory);
-            let reachable = |va: DevicePtr| {
-                memory.accessible(va, len) || process::granted(va, len, self.ordinal)
-            };
-            if !reachable(dst) || !reachable(src) {
+            if !self.reachable(dst, len) || !self.reachable(src, len) {
                 return Err(Error::invalid_argument(format!(
                     "copy_device: {src:#x} -> {dst:#x} ({len} bytes) is not accessible"
                 )));
@@ -147,6 +143,13 @@ impl HostDevice {
 }
 
 impl HostDevice {
+    /// Whether this device may touch `[va, va+len)`: its own mapped memory with access granted,
+    /// or memory of another host device of the process that granted it access (as a CUDA
+    /// device may use a peer's memory, or one ordinal's memory is the same from any object).
+    fn reachable(&self, va: DevicePtr, len: usize) -> bool {
+        lock(&self.memory).accessible(va, len) || process::granted(va, len, self.ordinal)
+    }
+
     /// Pinned buffers handed out and not freed (leak checks in tests).
     pub fn live_pinned(&self) -> usize {
         lock(&self.memory).pinned.len()

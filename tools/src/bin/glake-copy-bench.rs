@@ -11,10 +11,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use glake::config::{host_options_from_env, parse_bytes};
+use glake::device::HostMemory;
 use glake::device::{self, BackendChoice, SharedDevice, Stream};
 use glake::transfer::staging::{DeviceBuffer, PinnedBuffer};
 use glake::transfer::{Completion, Direction, Engine, Route};
-use glake::device::HostMemory;
 use glake::TransferConfig;
 
 struct Args {
@@ -54,7 +54,11 @@ fn parse() -> Result<Args, String> {
             "--sizes" => {
                 args.sizes = value()?
                     .split(',')
-                    .map(|s| parse_bytes(s).filter(|&b| b > 0).ok_or(format!("bad size {s}")))
+                    .map(|s| {
+                        parse_bytes(s)
+                            .filter(|&b| b > 0)
+                            .ok_or(format!("bad size {s}"))
+                    })
                     .collect::<Result<_, _>>()?
             }
             "--reps" => args.reps = value()?.parse().map_err(|e| format!("--reps: {e}"))?,
@@ -183,7 +187,13 @@ fn run(args: &Args) -> Result<(), String> {
                 for rep in 0..=reps {
                     for (m, &method) in methods.iter().enumerate() {
                         let t = time_copy(
-                            &target, &engines, &mut buffers, stream, method, direction, memory,
+                            &target,
+                            &engines,
+                            &mut buffers,
+                            stream,
+                            method,
+                            direction,
+                            memory,
                             size,
                         )
                         .map_err(err)?;
@@ -215,7 +225,7 @@ fn run(args: &Args) -> Result<(), String> {
                 if let Some(file) = json.as_mut() {
                     let routes: Vec<String> = engines
                         .iter()
-                        .map(|e| match e.route(size, memory) {
+                        .map(|e| match e.route(size, direction, memory) {
                             Route::Driver => "\"driver\"".to_string(),
                             Route::Engine(p) => format!("\"engine:{}\"", p.len()),
                         })

@@ -2,7 +2,8 @@
 # PyTorch on the GPU machine, with the plug-in from gpu-bundle/ (scripts/gpu-bundle.sh):
 #   bash scripts/gpu-torch.sh tests    # pytest python/tests/gpu (2-GPU tests skip on one GPU)
 #   bash scripts/gpu-torch.sh bench    # bench/train_bench.py, every workload and allocator
-#   bash scripts/gpu-torch.sh all      # both (the default)
+#   bash scripts/gpu-torch.sh load     # bench/load_state_dict.py: a 10 GB state dict to the GPU
+#   bash scripts/gpu-torch.sh all      # tests and bench (the default)
 # Extra arguments after the first go to train_bench.py. Results go to $OUT (or ./gpu-results):
 # pytest.txt, bench.jsonl, bench.md.
 set -uo pipefail
@@ -26,5 +27,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/train_bench.py --jsonl "$out/bench.jsonl" --markdown "$out/bench.md" "$@" || status=1
+fi
+if [ "$what" = load ]; then
+  python3 bench/load_state_dict.py --markdown "$out/load.md" --jsonl "$out/load.jsonl" "$@" || status=1
 fi
 exit $status

@@ -20,6 +20,7 @@ import os
 import torch as _torch
 
 from . import _library, options
+from . import transfer as _transfer
 from . import stats as _stats
 
 _state = {"allocator": None}
@@ -95,6 +96,64 @@ def memory_limit(device=None):
     """glake's cap on `device` as (bytes, fraction): the fraction last set, or the byte cap's
     share of the device."""
     return _stats.memory_limit(_device_index(device))
+
+
+def to_device(tensor, device=None, non_blocking=False):
+    """A copy of CPU tensor `tensor` on CUDA device `device` (the current one by default),
+    moved by glake's copy engine: several threads and, where peers with NVLink exist, several
+    PCIe links at once, from pageable memory as fast as from pinned. Works with or without
+    glake as the allocator. Ordered on the current stream; with `non_blocking`, a pinned
+    `tensor` must stay alive and unchanged until the stream has reached the copy (a pageable
+    one may be reused at once). Tensors already on a GPU go through Tensor.to()."""
+    index = _device_index(device)
+    if tensor.device.type != "cpu":
+        return tensor.to(_torch.device("cuda", index), non_blocking=non_blocking)
+    src = tensor.contiguous()
+    out = _torch.empty(src.shape, dtype=src.dtype, device=_torch.device("cuda", index))
+    nbytes = src.numel() * src.element_size()
+    if nbytes:
+        stream = _torch.cuda.current_stream(index).cuda_stream
+        _transfer.to_device(index, out.data_ptr(), src.data_ptr(), nbytes, stream, non_blocking)
+    return out
+
+
+def to_host(tensor, pin_memory=False):
+    """A CPU copy of CUDA tensor `tensor`, moved by glake's copy engine (into pinned memory
+    with `pin_memory`); returns once the data is there."""
+    if tensor.device.type == "cpu":
+        return tensor
+    src = tensor.contiguous()
+    out = _torch.empty(src.shape, dtype=src.dtype, pin_memory=pin_memory)
+    nbytes = src.numel() * src.element_size()
+    if nbytes:
+        index = src.device.index
+        stream = _torch.cuda.current_stream(index).cuda_stream
+        _transfer.to_host(index, out.data_ptr(), src.data_ptr(), nbytes, stream)
+    return out
+
+
+def load_state_dict(state_dict, device=None, non_blocking=False):
+    """`state_dict` with every CPU tensor moved to CUDA device `device` by glake's copy engine
+    (for example a checkpoint loaded into ordinary memory); other values are kept, and
+    tensors that were one object stay one. Returns when all data has arrived unless
+    `non_blocking` (then see to_device)."""
+    moved, out = {}, type(state_dict)() if isinstance(state_dict, dict) else {}
+    for key, value in state_dict.items():
+        if isinstance(value, _torch.Tensor):
+            if id(value) not in moved:
+                moved[id(value)] = to_device(value, device, non_blocking=True)
+            out[key] = moved[id(value)]
+        else:
+            out[key] = value
+    if not non_blocking:
+        _torch.cuda.current_stream(_device_index(device)).synchronize()
+    return out
+
+
+def transfer_stats(device=None):
+    """Counters of glake's copy engine on `device`: copies, bytes, driver_copies (copies small
+    enough for the driver's own call), engine_bytes and paths (own link plus relays)."""
+    return _transfer.stats(_device_index(device))
 
 
 def call_times():

@@ -107,3 +107,22 @@ def test_memory_limit_in_bytes_and_as_a_fraction(lib):
     assert stats.snapshot(device)["memory_cap"] == budget
     lib.gmlake_free(first, 12 * MIB, device, None)
     assert stats.flat(device)["num_ooms"] == 0
+
+
+def test_copy_engine_moves_bytes_both_ways(lib):
+    from glake import transfer
+
+    # Device 1 of the host backend: its pool's memory is reachable by its copy engine.
+    n = 12 * MIB + 7
+    dst = lib.gmlake_malloc(n, 1, None)
+    assert dst
+    src = (ctypes.c_ubyte * n).from_buffer_copy(bytes(i * 7 % 251 for i in range(n)))
+    back = (ctypes.c_ubyte * n)()
+    transfer.to_device(1, dst, ctypes.addressof(src), n)
+    transfer.to_host(1, ctypes.addressof(back), dst, n, non_blocking=True)
+    assert bytes(back) == bytes(src)
+    counters = transfer.stats(1)
+    assert counters["copies"] == 2 and counters["engine_bytes"] == 2 * n
+    with pytest.raises(RuntimeError, match="NULL"):
+        transfer.to_device(1, dst, None, 16)
+    lib.gmlake_free(dst, n, 1, None)

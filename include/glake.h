@@ -223,6 +223,13 @@ typedef struct glake_transfer {
   uint8_t _private[0];
 } glake_transfer;
 
+// One piece of a `glake_memcpy_batch`: host memory, device memory and bytes.
+typedef struct glake_copy_piece {
+  void *host;
+  void *device;
+  size_t bytes;
+} glake_copy_piece;
+
 // Counters of a copy engine.
 typedef struct glake_transfer_stats {
   uint64_t copies;
@@ -440,6 +447,21 @@ glake_status glake_memcpy_dtoh(struct glake_transfer *transfer,
                                size_t bytes,
                                glake_stream stream,
                                uint32_t flags);
+
+// Copies `count` pieces in `direction` (a `glake_copy_direction` value) as one copy: their
+// chunks share the engine's lanes, so many tensors (a state dict) move at the speed of one
+// large copy. Ordering, flags and host memory rules as for `glake_memcpy_htod` and
+// `glake_memcpy_dtoh`, for every piece.
+//
+// # Safety
+// `pieces` must point to `count` pieces (or be NULL with `count` 0), each valid as the
+// single-copy calls require.
+glake_status glake_memcpy_batch(struct glake_transfer *transfer,
+                                uint32_t direction,
+                                const struct glake_copy_piece *pieces,
+                                size_t count,
+                                glake_stream stream,
+                                uint32_t flags);
 
 // Copies the engine's counters to `out`.
 //

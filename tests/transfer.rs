@@ -13,7 +13,7 @@ use glake::device::fault::FaultDevice;
 use glake::device::host::{HostDevice, HostOptions};
 use glake::device::{CallKind, DevicePtr, HostMemory, SharedDevice, Stream};
 use glake::transfer::staging::{DeviceBuffer, PinnedBuffer};
-use glake::transfer::{Completion, Direction, Engine, Policy, Route};
+use glake::transfer::{Completion, CopyPiece, Direction, Engine, Policy, Route};
 use glake::{Config, Pool, TransferConfig};
 
 const KIB: usize = 1 << 10;
@@ -555,4 +555,103 @@ fn failures_halfway_return_errors_and_leave_nothing_behind() {
         "relay buffers released"
     );
     assert_eq!(peer_host.live_streams(), 1);
+}
+
+#[test]
+fn batches_of_pieces_arrive_whole() {
+    let (device, peer) = devices();
+    let engine = Engine::new(device.clone(), peer.into_iter().collect(), config()).unwrap();
+    let pool = Pool::new(device.clone(), Config::default()).unwrap();
+    let lens = [0, 1, 4097, CHUNK + 1, 3 * MIB + 5, 17, 2 * MIB];
+    let dsts: Vec<u64> = lens
+        .iter()
+        .map(|&len| pool.malloc(len.max(1), Stream::DEFAULT).unwrap())
+        .collect();
+    // Pageable and pinned pieces mixed in one batch.
+    let mut srcs: Vec<HostBuf> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let kind = if i % 2 == 0 {
+                HostMemory::Pageable
+            } else {
+                HostMemory::Pinned
+            };
+            HostBuf::new(&device, kind, len)
+        })
+        .collect();
+    let datas: Vec<Vec<u8>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| common::pattern(40 + i as u64, len))
+        .collect();
+    let mut pieces = Vec::new();
+    for (i, src) in srcs.iter_mut().enumerate() {
+        src.slice(0, lens[i]).copy_from_slice(&datas[i]);
+        pieces.push(CopyPiece {
+            host: src.ptr() as usize,
+            device: dsts[i],
+            len: lens[i],
+        });
+    }
+    for completion in [Completion::Blocking, Completion::StreamOrdered] {
+        unsafe {
+            engine
+                .copy_pieces(
+                    Direction::HostToDevice,
+                    &pieces,
+                    Stream::DEFAULT,
+                    completion,
+                )
+                .unwrap();
+        }
+        let mut backs: Vec<HostBuf> = lens
+            .iter()
+            .map(|&len| HostBuf::new(&device, HostMemory::Pageable, len))
+            .collect();
+        let back_pieces: Vec<CopyPiece> = backs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| CopyPiece {
+                host: b.ptr() as usize,
+                device: dsts[i],
+                len: lens[i],
+            })
+            .collect();
+        unsafe {
+            engine
+                .copy_pieces(
+                    Direction::DeviceToHost,
+                    &back_pieces,
+                    Stream::DEFAULT,
+                    completion,
+                )
+                .unwrap();
+        }
+        device.synchronize_stream(Stream::DEFAULT).unwrap();
+        for (i, back) in backs.iter_mut().enumerate() {
+            assert!(
+                back.slice(0, lens[i]) == &datas[i][..],
+                "piece {i} of {}",
+                lens[i]
+            );
+        }
+    }
+    let bad = [CopyPiece {
+        host: 0,
+        device: dsts[1],
+        len: 4,
+    }];
+    assert!(unsafe {
+        engine.copy_pieces(
+            Direction::HostToDevice,
+            &bad,
+            Stream::DEFAULT,
+            Completion::Blocking,
+        )
+    }
+    .is_err());
+    for d in dsts {
+        pool.free(d).unwrap();
+    }
 }

@@ -126,3 +126,20 @@ def test_copy_engine_moves_bytes_both_ways(lib):
     with pytest.raises(RuntimeError, match="NULL"):
         transfer.to_device(1, dst, None, 16)
     lib.gmlake_free(dst, n, 1, None)
+
+
+def test_copy_engine_batches(lib):
+    from glake import transfer
+
+    sizes = [5, 3 * MIB + 1, 0, 2 * MIB]
+    dsts = [lib.gmlake_malloc(max(n, 1), 1, None) for n in sizes]
+    srcs = [(ctypes.c_ubyte * max(n, 1)).from_buffer_copy(bytes((i + k) % 256 for k in range(max(n, 1))))
+            for i, n in enumerate(sizes)]
+    backs = [(ctypes.c_ubyte * max(n, 1))() for n in sizes]
+    transfer.batch(1, [(ctypes.addressof(s), d, n) for s, d, n in zip(srcs, dsts, sizes)])
+    transfer.batch(1, [(ctypes.addressof(b), d, n) for b, d, n in zip(backs, dsts, sizes)],
+                   to_device=False)
+    for s, b, n in zip(srcs, backs, sizes):
+        assert bytes(b)[:n] == bytes(s)[:n]
+    for d, n in zip(dsts, sizes):
+        lib.gmlake_free(d, max(n, 1), 1, None)

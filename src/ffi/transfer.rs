@@ -10,7 +10,7 @@ use super::exports::{backend_of, glake_stream, stream_of, write_out};
 use super::{glake_status, guard, handles, Failure};
 use crate::config::{host_options_from_env, TransferConfig};
 use crate::device::{self, BackendChoice, BackendKind, SharedDevice};
-use crate::transfer::{Completion, Engine};
+use crate::transfer::{Completion, CopyPiece, Direction, Engine};
 
 /// An opaque copy engine of one target device.
 #[repr(C)]
@@ -191,6 +191,77 @@ pub unsafe extern "C" fn glake_memcpy_dtoh(
         unsafe {
             engine.copy_to_host(dst.cast(), src as u64, bytes, stream_of(stream), completion)?
         };
+        Ok(())
+    })
+}
+
+/// The direction of a `glake_memcpy_batch`.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum glake_copy_direction {
+    GLAKE_HOST_TO_DEVICE = 0,
+    GLAKE_DEVICE_TO_HOST = 1,
+}
+
+/// One piece of a `glake_memcpy_batch`: host memory, device memory and bytes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct glake_copy_piece {
+    pub host: *mut c_void,
+    pub device: *mut c_void,
+    pub bytes: usize,
+}
+
+const_assert_eq!(std::mem::size_of::<glake_copy_piece>(), 24);
+
+/// Copies `count` pieces in `direction` (a `glake_copy_direction` value) as one copy: their
+/// chunks share the engine's lanes, so many tensors (a state dict) move at the speed of one
+/// large copy. Ordering, flags and host memory rules as for `glake_memcpy_htod` and
+/// `glake_memcpy_dtoh`, for every piece.
+///
+/// # Safety
+/// `pieces` must point to `count` pieces (or be NULL with `count` 0), each valid as the
+/// single-copy calls require.
+#[no_mangle]
+pub unsafe extern "C" fn glake_memcpy_batch(
+    transfer: *mut glake_transfer,
+    direction: u32,
+    pieces: *const glake_copy_piece,
+    count: usize,
+    stream: glake_stream,
+    flags: u32,
+) -> glake_status {
+    guard(|| {
+        let engine = handles::transfers().get(transfer_id(transfer))?;
+        let completion = completion_of(flags)?;
+        let direction = match direction {
+            0 => Direction::HostToDevice,
+            1 => Direction::DeviceToHost,
+            other => {
+                return Err(Failure::new(
+                    glake_status::GLAKE_STATUS_INVALID_ARGUMENT,
+                    format!("unknown copy direction {other}"),
+                ))
+            }
+        };
+        if count == 0 {
+            return Ok(());
+        }
+        if pieces.is_null() {
+            return Err(Failure::null("pieces"));
+        }
+        // SAFETY: non-NULL, and `count` pieces long per the contract.
+        let raw = unsafe { std::slice::from_raw_parts(pieces, count) };
+        let pieces: Vec<CopyPiece> = raw
+            .iter()
+            .map(|p| CopyPiece {
+                host: p.host as usize,
+                device: p.device as u64,
+                len: p.bytes,
+            })
+            .collect();
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { engine.copy_pieces(direction, &pieces, stream_of(stream), completion)? };
         Ok(())
     })
 }

@@ -12,10 +12,9 @@ use crate::error::Error;
 pub struct Job {
     pub direction: Direction,
     pub host: HostMemory,
-    /// Start of the host side (read for host-to-device, written for device-to-host).
-    pub host_ptr: usize,
-    /// Start of the device side, on the target device.
-    pub device_ptr: DevicePtr,
+    /// The pieces' starts: host side (read for host-to-device, written for device-to-host),
+    /// device side (on the target device). The cursor holds their lengths.
+    pub pieces: Vec<(usize, DevicePtr)>,
     pub cursor: Cursor,
     /// Recorded on the caller's stream: device work of the copy waits for it.
     pub start: Event,
@@ -31,8 +30,7 @@ impl Job {
     pub fn new(
         direction: Direction,
         host: HostMemory,
-        host_ptr: usize,
-        device_ptr: DevicePtr,
+        pieces: Vec<(usize, DevicePtr)>,
         cursor: Cursor,
         start: Event,
         finals: Vec<Event>,
@@ -41,8 +39,7 @@ impl Job {
         Job {
             direction,
             host,
-            host_ptr,
-            device_ptr,
+            pieces,
             cursor,
             start,
             finals,

@@ -274,8 +274,11 @@ impl Lane {
     }
 
     fn issue(&mut self, job: &Job, slot: usize, chunk: Chunk) -> Result<()> {
-        let host_at = job.host_ptr + chunk.offset;
-        let device_at = job.device_ptr + chunk.offset as u64;
+        let Some(&(host_start, device_start)) = job.pieces.get(chunk.piece) else {
+            return Err(Error::internal("a chunk of a piece the copy does not have"));
+        };
+        let host_at = host_start + chunk.offset;
+        let device_at = device_start + chunk.offset as u64;
         let staged = job.host == HostMemory::Pageable;
         let buffer = self.slots[slot].host.ptr();
         let len = chunk.len;

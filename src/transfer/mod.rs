@@ -65,11 +65,14 @@ struct Counters {
 }
 
 impl Counters {
-    fn count(&self, len: usize, route: &Route) {
-        self.copies.fetch_add(1, Ordering::Relaxed);
+    /// Counts `pieces` copies of `len` bytes in all that took `route`.
+    fn count(&self, len: usize, pieces: usize, route: &Route) {
+        self.copies.fetch_add(pieces as u64, Ordering::Relaxed);
         self.bytes.fetch_add(len as u64, Ordering::Relaxed);
         match route {
-            Route::Driver => self.driver_copies.fetch_add(1, Ordering::Relaxed),
+            Route::Driver => self
+                .driver_copies
+                .fetch_add(pieces as u64, Ordering::Relaxed),
             Route::Engine(_) => self.engine_bytes.fetch_add(len as u64, Ordering::Relaxed),
         };
     }
@@ -81,6 +84,34 @@ impl Counters {
             driver_copies: self.driver_copies.load(Ordering::Relaxed),
             engine_bytes: self.engine_bytes.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// One piece of a copy: host address, device address (on the target) and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyPiece {
+    pub host: usize,
+    pub device: DevicePtr,
+    pub len: usize,
+}
+
+impl CopyPiece {
+    fn validate(&self) -> Result<()> {
+        if self.host == 0 {
+            return Err(Error::new(ErrorKind::NullPointer, "host pointer is NULL"));
+        }
+        if self.device == 0 {
+            return Err(Error::new(ErrorKind::NullPointer, "device pointer is NULL"));
+        }
+        if self.host.checked_add(self.len).is_none()
+            || self.device.checked_add(self.len as u64).is_none()
+        {
+            return Err(Error::invalid_argument(format!(
+                "a copy of {} bytes runs past the end of the address space",
+                self.len
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -257,9 +288,11 @@ impl Engine {
                     self.run_job(
                         Direction::HostToDevice,
                         HostMemory::Pinned,
-                        source.ptr() as usize,
-                        target_buffer.va(),
-                        len,
+                        &[CopyPiece {
+                            host: source.ptr() as usize,
+                            device: target_buffer.va(),
+                            len,
+                        }],
                         Stream::DEFAULT,
                         Completion::Blocking,
                         &[path],
@@ -345,39 +378,80 @@ impl Engine {
         stream: Stream,
         completion: Completion,
     ) -> Result<()> {
-        if len == 0 {
+        let piece = CopyPiece {
+            host: host_ptr,
+            device: device_ptr,
+            len,
+        };
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.copy_pieces(direction, &[piece], stream, completion) }
+    }
+
+    /// Copies several pieces in one direction as one copy: their chunks share the lanes, so
+    /// many tensors of a state dict keep every lane busy from the first byte to the last
+    /// instead of draining the pipeline between pieces. Ordering and completion as for one
+    /// piece.
+    ///
+    /// # Safety
+    /// Every piece's host memory must be valid as [`Engine::copy_to_device`] (or
+    /// [`Engine::copy_to_host`]) requires.
+    pub unsafe fn copy_pieces(
+        &self,
+        direction: Direction,
+        pieces: &[CopyPiece],
+        stream: Stream,
+        completion: Completion,
+    ) -> Result<()> {
+        for piece in pieces.iter().filter(|p| p.len > 0) {
+            piece.validate()?;
+        }
+        let pieces: Vec<CopyPiece> = pieces.iter().copied().filter(|p| p.len > 0).collect();
+        let total: usize = pieces.iter().map(|p| p.len).sum();
+        if pieces.is_empty() {
             return Ok(());
         }
-        if host_ptr == 0 {
-            return Err(Error::new(ErrorKind::NullPointer, "host pointer is NULL"));
-        }
-        if device_ptr == 0 {
-            return Err(Error::new(ErrorKind::NullPointer, "device pointer is NULL"));
-        }
-        if host_ptr.checked_add(len).is_none() || device_ptr.checked_add(len as u64).is_none() {
-            return Err(Error::invalid_argument(format!(
-                "a copy of {len} bytes runs past the end of the address space"
-            )));
-        }
-        let (host, route) = if self.config.policy.surely_driver(len, direction) {
-            (HostMemory::Pageable, Route::Driver)
+        // Small copies surely go to the driver: no need to ask what their memory is.
+        let mut groups: Vec<(HostMemory, Vec<CopyPiece>)> = Vec::new();
+        if self.config.policy.surely_driver(total, direction) {
+            groups.push((HostMemory::Pageable, pieces));
         } else {
-            let host = self.target.host_memory(host_ptr as *const u8, len)?;
-            (host, self.route(len, direction, host))
-        };
-        self.stats.count(len, &route);
-        match route {
-            // SAFETY: forwarded under the caller's contract.
-            Route::Driver => unsafe {
-                self.driver_copy(direction, host_ptr, device_ptr, len, stream, completion)
-            },
-            // SAFETY: forwarded under the caller's contract.
-            Route::Engine(paths) => unsafe {
-                self.run_job(
-                    direction, host, host_ptr, device_ptr, len, stream, completion, &paths,
-                )
-            },
+            for piece in pieces {
+                let kind = self
+                    .target
+                    .host_memory(piece.host as *const u8, piece.len)?;
+                match groups.iter_mut().find(|(k, _)| *k == kind) {
+                    Some((_, group)) => group.push(piece),
+                    None => groups.push((kind, vec![piece])),
+                }
+            }
         }
+        let mut driver_used = false;
+        for (host, group) in groups {
+            let len: usize = group.iter().map(|p| p.len).sum();
+            let route = if self.config.policy.surely_driver(total, direction) {
+                Route::Driver
+            } else {
+                self.route(len, direction, host)
+            };
+            self.stats.count(len, group.len(), &route);
+            match route {
+                Route::Driver => {
+                    driver_used = true;
+                    for piece in &group {
+                        // SAFETY: forwarded under the caller's contract.
+                        unsafe { self.driver_copy(direction, piece, stream)? };
+                    }
+                }
+                // SAFETY: forwarded under the caller's contract.
+                Route::Engine(paths) => unsafe {
+                    self.run_job(direction, host, &group, stream, completion, &paths)?
+                },
+            }
+        }
+        if driver_used && completion == Completion::Blocking {
+            self.target.synchronize_stream(stream)?;
+        }
+        Ok(())
     }
 
     /// One call of the driver on the caller's stream (its own semantics for pageable memory:
@@ -385,45 +459,36 @@ impl Engine {
     unsafe fn driver_copy(
         &self,
         direction: Direction,
-        host_ptr: usize,
-        device_ptr: DevicePtr,
-        len: usize,
+        piece: &CopyPiece,
         stream: Stream,
-        completion: Completion,
     ) -> Result<()> {
         match direction {
             // SAFETY: the caller keeps the host memory valid as the contract says.
             Direction::HostToDevice => unsafe {
                 self.target
-                    .copy_to_device(device_ptr, host_ptr as *const u8, len, stream)?
+                    .copy_to_device(piece.device, piece.host as *const u8, piece.len, stream)
             },
             // SAFETY: as above.
             Direction::DeviceToHost => unsafe {
                 self.target
-                    .copy_to_host(host_ptr as *mut u8, device_ptr, len, stream)?
+                    .copy_to_host(piece.host as *mut u8, piece.device, piece.len, stream)
             },
         }
-        if completion == Completion::Blocking {
-            self.target.synchronize_stream(stream)?;
-        }
-        Ok(())
     }
 
     /// Runs a copy on the lanes of `paths` (pinned copies on the first lane of each path
     /// only: with nothing to stage, more lanes would only queue more chunks on one link and
     /// leave a longer tail) and orders it on `stream`.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn run_job(
         &self,
         direction: Direction,
         host: HostMemory,
-        host_ptr: usize,
-        device_ptr: DevicePtr,
-        len: usize,
+        pieces: &[CopyPiece],
         stream: Stream,
         completion: Completion,
         paths: &[usize],
     ) -> Result<()> {
+        let len: usize = pieces.iter().map(|p| p.len).sum();
         let staged = host == HostMemory::Pageable;
         // Pageable copies wake lanes in proportion to their size; pinned ones one per path.
         let per_path = if staged {
@@ -479,9 +544,8 @@ impl Engine {
         let job = Arc::new(Job::new(
             direction,
             host,
-            host_ptr,
-            device_ptr,
-            plan::Cursor::new(len, chunk),
+            pieces.iter().map(|p| (p.host, p.device)).collect(),
+            plan::Cursor::over(pieces.iter().map(|p| p.len).collect(), chunk),
             start,
             finals.clone(),
         ));

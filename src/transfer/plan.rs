@@ -118,17 +118,22 @@ pub fn route(
     }
 }
 
-/// A chunk of a copy: its byte offset and length.
+/// A chunk of a copy: the piece it belongs to (a batch copies several), its byte offset in
+/// that piece and its length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chunk {
+    pub piece: usize,
     pub offset: usize,
     pub len: usize,
 }
 
-/// Hands out the chunks of one copy to the paths that pull them, each chunk once.
+/// Hands out the chunks of one copy (of one or several pieces) to the paths that pull them,
+/// each chunk once; a chunk never spans two pieces.
 #[derive(Debug)]
 pub struct Cursor {
-    len: usize,
+    lens: Vec<usize>,
+    /// Index of the first chunk of each piece, and the total number of chunks last.
+    firsts: Vec<usize>,
     chunk: usize,
     next: AtomicUsize,
 }
@@ -136,25 +141,46 @@ pub struct Cursor {
 impl Cursor {
     /// Chunks of `chunk` bytes (the last may be shorter) over `len` bytes.
     pub fn new(len: usize, chunk: usize) -> Self {
+        Cursor::over(vec![len], chunk)
+    }
+
+    /// Chunks of `chunk` bytes over pieces of the given lengths, piece after piece.
+    pub fn over(lens: Vec<usize>, chunk: usize) -> Self {
+        let chunk = chunk.max(1);
+        let mut firsts = Vec::with_capacity(lens.len() + 1);
+        let mut count = 0;
+        for &len in &lens {
+            firsts.push(count);
+            count += len.div_ceil(chunk);
+        }
+        firsts.push(count);
         Cursor {
-            len,
-            chunk: chunk.max(1),
+            lens,
+            firsts,
+            chunk,
             next: AtomicUsize::new(0),
         }
     }
 
     /// Number of chunks in all.
     pub fn count(&self) -> usize {
-        self.len.div_ceil(self.chunk)
+        self.firsts.last().copied().unwrap_or(0)
     }
 
     /// The next chunk not yet taken, or None when all are.
     pub fn take(&self) -> Option<Chunk> {
         let index = self.next.fetch_add(1, Ordering::Relaxed);
-        let offset = index.checked_mul(self.chunk)?;
-        (offset < self.len).then(|| Chunk {
+        if index >= self.count() {
+            return None;
+        }
+        // The piece whose chunks include `index`: the last one starting at or before it
+        // (pieces of length 0 have no chunks and are skipped).
+        let piece = self.firsts.partition_point(|&first| first <= index) - 1;
+        let offset = (index - self.firsts[piece]) * self.chunk;
+        Some(Chunk {
+            piece,
             offset,
-            len: self.chunk.min(self.len - offset),
+            len: self.chunk.min(self.lens[piece] - offset),
         })
     }
 }
@@ -285,6 +311,21 @@ mod tests {
             assert_eq!(taken, cursor.count());
             assert_eq!(cursor.take(), None, "stays exhausted");
         }
+    }
+
+    #[test]
+    fn the_cursor_walks_pieces_without_spanning_them() {
+        let lens = vec![5, 0, 8, 1, 0];
+        let cursor = Cursor::over(lens.clone(), 4);
+        let mut seen = vec![0; lens.len()];
+        while let Some(c) = cursor.take() {
+            assert_eq!(c.offset, seen[c.piece], "in order within a piece");
+            assert!(c.offset + c.len <= lens[c.piece]);
+            seen[c.piece] += c.len;
+        }
+        assert_eq!(seen, lens);
+        assert_eq!(cursor.count(), 2 + 2 + 1);
+        assert_eq!(Cursor::over(Vec::new(), 4).take(), None);
     }
 
     #[test]

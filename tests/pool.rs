@@ -286,7 +286,12 @@ fn frag_limit_keeps_small_pieces_out_of_stitches() {
 /// budget / total holds the whole budget, and a byte limit holds exactly its bytes.
 #[test]
 fn caps_hold_their_budget_on_any_device_total() {
-    for total in [85_000_000_003, 150_754_820_096, (64 << 30) - 1] {
+    for total in [
+        85_000_000_003,
+        85_017_493_504,
+        150_754_820_096,
+        (64 << 30) - 1,
+    ] {
         let device: SharedDevice = common::host_device(total);
         for config in [Config::default(), stitch_off()] {
             let p = budget_pool(&device, config.clone(), 16 * MIB);

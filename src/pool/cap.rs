@@ -95,10 +95,10 @@ mod tests {
     const MIB: usize = 1 << 20;
     const GIB: usize = 1 << 30;
 
-    /// Device totals, round and odd; the first is the H100 total of the reported bug.
+    /// Device totals, round and odd; the first is the total of the reported bug.
     const TOTALS: [usize; 10] = [
         85_000_000_003,
-        85_029_158_912,
+        85_017_493_504,  // an H100 80GB HBM3, as cuMemGetInfo reported it
         150_754_820_096, // an H200: 143771 MiB
         80 * GIB,
         64 * GIB,

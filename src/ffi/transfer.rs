@@ -157,15 +157,13 @@ pub unsafe extern "C" fn glake_memcpy_htod(
     stream: glake_stream,
     flags: u32,
 ) -> glake_status {
-    guard(|| {
-        let engine = handles::transfers().get(transfer_id(transfer))?;
-        let completion = completion_of(flags)?;
-        // SAFETY: forwarded under the caller's contract.
-        unsafe {
-            engine.copy_to_device(dst as u64, src.cast(), bytes, stream_of(stream), completion)?
-        };
-        Ok(())
-    })
+    let piece = CopyPiece {
+        host: src as usize,
+        device: dst as u64,
+        len: bytes,
+    };
+    // SAFETY: forwarded under the caller's contract.
+    guard(|| unsafe { copy(transfer, Direction::HostToDevice, &[piece], stream, flags) })
 }
 
 /// Copies `bytes` from device memory at `src` on the engine's device to host memory at `dst`.
@@ -184,15 +182,31 @@ pub unsafe extern "C" fn glake_memcpy_dtoh(
     stream: glake_stream,
     flags: u32,
 ) -> glake_status {
-    guard(|| {
-        let engine = handles::transfers().get(transfer_id(transfer))?;
-        let completion = completion_of(flags)?;
-        // SAFETY: forwarded under the caller's contract.
-        unsafe {
-            engine.copy_to_host(dst.cast(), src as u64, bytes, stream_of(stream), completion)?
-        };
-        Ok(())
-    })
+    let piece = CopyPiece {
+        host: dst as usize,
+        device: src as u64,
+        len: bytes,
+    };
+    // SAFETY: forwarded under the caller's contract.
+    guard(|| unsafe { copy(transfer, Direction::DeviceToHost, &[piece], stream, flags) })
+}
+
+/// The copy behind every `glake_memcpy_*` call.
+///
+/// # Safety
+/// As for the calls: every piece's host memory valid as their contracts say.
+unsafe fn copy(
+    transfer: *mut glake_transfer,
+    direction: Direction,
+    pieces: &[CopyPiece],
+    stream: glake_stream,
+    flags: u32,
+) -> Result<(), Failure> {
+    let engine = handles::transfers().get(transfer_id(transfer))?;
+    let completion = completion_of(flags)?;
+    // SAFETY: forwarded under the caller's contract.
+    unsafe { engine.copy_pieces(direction, pieces, stream_of(stream), completion)? };
+    Ok(())
 }
 
 /// The direction of a `glake_memcpy_batch`.
@@ -232,8 +246,6 @@ pub unsafe extern "C" fn glake_memcpy_batch(
     flags: u32,
 ) -> glake_status {
     guard(|| {
-        let engine = handles::transfers().get(transfer_id(transfer))?;
-        let completion = completion_of(flags)?;
         let direction = match direction {
             0 => Direction::HostToDevice,
             1 => Direction::DeviceToHost,
@@ -245,7 +257,9 @@ pub unsafe extern "C" fn glake_memcpy_batch(
             }
         };
         if count == 0 {
-            return Ok(());
+            // Nothing to copy, but the handle and flags are still checked.
+            // SAFETY: no pieces.
+            return unsafe { copy(transfer, direction, &[], stream, flags) };
         }
         if pieces.is_null() {
             return Err(Failure::null("pieces"));
@@ -261,8 +275,7 @@ pub unsafe extern "C" fn glake_memcpy_batch(
             })
             .collect();
         // SAFETY: forwarded under the caller's contract.
-        unsafe { engine.copy_pieces(direction, &pieces, stream_of(stream), completion)? };
-        Ok(())
+        unsafe { copy(transfer, direction, &pieces, stream, flags) }
     })
 }
 

@@ -32,6 +32,7 @@ fn config() -> TransferConfig {
         bytes_per_lane: 64 * KIB,
         max_peers: 1,
         measure: false,
+        yield_waits: true,
         policy: Policy {
             min_pageable: 64 * KIB,
             min_pageable_d2h: 64 * KIB,
@@ -162,7 +163,12 @@ fn every_size_arrives_whole_on_every_route() {
     let (device, peer) = devices();
     let pool = Pool::new(device.clone(), Config::default()).unwrap();
     let dst = pool.malloc(6 * MIB, Stream::DEFAULT).unwrap();
-    let direct = Engine::new(device.clone(), Vec::new(), config()).unwrap();
+    // One engine waits for its slots in the driver, the other by polling and yielding.
+    let driver_waits = TransferConfig {
+        yield_waits: false,
+        ..config()
+    };
+    let direct = Engine::new(device.clone(), Vec::new(), driver_waits).unwrap();
     let relayed = Engine::new(device.clone(), peer.into_iter().collect(), config()).unwrap();
     let mut seed = 1;
     for engine in [&direct, &relayed] {
@@ -488,13 +494,19 @@ fn failures_halfway_return_errors_and_leave_nothing_behind() {
     let dst = pool.malloc(8 * MIB, Stream::DEFAULT).unwrap();
     let data = common::pattern(11, 8 * MIB);
     let mut back = vec![0u8; 8 * MIB];
+    // Lanes poll their slots' events (QueryEvent); the caller waits for a blocking copy's
+    // final events (SynchronizeEvent). A failure anywhere is the copy's error; a panic of the
+    // device inside a lane is too (one on the caller's own thread is the caller's, as for any
+    // Rust call, and the C API turns it into GLAKE_STATUS_PANIC).
     let calls = [
-        CallKind::Copy,
-        CallKind::RecordEvent,
-        CallKind::SynchronizeEvent,
+        (CallKind::Copy, true),
+        (CallKind::RecordEvent, true),
+        (CallKind::QueryEvent, true),
+        (CallKind::SynchronizeEvent, false),
     ];
-    for (round, kind) in calls.into_iter().enumerate() {
-        for panic in [false, true] {
+    for (round, (kind, in_lanes)) in calls.into_iter().enumerate() {
+        let panics: &[bool] = if in_lanes { &[false, true] } else { &[false] };
+        for &panic in panics {
             // A chunk's call fails (or panics) halfway through a copy each way.
             if panic {
                 faulty.panic_nth(kind, 3);

@@ -30,6 +30,8 @@ pub struct LaneSpec {
     pub chunk: usize,
     /// CPUs the lane's thread runs on (its link's NUMA node), when known.
     pub cpus: Option<Vec<usize>>,
+    /// Wait for a slot by polling its event and yielding the CPU, rather than in the driver.
+    pub yield_waits: bool,
 }
 
 enum Message {
@@ -132,6 +134,7 @@ struct Lane {
     peer_stream: Option<Stream>,
     slots: Vec<Slot>,
     next: usize,
+    yield_waits: bool,
     _relay_buffer: Option<DeviceBuffer>,
 }
 
@@ -154,6 +157,7 @@ impl Lane {
             peer_stream: None,
             slots: Vec::with_capacity(slots),
             next: 0,
+            yield_waits: spec.yield_waits,
             _relay_buffer: None,
         };
         if let Some(peer) = &spec.peer {
@@ -261,7 +265,15 @@ impl Lane {
         } else {
             &self.target
         };
-        device.synchronize_event(pending.event)?;
+        if self.yield_waits {
+            // Poll and hand the CPU to the other lanes meanwhile: their host copies need the
+            // cores that a driver wait would spin on.
+            while !device.query_event(pending.event)? {
+                std::thread::yield_now();
+            }
+        } else {
+            device.synchronize_event(pending.event)?;
+        }
         if let Some((dst, len)) = pending.drain {
             // SAFETY: the chunk landed in the slot's buffer (len <= its size); `dst` lies inside
             // the caller's destination, valid for the whole copy.

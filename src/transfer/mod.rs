@@ -213,6 +213,7 @@ impl Engine {
                 slots: config.slots,
                 chunk: config.chunk,
                 cpus: target_cpus.clone(),
+                yield_waits: config.yield_waits,
             };
             lanes[0].push(LaneHandle::spawn(
                 spec,
@@ -229,6 +230,7 @@ impl Engine {
                     slots: config.slots,
                     chunk: config.chunk,
                     cpus: cpus.clone(),
+                    yield_waits: config.yield_waits,
                 };
                 path_lanes.push(LaneHandle::spawn(
                     spec,

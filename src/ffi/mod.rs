@@ -1,4 +1,4 @@
-//! The C API. Every export is `glake_*`, runs inside [`guard`] (a panic becomes
+//! The C API. Every export is `glake_*`, runs inside `guard` (a panic becomes
 //! `GLAKE_STATUS_PANIC`, never an unwind into C), returns a [`glake_status`] and writes results
 //! through out-pointers; [`glake_last_error_message`] gives the text of the last failure on the
 //! calling thread. Nothing below this module knows about C.

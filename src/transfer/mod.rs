@@ -7,6 +7,7 @@
 //! - [`lanes`]: the worker threads and their staging slots.
 //! - [`staging`]: pinned host buffers and relay buffers on peers, made once.
 //! - [`topology`]: NUMA nodes and CPU binding.
+//! - [`job`]: one copy as the lanes see it.
 //!
 //! Ordering, as with `cuMemcpyAsync`: a copy starts after the work queued on the caller's
 //! stream before the call, and work queued on that stream after the call sees its result.

@@ -3,7 +3,7 @@
 //! CPU time) on real workloads, without needing a GPU.
 //!
 //! [`parse`] reads traces (text, gzip or PyTorch snapshot pickles) into a [`Trace`];
-//! [`replay`] runs one through a pool; [`TimedDevice`] separates driver time from allocator
+//! [`replay()`] runs one through a pool; [`TimedDevice`] separates driver time from allocator
 //! time; [`configs`] names the configurations to compare; [`report`] prints tables and JSON.
 
 pub mod budget;

@@ -67,7 +67,7 @@ TEST(Hpp, PoolsMove) {
 TEST(Hpp, TransfersCopyBothWays) {
   glake::Pool pool(cpp_config());
   glake::Transfer transfer(0, pool.backend());
-  const std::size_t len = 12 * MiB + 5;
+  const std::size_t len = 20 * MiB + 5;
   glake::Allocation a = pool.allocate(len);
   std::vector<unsigned char> src(len), back(len, 0);
   for (std::size_t i = 0; i < len; i++) src[i] = static_cast<unsigned char>(i * 13 + 1);

@@ -350,7 +350,7 @@ impl Default for TransferConfig {
             relay_lanes: (cpus / 2).clamp(1, 16),
             slots: 3,
             chunk: 4 * MIB,
-            min_chunk: 512 << 10,
+            min_chunk: MIB,
             bytes_per_lane: MIB,
             max_peers: 8,
             measure: true,
@@ -383,6 +383,9 @@ const COPY_MIN_PAGEABLE_D2H: Var = Var {
 };
 const COPY_BYTES_PER_LANE: Var = Var {
     names: &["GLAKE_COPY_BYTES_PER_LANE"],
+};
+const COPY_MIN_CHUNK: Var = Var {
+    names: &["GLAKE_COPY_MIN_CHUNK"],
 };
 const COPY_YIELD: Var = Var {
     names: &["GLAKE_COPY_YIELD"],
@@ -425,6 +428,7 @@ impl TransferConfig {
         apply_count(&COPY_RELAY_LANES, 1, &mut self.relay_lanes);
         apply_count(&COPY_SLOTS, 1, &mut self.slots);
         apply_size(&COPY_CHUNK, 64 << 10, &mut self.chunk);
+        apply_size(&COPY_MIN_CHUNK, 4096, &mut self.min_chunk);
         apply_count(&COPY_PEERS, 0, &mut self.max_peers);
         apply_size(&COPY_MIN_PAGEABLE, 0, &mut self.policy.min_pageable);
         apply_size(&COPY_MIN_PAGEABLE_D2H, 0, &mut self.policy.min_pageable_d2h);

@@ -328,7 +328,7 @@ fn transfers_copy_both_ways_and_refuse_bad_input() {
         message()
     );
     // Large enough for the lanes both ways, and one small copy for the driver.
-    let len = 9 * MIB + 3;
+    let len = 17 * MIB + 3;
     let (status, dst) = malloc(pool, len);
     assert_eq!(status, GLAKE_STATUS_SUCCESS);
     let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();

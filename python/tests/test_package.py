@@ -113,7 +113,7 @@ def test_copy_engine_moves_bytes_both_ways(lib):
     from glake import transfer
 
     # Device 1 of the host backend: its pool's memory is reachable by its copy engine.
-    n = 12 * MIB + 7
+    n = 18 * MIB + 7
     dst = lib.gmlake_malloc(n, 1, None)
     assert dst
     src = (ctypes.c_ubyte * n).from_buffer_copy(bytes(i * 7 % 251 for i in range(n)))

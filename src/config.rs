@@ -326,6 +326,9 @@ pub struct TransferConfig {
     pub chunk: usize,
     /// The smallest chunk a copy is cut into.
     pub min_chunk: usize,
+    /// The smallest chunk of a device-to-host copy: smaller than host-to-device, since there
+    /// the lanes beat the driver from 1 MiB on and need several chunks to do it.
+    pub min_chunk_d2h: usize,
     /// A pageable copy wakes one lane per this many bytes (all of them from lanes x this on),
     /// so that mid-sized copies do not pay for waking lanes that would each move little.
     pub bytes_per_lane: usize,
@@ -351,6 +354,7 @@ impl Default for TransferConfig {
             slots: 3,
             chunk: 4 * MIB,
             min_chunk: MIB,
+            min_chunk_d2h: 512 << 10,
             bytes_per_lane: MIB,
             max_peers: 8,
             measure: true,
@@ -386,6 +390,9 @@ const COPY_BYTES_PER_LANE: Var = Var {
 };
 const COPY_MIN_CHUNK: Var = Var {
     names: &["GLAKE_COPY_MIN_CHUNK"],
+};
+const COPY_MIN_CHUNK_D2H: Var = Var {
+    names: &["GLAKE_COPY_MIN_CHUNK_D2H"],
 };
 const COPY_YIELD: Var = Var {
     names: &["GLAKE_COPY_YIELD"],
@@ -429,6 +436,7 @@ impl TransferConfig {
         apply_count(&COPY_SLOTS, 1, &mut self.slots);
         apply_size(&COPY_CHUNK, 64 << 10, &mut self.chunk);
         apply_size(&COPY_MIN_CHUNK, 4096, &mut self.min_chunk);
+        apply_size(&COPY_MIN_CHUNK_D2H, 4096, &mut self.min_chunk_d2h);
         apply_count(&COPY_PEERS, 0, &mut self.max_peers);
         apply_size(&COPY_MIN_PAGEABLE, 0, &mut self.policy.min_pageable);
         apply_size(&COPY_MIN_PAGEABLE_D2H, 0, &mut self.policy.min_pageable_d2h);
@@ -441,6 +449,7 @@ impl TransferConfig {
             }
         }
         self.min_chunk = self.min_chunk.min(self.chunk);
+        self.min_chunk_d2h = self.min_chunk_d2h.min(self.chunk);
     }
 
     /// Checks values a program set directly.
@@ -460,6 +469,12 @@ impl TransferConfig {
         }
         if self.chunk < 4096 || self.chunk > 1 << 30 {
             return bad(format!("chunk {} must be in 4 KiB..=1 GiB", self.chunk));
+        }
+        if self.min_chunk_d2h == 0 || self.min_chunk_d2h > self.chunk {
+            return bad(format!(
+                "min_chunk_d2h {} must be in 1..=chunk ({})",
+                self.min_chunk_d2h, self.chunk
+            ));
         }
         if self.min_chunk == 0 || self.min_chunk > self.chunk {
             return bad(format!(

@@ -29,6 +29,7 @@ fn config() -> TransferConfig {
         slots: 2,
         chunk: CHUNK,
         min_chunk: 64 * KIB,
+        min_chunk_d2h: 64 * KIB,
         bytes_per_lane: 64 * KIB,
         max_peers: 1,
         measure: false,

@@ -511,7 +511,10 @@ impl Engine {
         let chunk = plan::chunk_size(
             len,
             chosen.len() * self.config.slots,
-            self.config.min_chunk,
+            match direction {
+                Direction::HostToDevice => self.config.min_chunk,
+                Direction::DeviceToHost => self.config.min_chunk_d2h,
+            },
             self.config.chunk,
         );
         let start = self.events.take(target)?;

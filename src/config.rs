@@ -336,6 +336,10 @@ pub struct TransferConfig {
     pub max_peers: usize,
     /// Measure each path's bandwidth when the engine starts (with relays only).
     pub measure: bool,
+    /// Most bytes of pinned host staging an engine holds (every lane's slots together), and
+    /// most bytes of relay buffers on each peer. Past it, chunks shrink (down to the smaller
+    /// chunk floor), then lanes are dropped.
+    pub max_staging: usize,
     /// Lanes wait for their slots by polling and yielding the CPU to the other lanes, instead
     /// of in the driver's wait (which may spin on a core the host copies need). Measured on an
     /// H200 the two were alike, so the driver's wait stays the default.
@@ -358,6 +362,7 @@ impl Default for TransferConfig {
             bytes_per_lane: MIB,
             max_peers: 8,
             measure: true,
+            max_staging: 512 * MIB,
             yield_waits: false,
             policy: crate::transfer::Policy::default(),
         }
@@ -393,6 +398,9 @@ const COPY_MIN_CHUNK: Var = Var {
 };
 const COPY_MIN_CHUNK_D2H: Var = Var {
     names: &["GLAKE_COPY_MIN_CHUNK_D2H"],
+};
+const COPY_STAGING: Var = Var {
+    names: &["GLAKE_COPY_STAGING"],
 };
 const COPY_YIELD: Var = Var {
     names: &["GLAKE_COPY_YIELD"],
@@ -437,6 +445,7 @@ impl TransferConfig {
         apply_size(&COPY_CHUNK, 64 << 10, &mut self.chunk);
         apply_size(&COPY_MIN_CHUNK, 4096, &mut self.min_chunk);
         apply_size(&COPY_MIN_CHUNK_D2H, 4096, &mut self.min_chunk_d2h);
+        apply_size(&COPY_STAGING, 64 << 10, &mut self.max_staging);
         apply_count(&COPY_PEERS, 0, &mut self.max_peers);
         apply_size(&COPY_MIN_PAGEABLE, 0, &mut self.policy.min_pageable);
         apply_size(&COPY_MIN_PAGEABLE_D2H, 0, &mut self.policy.min_pageable_d2h);
@@ -450,6 +459,40 @@ impl TransferConfig {
         }
         self.min_chunk = self.min_chunk.min(self.chunk);
         self.min_chunk_d2h = self.min_chunk_d2h.min(self.chunk);
+    }
+
+    /// This configuration with chunks and then lanes cut until the staging of `relays` relay
+    /// paths fits `max_staging`: pinned host buffers of every lane together, and the relay
+    /// buffers each peer holds.
+    pub fn fit_staging(&self, relays: usize) -> TransferConfig {
+        let mut fitted = self.clone();
+        let floor = fitted.min_chunk.min(fitted.min_chunk_d2h).max(4096);
+        let host = |c: &TransferConfig| {
+            (c.lanes + relays * c.relay_lanes)
+                .saturating_mul(c.slots)
+                .saturating_mul(c.chunk)
+        };
+        let peer = |c: &TransferConfig| {
+            c.relay_lanes
+                .saturating_mul(c.slots)
+                .saturating_mul(c.chunk)
+        };
+        let fits = |c: &TransferConfig| {
+            host(c) <= c.max_staging && (relays == 0 || peer(c) <= c.max_staging)
+        };
+        while !fits(&fitted) && fitted.chunk / 2 >= floor {
+            fitted.chunk /= 2;
+        }
+        while !fits(&fitted) && (fitted.lanes > 1 || fitted.relay_lanes > 1) {
+            if fitted.lanes >= fitted.relay_lanes && fitted.lanes > 1 {
+                fitted.lanes -= 1;
+            } else {
+                fitted.relay_lanes -= 1;
+            }
+        }
+        fitted.min_chunk = fitted.min_chunk.min(fitted.chunk);
+        fitted.min_chunk_d2h = fitted.min_chunk_d2h.min(fitted.chunk);
+        fitted
     }
 
     /// Checks values a program set directly.
@@ -507,6 +550,39 @@ mod tests {
         assert_eq!(parse_bytes("x"), None);
         assert_eq!(parse_bytes(""), None);
         assert_eq!(parse_bytes("99999999999999T"), None);
+    }
+
+    #[test]
+    fn staging_fits_its_cap() {
+        let config = TransferConfig {
+            lanes: 16,
+            relay_lanes: 8,
+            slots: 3,
+            chunk: 4 * MIB,
+            min_chunk: MIB,
+            min_chunk_d2h: 512 << 10,
+            max_staging: 64 * MIB,
+            ..TransferConfig::default()
+        };
+        let fitted = config.fit_staging(1);
+        let host = (fitted.lanes + fitted.relay_lanes) * fitted.slots * fitted.chunk;
+        assert!(host <= 64 * MIB, "{fitted:?}");
+        assert_eq!(fitted.chunk, 512 << 10, "chunks shrink to the floor first");
+        assert_eq!(fitted.min_chunk, fitted.chunk);
+        assert!(fitted.validate().is_ok());
+        // Room enough: nothing changes.
+        let roomy = TransferConfig {
+            max_staging: 1 << 30,
+            ..config.clone()
+        };
+        assert_eq!(roomy.fit_staging(1), roomy);
+        // A cap below one slot per lane keeps one lane of each kind with the smallest chunk.
+        let tiny = TransferConfig {
+            max_staging: 64 << 10,
+            ..config
+        };
+        let fitted = tiny.fit_staging(1);
+        assert_eq!((fitted.lanes, fitted.relay_lanes), (1, 1));
     }
 
     #[test]

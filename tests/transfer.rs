@@ -33,6 +33,7 @@ fn config() -> TransferConfig {
         bytes_per_lane: 64 * KIB,
         max_peers: 1,
         measure: false,
+        max_staging: 64 * MIB,
         yield_waits: true,
         policy: Policy {
             min_pageable: 64 * KIB,
@@ -666,5 +667,36 @@ fn batches_of_pieces_arrive_whole() {
     .is_err());
     for d in dsts {
         pool.free(d).unwrap();
+    }
+}
+
+#[test]
+fn staging_stays_within_its_cap() {
+    let (device, peer) = devices();
+    let relays = usize::from(peer.is_some());
+    let capped = TransferConfig {
+        lanes: 4,
+        relay_lanes: 4,
+        max_staging: 2 * CHUNK,
+        ..config()
+    };
+    let engine = Engine::new(device.clone(), peer.into_iter().collect(), capped).unwrap();
+    let c = engine.config();
+    assert!(
+        (c.lanes + relays * c.relay_lanes) * c.slots * c.chunk <= 2 * CHUNK,
+        "{c:?}"
+    );
+    let buffer = DeviceBuffer::new(&device, 4 * MIB, &[]).unwrap();
+    for kind in [HostMemory::Pageable, HostMemory::Pinned] {
+        round_trip(
+            &engine,
+            buffer.va(),
+            4 * MIB - 1,
+            kind,
+            1,
+            0,
+            Completion::Blocking,
+            8,
+        );
     }
 }

@@ -192,6 +192,7 @@ impl Engine {
                 Err(err) => log::warn!("glake: peer check failed: {err}"),
             }
         }
+        let config = config.fit_staging(relays.len());
         let mut devices = HashMap::new();
         devices.insert(target.ordinal(), target.clone());
         for peer in &relays {

@@ -316,7 +316,8 @@ glake_status glake_set_memory_limit(struct glake_pool *pool, uint64_t bytes);
 // is not NULL, the fraction last set (or the byte cap's share of the device) to it.
 //
 // # Safety
-// `out_bytes` must be NULL or valid for a write; `out_fraction` NULL or valid for a write.
+// `out_bytes` must be valid for a write (NULL is an error); `out_fraction` NULL or valid for a
+// write.
 glake_status glake_get_memory_limit(struct glake_pool *pool,
                                     uint64_t *out_bytes,
                                     double *out_fraction);

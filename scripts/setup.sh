@@ -12,7 +12,9 @@ setup_missing_packages() {
   command -v cc >/dev/null 2>&1 || need+=(gcc)
   command -v c++ >/dev/null 2>&1 || need+=(g++)
   command -v make >/dev/null 2>&1 || need+=(make)
-  [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
+  # GoogleTest where CMake finds it: the system headers, /usr/local, or pkg-config's.
+  [ -f /usr/include/gtest/gtest.h ] || [ -f /usr/local/include/gtest/gtest.h ] ||
+    pkg-config --exists gtest 2>/dev/null || need+=(libgtest-dev)
   command -v python3 >/dev/null 2>&1 || need+=(python3)
   # pip builds the wheel (`python3 -m pip wheel`).
   if ! command -v python3 >/dev/null 2>&1 || ! python3 -m pip --version >/dev/null 2>&1; then

@@ -134,10 +134,7 @@ impl Var {
 fn warn_bad_value(name: &str, value: &str, used: &str) {
     static WARNED: OnceLock<Mutex<Vec<(String, String)>>> = OnceLock::new();
     let warned = WARNED.get_or_init(|| Mutex::new(Vec::new()));
-    let mut warned = match warned.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    };
+    let mut warned = crate::sync::lock(warned);
     let key = (name.to_string(), value.to_string());
     if !warned.contains(&key) {
         log::warn!("glake: ignoring {name}={value:?}: not a valid value; using {used}");
@@ -327,7 +324,7 @@ pub struct TransferConfig {
     /// The smallest chunk a copy is cut into.
     pub min_chunk: usize,
     /// The smallest chunk of a device-to-host copy: smaller than host-to-device, since there
-    /// the lanes beat the driver from 1 MiB on and need several chunks to do it.
+    /// the lanes beat the driver from 2 MiB on and need several chunks to do it.
     pub min_chunk_d2h: usize,
     /// A pageable copy wakes one lane per this many bytes (all of them from lanes x this on),
     /// so that mid-sized copies do not pay for waking lanes that would each move little.
@@ -351,7 +348,8 @@ impl Default for TransferConfig {
     fn default() -> Self {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         // Pageable copies are bound by how fast threads copy host memory, which on the GPU
-        // machines measured grows up to about 16 threads (H100: 36 GB/s with 8, 45 with 16).
+        // machines measured grows up to about 16 threads (an H100 host copied out of pageable
+        // memory at 36 GB/s with 8 threads and 45 with 16).
         TransferConfig {
             lanes: cpus.clamp(1, 16),
             relay_lanes: (cpus / 2).clamp(1, 16),
@@ -490,6 +488,18 @@ impl TransferConfig {
                 fitted.relay_lanes -= 1;
             }
         }
+        while !fits(&fitted) && fitted.slots > 1 {
+            fitted.slots -= 1;
+        }
+        if !fits(&fitted) {
+            log::warn!(
+                "glake: copy staging of {} bytes stays above GLAKE_COPY_STAGING ({} bytes): one \
+                 slot of {} bytes per lane is the least the engine works with",
+                host(&fitted),
+                fitted.max_staging,
+                fitted.chunk
+            );
+        }
         fitted.min_chunk = fitted.min_chunk.min(fitted.chunk);
         fitted.min_chunk_d2h = fitted.min_chunk_d2h.min(fitted.chunk);
         fitted
@@ -576,13 +586,14 @@ mod tests {
             ..config.clone()
         };
         assert_eq!(roomy.fit_staging(1), roomy);
-        // A cap below one slot per lane keeps one lane of each kind with the smallest chunk.
+        // A small cap keeps one lane of each kind, the smallest chunk and fewer slots.
         let tiny = TransferConfig {
-            max_staging: 64 << 10,
+            max_staging: 2 * MIB,
             ..config
         };
         let fitted = tiny.fit_staging(1);
         assert_eq!((fitted.lanes, fitted.relay_lanes), (1, 1));
+        assert!(2 * fitted.slots * fitted.chunk <= 2 * MIB, "{fitted:?}");
     }
 
     #[test]

@@ -33,6 +33,23 @@ def path():
     )
 
 
+class TransferStats(ctypes.Structure):
+    """glake_transfer_stats."""
+    _fields_ = [
+        ("copies", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("driver_copies", ctypes.c_uint64),
+        ("engine_bytes", ctypes.c_uint64),
+        ("paths", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+class CopyPiece(ctypes.Structure):
+    """glake_copy_piece."""
+    _fields_ = [("host", ctypes.c_void_p), ("device", ctypes.c_void_p), ("bytes", ctypes.c_size_t)]
+
+
 _lib = None
 
 
@@ -66,16 +83,40 @@ def load():
     lib.gmlake_memory_limit.restype = c_int
     lib.gmlake_last_error.argtypes = []
     lib.gmlake_last_error.restype = c_char_p
+    # The copy engine's C API (glake_*: statuses, message from glake_last_error_message).
+    handle, u32 = ctypes.c_void_p, ctypes.c_uint32
+    lib.glake_transfer_create.argtypes = [u32, ctypes.c_int32, u32, ctypes.POINTER(handle)]
+    lib.glake_transfer_destroy.argtypes = [handle]
+    for name in ("glake_memcpy_htod", "glake_memcpy_dtoh"):
+        getattr(lib, name).argtypes = [handle, handle, handle, ctypes.c_size_t, handle, u32]
+    lib.glake_memcpy_batch.argtypes = [handle, u32, ctypes.POINTER(CopyPiece), ctypes.c_size_t,
+                                       handle, u32]
+    lib.glake_transfer_get_stats.argtypes = [handle, ctypes.POINTER(TransferStats)]
+    for name in ("glake_transfer_create", "glake_transfer_destroy", "glake_memcpy_htod",
+                 "glake_memcpy_dtoh", "glake_memcpy_batch", "glake_transfer_get_stats"):
+        getattr(lib, name).restype = u32
+    lib.glake_last_error_message.argtypes = []
+    lib.glake_last_error_message.restype = c_char_p
     _lib = lib
     return lib
+
+
+def check(status, what=None, c_api=False):
+    """Raises RuntimeError with the library's message when `status` is not 0: the message of
+    the glake_* C API when `c_api`, else the plug-in's (gmlake_*)."""
+    if status == 0:
+        return
+    lib = load()
+    message = (lib.glake_last_error_message() if c_api else lib.gmlake_last_error())
+    message = message.decode(errors="replace")
+    raise RuntimeError(f"glake: {what} failed: {message}" if what else message)
 
 
 def text(fn, *args):
     """Calls a gmlake_*_json function with `args` and returns its text."""
     lib = load()
     out = ctypes.c_void_p()
-    if fn(*args, ctypes.byref(out)) != 0:
-        raise RuntimeError(lib.gmlake_last_error().decode(errors="replace"))
+    check(fn(*args, ctypes.byref(out)))
     try:
         return ctypes.string_at(out.value).decode()
     finally:

@@ -55,22 +55,17 @@ def reset_accumulated(device):
     _library.load().gmlake_reset_accumulated_stats(device)
 
 
-def _checked(status):
-    if status != 0:
-        raise RuntimeError(_library.load().gmlake_last_error().decode(errors="replace"))
-
-
 def set_memory_limit(device, limit):
     """Caps `device`'s physical memory at `limit` bytes (the device's total at most), replacing
     any earlier cap or fraction."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
         raise ValueError(f"memory limit must be a positive number of bytes, not {limit!r}")
-    _checked(_library.load().gmlake_set_memory_limit(limit, device))
+    _library.check(_library.load().gmlake_set_memory_limit(limit, device))
 
 
 def memory_limit(device):
     """`device`'s cap as (bytes, fraction): the fraction last set, or the byte cap's share."""
     lib = _library.load()
     out_bytes, out_fraction = ctypes.c_uint64(), ctypes.c_double()
-    _checked(lib.gmlake_memory_limit(device, ctypes.byref(out_bytes), ctypes.byref(out_fraction)))
+    _library.check(lib.gmlake_memory_limit(device, ctypes.byref(out_bytes), ctypes.byref(out_fraction)))
     return out_bytes.value, out_fraction.value

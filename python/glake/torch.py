@@ -101,7 +101,7 @@ def memory_limit(device=None):
 def to_device(tensor, device=None, non_blocking=False):
     """A copy of CPU tensor `tensor` on CUDA device `device` (the current one by default),
     moved by glake's copy engine: several threads and, where peers with NVLink exist, several
-    PCIe links at once, from pageable memory as fast as from pinned. Works with or without
+    PCIe links at once, from pageable memory several times faster than Tensor.to(). Works with or without
     glake as the allocator. Ordered on the current stream; with `non_blocking`, a pinned
     `tensor` must stay alive and unchanged until the stream has reached the copy (a pageable
     one may be reused at once). Tensors already on a GPU go through Tensor.to()."""
@@ -119,7 +119,7 @@ def to_device(tensor, device=None, non_blocking=False):
 
 def to_host(tensor, pin_memory=False):
     """A CPU copy of CUDA tensor `tensor`, moved by glake's copy engine (into pinned memory
-    with `pin_memory`); returns once the data is there."""
+    with `pin_memory`); returns once the data is there. A CPU tensor is returned as it is."""
     if tensor.device.type == "cpu":
         return tensor
     src = tensor.contiguous()
@@ -161,7 +161,6 @@ def load_state_dict(state_dict, device=None, non_blocking=False):
         out[key] = moved[same]
     stream = _torch.cuda.current_stream(index).cuda_stream
     _transfer.batch(index, pieces, to_device=True, stream=stream, non_blocking=non_blocking)
-    del sources
     return out
 
 

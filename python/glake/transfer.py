@@ -18,54 +18,12 @@ _READ_ENV = 1
 _ASYNC = 1
 
 
-class TransferStats(ctypes.Structure):
-    _fields_ = [
-        ("copies", ctypes.c_uint64),
-        ("bytes", ctypes.c_uint64),
-        ("driver_copies", ctypes.c_uint64),
-        ("engine_bytes", ctypes.c_uint64),
-        ("paths", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint32),
-    ]
-
-
-class CopyPiece(ctypes.Structure):
-    _fields_ = [("host", ctypes.c_void_p), ("device", ctypes.c_void_p), ("bytes", ctypes.c_size_t)]
-
-
 _engines = {}
 _lock = threading.Lock()
 
 
-def _declare(lib):
-    if getattr(lib, "_glake_transfer_declared", False):
-        return lib
-    handle = ctypes.c_void_p
-    lib.glake_transfer_create.argtypes = [
-        ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint32, ctypes.POINTER(handle)]
-    lib.glake_transfer_create.restype = ctypes.c_uint32
-    lib.glake_transfer_destroy.argtypes = [handle]
-    lib.glake_transfer_destroy.restype = ctypes.c_uint32
-    for name in ("glake_memcpy_htod", "glake_memcpy_dtoh"):
-        fn = getattr(lib, name)
-        fn.argtypes = [handle, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                       ctypes.c_void_p, ctypes.c_uint32]
-        fn.restype = ctypes.c_uint32
-    lib.glake_memcpy_batch.argtypes = [handle, ctypes.c_uint32, ctypes.POINTER(CopyPiece),
-                                       ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32]
-    lib.glake_memcpy_batch.restype = ctypes.c_uint32
-    lib.glake_transfer_get_stats.argtypes = [handle, ctypes.POINTER(TransferStats)]
-    lib.glake_transfer_get_stats.restype = ctypes.c_uint32
-    lib.glake_last_error_message.argtypes = []
-    lib.glake_last_error_message.restype = ctypes.c_char_p
-    lib._glake_transfer_declared = True
-    return lib
-
-
-def _check(lib, status, what):
-    if status != 0:
-        message = lib.glake_last_error_message().decode(errors="replace")
-        raise RuntimeError(f"glake: {what} failed: {message}")
+def _check(status, what):
+    _library.check(status, what, c_api=True)
 
 
 def engine(device):
@@ -73,12 +31,12 @@ def engine(device):
     with _lock:
         if device in _engines:
             return _engines[device]
-        lib = _declare(_library.load())
+        lib = _library.load()
         backend = _BACKENDS.get(os.environ.get("GLAKE_BACKEND", "auto").lower())
         if backend is None:
             raise ValueError(f"GLAKE_BACKEND must be one of {sorted(_BACKENDS)}")
         out = ctypes.c_void_p()
-        _check(lib, lib.glake_transfer_create(backend, device, _READ_ENV, ctypes.byref(out)),
+        _check(lib.glake_transfer_create(backend, device, _READ_ENV, ctypes.byref(out)),
                f"starting the copy engine of device {device}")
         _engines[device] = out.value
         return out.value
@@ -89,18 +47,18 @@ def to_device(device, dst, src, nbytes, stream=None, non_blocking=False):
     `stream` (a raw CUDA stream pointer, None for the default stream). Blocking unless
     `non_blocking`; then pageable `src` may be reused at once, pinned `src` only once the
     stream has reached the copy."""
-    lib = _declare(_library.load())
+    lib = _library.load()
     flags = _ASYNC if non_blocking else 0
-    _check(lib, lib.glake_memcpy_htod(engine(device), dst, src, nbytes, stream, flags),
+    _check(lib.glake_memcpy_htod(engine(device), dst, src, nbytes, stream, flags),
            f"copying {nbytes} bytes to device {device}")
 
 
 def to_host(device, dst, src, nbytes, stream=None, non_blocking=False):
     """Copies `nbytes` from device address `src` on `device` to host address `dst`; as
     to_device. A pageable `dst` holds the data when the call returns."""
-    lib = _declare(_library.load())
+    lib = _library.load()
     flags = _ASYNC if non_blocking else 0
-    _check(lib, lib.glake_memcpy_dtoh(engine(device), dst, src, nbytes, stream, flags),
+    _check(lib.glake_memcpy_dtoh(engine(device), dst, src, nbytes, stream, flags),
            f"copying {nbytes} bytes from device {device}")
 
 
@@ -111,12 +69,13 @@ def batch(device, pieces, to_device=True, stream=None, non_blocking=False):
     pieces = list(pieces)
     if not pieces:
         return
-    lib = _declare(_library.load())
-    array = (CopyPiece * len(pieces))(*[CopyPiece(h, d, n) for h, d, n in pieces])
+    lib = _library.load()
+    piece = _library.CopyPiece
+    array = (piece * len(pieces))(*[piece(h, d, n) for h, d, n in pieces])
     flags = _ASYNC if non_blocking else 0
     direction = 0 if to_device else 1
     total = sum(n for _, _, n in pieces)
-    _check(lib, lib.glake_memcpy_batch(engine(device), direction, array, len(pieces), stream,
+    _check(lib.glake_memcpy_batch(engine(device), direction, array, len(pieces), stream,
                                        flags),
            f"copying {len(pieces)} pieces ({total} bytes) {'to' if to_device else 'from'} "
            f"device {device}")
@@ -124,10 +83,11 @@ def batch(device, pieces, to_device=True, stream=None, non_blocking=False):
 
 def stats(device):
     """Counters of `device`'s engine: copies, bytes, driver_copies, engine_bytes, paths."""
-    lib = _declare(_library.load())
-    out = TransferStats()
-    _check(lib, lib.glake_transfer_get_stats(engine(device), ctypes.byref(out)), "stats")
-    return {name: getattr(out, name) for name, _ in TransferStats._fields_ if name != "reserved"}
+    lib = _library.load()
+    out = _library.TransferStats()
+    _check(lib.glake_transfer_get_stats(engine(device), ctypes.byref(out)), "stats")
+    names = [name for name, _ in out._fields_ if name != "reserved"]
+    return {name: getattr(out, name) for name in names}
 
 
 @atexit.register
@@ -135,7 +95,7 @@ def _shutdown():
     with _lock:
         if not _engines:
             return
-        lib = _declare(_library.load())
+        lib = _library.load()
         for handle in _engines.values():
             lib.glake_transfer_destroy(handle)
         _engines.clear()

@@ -32,10 +32,7 @@ pub struct FaultPlan {
 
 impl FaultPlan {
     fn plan(&self) -> std::sync::MutexGuard<'_, Plan> {
-        match self.plan.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        }
+        crate::sync::lock(&self.plan)
     }
 }
 

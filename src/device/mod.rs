@@ -257,6 +257,34 @@ pub fn open(choice: BackendChoice, ordinal: i32, host: host::HostOptions) -> Res
     }
 }
 
+/// Up to `most` other devices of `target`'s backend that `target` can reach as peers, opened
+/// (relays for copies). Devices that fail to open are passed over with a log line.
+pub fn open_peers(
+    target: &SharedDevice,
+    most: usize,
+    host: host::HostOptions,
+) -> Vec<SharedDevice> {
+    let choice = match target.kind() {
+        BackendKind::Cuda => BackendChoice::Cuda,
+        BackendKind::Host => BackendChoice::Host,
+    };
+    let count = target.device_count().unwrap_or(1) as i32;
+    let mut peers = Vec::new();
+    for ordinal in (0..count).filter(|&d| d != target.ordinal()) {
+        if peers.len() >= most {
+            break;
+        }
+        if !target.can_access_peer(ordinal).unwrap_or(false) {
+            continue;
+        }
+        match open(choice, ordinal, host) {
+            Ok(peer) => peers.push(peer),
+            Err(err) => log::info!("device {ordinal} is no relay: {err}"),
+        }
+    }
+    peers
+}
+
 /// Rounds `value` up to a multiple of `align` (a power of two), failing on overflow.
 pub fn align_up(value: usize, align: usize) -> Result<usize> {
     debug_assert!(align.is_power_of_two());

@@ -394,7 +394,8 @@ pub extern "C" fn glake_set_memory_limit(pool: *mut glake_pool, bytes: u64) -> g
 /// is not NULL, the fraction last set (or the byte cap's share of the device) to it.
 ///
 /// # Safety
-/// `out_bytes` must be NULL or valid for a write; `out_fraction` NULL or valid for a write.
+/// `out_bytes` must be valid for a write (NULL is an error); `out_fraction` NULL or valid for a
+/// write.
 #[no_mangle]
 pub unsafe extern "C" fn glake_get_memory_limit(
     pool: *mut glake_pool,

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use super::{glake_status, Failure};
 use crate::device::fault::FaultDevice;
 use crate::pool::Pool;
+use crate::sync::lock;
 use crate::transfer::Engine;
 
 /// A registered pool, with its fault injector when it was created with one.
@@ -35,10 +36,7 @@ impl<T: Clone> Registry<T> {
     }
 
     fn locked(&self) -> MutexGuard<'_, HashMap<usize, T>> {
-        match self.live.lock() {
-            Ok(guard) => guard,
-            Err(poisoned) => poisoned.into_inner(),
-        }
+        lock(&self.live)
     }
 
     /// Registers `value` and returns its handle value (never 0, never reused).

@@ -9,7 +9,7 @@ use static_assertions::const_assert_eq;
 use super::exports::{backend_of, glake_stream, stream_of, write_out};
 use super::{glake_status, guard, handles, Failure};
 use crate::config::{host_options_from_env, TransferConfig};
-use crate::device::{self, BackendChoice, BackendKind, SharedDevice};
+use crate::device;
 use crate::transfer::{Completion, CopyPiece, Direction, Engine};
 
 /// An opaque copy engine of one target device.
@@ -94,34 +94,20 @@ pub unsafe extern "C" fn glake_transfer_create(
         let flags: TransferFlags = flags_of(flags, "flags")?;
         let choice = backend_of(backend)?;
         let target = device::open(choice, device, host_options_from_env())?;
-        let peers = if flags.contains(TransferFlags::NO_PEERS) {
-            Vec::new()
-        } else {
-            open_peers(&target)
-        };
         let mut config = TransferConfig::default();
         if flags.contains(TransferFlags::READ_ENV) {
             config.apply_env();
         }
+        if flags.contains(TransferFlags::NO_PEERS) {
+            config.max_peers = 0;
+        }
+        let peers = device::open_peers(&target, config.max_peers, host_options_from_env());
         let engine = Engine::new(target, peers, config)?;
         let id = handles::transfers().insert(Arc::new(engine));
         // SAFETY: checked non-NULL above.
         unsafe { out.write(id as *mut glake_transfer) };
         Ok(())
     })
-}
-
-/// Every other device of `target`'s backend that opens.
-fn open_peers(target: &SharedDevice) -> Vec<SharedDevice> {
-    let choice = match target.kind() {
-        BackendKind::Cuda => BackendChoice::Cuda,
-        BackendKind::Host => BackendChoice::Host,
-    };
-    let count = target.device_count().unwrap_or(1) as i32;
-    (0..count)
-        .filter(|&d| d != target.ordinal())
-        .filter_map(|d| device::open(choice, d, host_options_from_env()).ok())
-        .collect()
 }
 
 /// Stops a copy engine and frees its staging memory (after waiting for its work). The handle
@@ -246,9 +232,11 @@ pub unsafe extern "C" fn glake_memcpy_batch(
     flags: u32,
 ) -> glake_status {
     guard(|| {
+        const TO_DEVICE: u32 = glake_copy_direction::GLAKE_HOST_TO_DEVICE as u32;
+        const TO_HOST: u32 = glake_copy_direction::GLAKE_DEVICE_TO_HOST as u32;
         let direction = match direction {
-            0 => Direction::HostToDevice,
-            1 => Direction::DeviceToHost,
+            TO_DEVICE => Direction::HostToDevice,
+            TO_HOST => Direction::DeviceToHost,
             other => {
                 return Err(Failure::new(
                     glake_status::GLAKE_STATUS_INVALID_ARGUMENT,

@@ -37,13 +37,14 @@ mod sizes;
 mod stitching;
 mod streams;
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use crate::config::Config;
 use crate::device::{DevicePtr, Event, SharedDevice, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use crate::stats::MemoryStats;
 use crate::stitch::{StitchCache, StitchId};
+use crate::sync::lock;
 use blocks::{BlockId, BlockMap, PoolKind, Tag, SHARED};
 use cap::MemoryCap;
 use growth::Zombie;
@@ -114,14 +115,6 @@ pub struct AllocationInfo {
     pub requested: usize,
     pub stream: Stream,
     pub stitched: bool,
-}
-
-fn lock(mutex: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
-    // A panic inside the allocator is a bug; the state it leaves is still the best we have.
-    match mutex.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    }
 }
 
 impl Pool {

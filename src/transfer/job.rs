@@ -7,6 +7,7 @@ use std::sync::{Condvar, Mutex};
 use super::plan::{Cursor, Direction};
 use crate::device::{DevicePtr, Event, HostMemory};
 use crate::error::Error;
+use crate::sync::lock;
 
 /// A copy handed to a set of lanes.
 pub struct Job {
@@ -83,12 +84,5 @@ impl Job {
         }
         drop(remaining);
         lock(&self.error).take()
-    }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match mutex.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
     }
 }

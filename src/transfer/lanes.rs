@@ -20,7 +20,6 @@ use crate::device::{DevicePtr, Event, HostMemory, SharedDevice, Stream};
 use crate::error::{Error, Result};
 
 /// What a lane is made of.
-#[derive(Clone)]
 pub struct LaneSpec {
     pub target: SharedDevice,
     /// The peer a relay lane goes through; None for the target's own link.
@@ -90,7 +89,7 @@ impl LaneHandle {
     /// Whether the lane's last piece of work for `direction` runs on the peer (so its final
     /// event must be the peer's).
     pub fn ends_on_peer(&self, direction: Direction) -> bool {
-        self.via.is_some() && direction == Direction::DeviceToHost
+        ends_on_peer(self.via.is_some(), direction)
     }
 
     /// Hands `job` to the lane; it records `job.finals[index]` when done.
@@ -108,6 +107,12 @@ impl Drop for LaneHandle {
             let _ = thread.join();
         }
     }
+}
+
+/// Whether a lane's last piece of work for `direction` runs on its peer: a relayed
+/// device-to-host copy ends with the peer's copy to host memory.
+fn ends_on_peer(relayed: bool, direction: Direction) -> bool {
+    relayed && direction == Direction::DeviceToHost
 }
 
 /// What a slot waits for before its buffers are reused, and where a device-to-host chunk in
@@ -223,9 +228,13 @@ impl Lane {
                 "a copy job has no final event for this lane",
             ));
         };
-        // Device work of the copy comes after the caller's earlier work on its stream.
+        // Device work of the copy comes after the caller's earlier work on its stream, on the
+        // peer too: a relay reads (or writes) the caller's page-locked memory there.
         self.target
             .stream_wait_event(self.target_stream, job.start)?;
+        if let (Some(peer), Some(stream)) = (&self.peer, self.peer_stream) {
+            peer.stream_wait_event(stream, job.start)?;
+        }
         while !job.failed() {
             let Some(chunk) = job.cursor.take() else {
                 break;
@@ -238,8 +247,7 @@ impl Lane {
                 self.complete(slot)?;
             }
         }
-        let relayed_out = self.peer.is_some() && job.direction == Direction::DeviceToHost;
-        if relayed_out {
+        if ends_on_peer(self.peer.is_some(), job.direction) {
             let (peer, stream) = self.peer()?;
             peer.record_event(final_event, stream)
         } else {
@@ -289,6 +297,13 @@ impl Lane {
         let Some(&(host_start, device_start)) = job.pieces.get(chunk.piece) else {
             return Err(Error::internal("a chunk of a piece the copy does not have"));
         };
+        if chunk.len > self.slots[slot].host.len() {
+            return Err(Error::internal(format!(
+                "a chunk of {} bytes is larger than the lane's {}-byte slots",
+                chunk.len,
+                self.slots[slot].host.len()
+            )));
+        }
         let host_at = host_start + chunk.offset;
         let device_at = device_start + chunk.offset as u64;
         let staged = job.host == HostMemory::Pageable;
@@ -388,18 +403,13 @@ impl Lane {
 
     /// Waits for everything the lane has queued and forgets it, without copying out: after a
     /// failure, so that nothing of the caller's is touched once the call returns.
+    /// Work queued before a failed call may not be behind any slot's event, so the lane's
+    /// streams are waited for whole.
     fn quiesce(&mut self) {
-        for slot in 0..self.slots.len() {
-            if let Some(pending) = self.slots[slot].pending.take() {
-                let device = match (&self.peer, pending.on_peer) {
-                    (Some(peer), true) => peer,
-                    _ => &self.target,
-                };
-                if device.synchronize_event(pending.event).is_err() {
-                    self.synchronize_streams();
-                }
-            }
+        for slot in &mut self.slots {
+            slot.pending = None;
         }
+        self.synchronize_streams();
     }
 
     fn synchronize_streams(&self) {

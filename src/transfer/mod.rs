@@ -30,6 +30,7 @@ use std::time::Instant;
 use crate::config::TransferConfig;
 use crate::device::{DevicePtr, Event, HostMemory, SharedDevice, Stream};
 use crate::error::{Error, ErrorKind, Result};
+use crate::sync::lock;
 use job::Job;
 use lanes::{LaneHandle, LaneSpec};
 pub use plan::{Direction, Path, Policy, Route};
@@ -168,8 +169,9 @@ pub struct Engine {
 
 impl Engine {
     /// An engine copying to and from `target`, relaying through those of `peers` that can
-    /// reach it (and only when `config.max_peers` allows). Makes every lane, stream, event and
-    /// staging buffer now; measures each path's bandwidth when `config.measure` is set.
+    /// reach it (and only when `config.max_peers` allows). Makes every lane, stream and staging
+    /// buffer now (events are made on first use and kept); measures each path's bandwidth when
+    /// `config.measure` is set.
     pub fn new(
         target: SharedDevice,
         peers: Vec<SharedDevice>,
@@ -406,17 +408,18 @@ impl Engine {
         stream: Stream,
         completion: Completion,
     ) -> Result<()> {
-        for piece in pieces.iter().filter(|p| p.len > 0) {
+        let pieces: Vec<CopyPiece> = pieces.iter().copied().filter(|p| p.len > 0).collect();
+        for piece in &pieces {
             piece.validate()?;
         }
-        let pieces: Vec<CopyPiece> = pieces.iter().copied().filter(|p| p.len > 0).collect();
-        let total: usize = pieces.iter().map(|p| p.len).sum();
         if pieces.is_empty() {
             return Ok(());
         }
+        let total: usize = pieces.iter().map(|p| p.len).sum();
         // Small copies surely go to the driver: no need to ask what their memory is.
+        let small = self.config.policy.surely_driver(total, direction);
         let mut groups: Vec<(HostMemory, Vec<CopyPiece>)> = Vec::new();
-        if self.config.policy.surely_driver(total, direction) {
+        if small {
             groups.push((HostMemory::Pageable, pieces));
         } else {
             for piece in pieces {
@@ -432,7 +435,7 @@ impl Engine {
         let mut driver_used = false;
         for (host, group) in groups {
             let len: usize = group.iter().map(|p| p.len).sum();
-            let route = if self.config.policy.surely_driver(total, direction) {
+            let route = if small {
                 Route::Driver
             } else {
                 self.route(len, direction, host)
@@ -578,7 +581,10 @@ impl Engine {
             }
         }
         let outcome = match job.wait() {
-            Some(err) => Err(err),
+            Some(err) => {
+                self.wait_all(&finals, &owners);
+                Err(err)
+            }
             None => self.finish(stream, completion, &finals, &owners),
         };
         self.events.give(target, [start]);
@@ -596,19 +602,38 @@ impl Engine {
         finals: &[Event],
         owners: &[i32],
     ) -> Result<()> {
+        let mut first_error = None;
         for (&event, &owner) in finals.iter().zip(owners) {
-            match completion {
-                Completion::Blocking => self.events.device(owner)?.synchronize_event(event)?,
-                Completion::StreamOrdered => self.target.stream_wait_event(stream, event)?,
+            let done = match completion {
+                Completion::Blocking => self
+                    .events
+                    .device(owner)
+                    .and_then(|device| device.synchronize_event(event)),
+                Completion::StreamOrdered => self.target.stream_wait_event(stream, event),
+            };
+            if let Err(err) = done {
+                first_error.get_or_insert(err);
             }
         }
-        Ok(())
+        match first_error {
+            Some(err) => {
+                self.wait_all(finals, owners);
+                Err(err)
+            }
+            None => Ok(()),
+        }
     }
-}
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match mutex.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
+    /// Waits, as well as it can, for every lane's last work of a copy that is failing: lanes
+    /// that did not fail may still have queued work touching the caller's memory, which must
+    /// be over before the error goes back (a failed lane has waited for its own streams).
+    fn wait_all(&self, finals: &[Event], owners: &[i32]) {
+        for (&event, &owner) in finals.iter().zip(owners) {
+            if let Ok(device) = self.events.device(owner) {
+                if device.synchronize_event(event).is_err() {
+                    let _ = device.synchronize_device();
+                }
+            }
+        }
     }
 }

@@ -195,12 +195,13 @@ pub fn lanes_for(len: usize, lanes: usize, per_lane: usize) -> usize {
 /// The chunk size for a copy of `len` bytes over `lanes` parallel lanes: large enough to keep
 /// per-chunk costs (a driver call, an event) small, small enough that every lane gets several
 /// chunks and the last ones do not leave lanes idle; a multiple of 64 KiB, within
-/// [`min`, `max`].
+/// [`min`, `max`] (`max` wins, and need not be a multiple of 64 KiB).
 pub fn chunk_size(len: usize, lanes: usize, min: usize, max: usize) -> usize {
     const ALIGN: usize = 64 << 10;
     let per_lane = len / (lanes.max(1) * 4);
     let size = per_lane.clamp(min.max(ALIGN), max.max(min).max(ALIGN));
-    size.div_ceil(ALIGN) * ALIGN
+    // Never above `max`: the slots a chunk is staged in hold exactly that much.
+    (size.div_ceil(ALIGN) * ALIGN).min(max.max(1))
 }
 
 #[cfg(test)]
@@ -360,6 +361,9 @@ mod tests {
     fn chunk_sizes_stay_in_bounds_and_aligned() {
         assert_eq!(chunk_size(1 << 30, 8, 2 * MIB, 16 * MIB), 16 * MIB);
         assert_eq!(chunk_size(4 * MIB, 8, 2 * MIB, 16 * MIB), 2 * MIB);
+        // Slots of a size that is no multiple of the alignment are never overrun.
+        assert_eq!(chunk_size(1 << 30, 8, 4096, 100 << 10), 100 << 10);
+        assert_eq!(chunk_size(1 << 30, 8, 4096, 4096), 4096);
         let mid = chunk_size(200 * MIB, 8, MIB, 16 * MIB);
         assert!((MIB..=16 * MIB).contains(&mid) && mid % (64 << 10) == 0);
     }

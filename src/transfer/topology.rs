@@ -49,11 +49,6 @@ pub fn cpus_near(device: &SharedDevice) -> Option<Vec<usize>> {
     node_cpus(device.numa_node()?)
 }
 
-/// Number of CPUs this process may run on.
-pub fn available_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

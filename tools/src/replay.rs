@@ -263,9 +263,7 @@ pub fn replay(
                 "budget {budget} is more than the device's {total} bytes"
             )));
         }
-        // Half a byte over, so that the pool's cap (total * fraction, rounded down) is not a
-        // byte short of the budget.
-        pool_config.memory_fraction = ((budget as f64 + 0.5) / total as f64).min(1.0);
+        pool_config.memory_limit = Some(budget);
     }
     let pool = Pool::new(device.clone(), pool_config)
         .map_err(|e| TraceError::from(e).context(format!("config {}", config.name)))?;

@@ -158,6 +158,8 @@ impl Memory {
     /// Unmaps every reservation (and so every mapping in them), when the device goes away.
     pub(super) fn unmap_reservations(&self) {
         for (&va, &size) in self.reservations.iter() {
+            // Grants to other devices end with the memory: the range may be mapped anew.
+            super::process::revoke(va, size);
             // SAFETY: unmapping a reservation this object made.
             unsafe { libc::munmap(va as *mut libc::c_void, size) };
         }

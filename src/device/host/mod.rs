@@ -17,7 +17,7 @@ mod streams;
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use self::memory::Memory;
 use self::streams::{Events, HostStream};
@@ -50,14 +50,7 @@ impl Default for HostOptions {
     }
 }
 
-/// Locks a mutex, recovering the data if another thread panicked while holding it: the host
-/// backend's state stays consistent across a panic because each update is one assignment.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    match mutex.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    }
-}
+use crate::sync::lock;
 
 /// A device backed by host memory.
 pub struct HostDevice {

@@ -49,16 +49,14 @@ pub(super) fn unlock_pages(start: usize, registered: bool) -> Result<usize> {
     }
 }
 
-/// Whether both ends of `[ptr, ptr+len)` lie in page-locked ranges.
+/// Whether all of `[ptr, ptr+len)` lies in one page-locked range.
 pub(super) fn host_memory(ptr: usize, len: usize) -> HostMemory {
-    let ranges = lock(page_locked());
-    let inside = |at: usize| {
-        ranges
-            .range(..=at)
-            .next_back()
-            .is_some_and(|(&s, &(l, _))| at < s + l)
-    };
-    if inside(ptr) && inside(ptr + len.saturating_sub(1)) {
+    let end = ptr.saturating_add(len.max(1));
+    let covered = lock(page_locked())
+        .range(..=ptr)
+        .next_back()
+        .is_some_and(|(&s, &(l, _))| end <= s + l);
+    if covered {
         HostMemory::Pinned
     } else {
         HostMemory::Pageable
@@ -118,6 +116,10 @@ mod tests {
             HostMemory::Pageable,
             "runs past the end"
         );
+        // Two ranges with a gap between them are not one page-locked range.
+        lock_pages(base + 8192, 4096, true).unwrap();
+        assert_eq!(host_memory(base, 12288), HostMemory::Pageable);
+        assert_eq!(unlock_pages(base + 8192, true).unwrap(), 4096);
         assert!(unlock_pages(base, true).is_err(), "not registered");
         assert_eq!(unlock_pages(base, false).unwrap(), 4096);
         assert_eq!(host_memory(base, 1), HostMemory::Pageable);

@@ -258,13 +258,22 @@ impl HostDevice {
             state.recorded += 1;
             state.recorded
         };
-        self.enqueue(
+        let queued = self.enqueue(
             stream,
             Op::Record {
                 event: event.0,
                 generation,
             },
-        )
+        );
+        if queued.is_err() {
+            // Nothing will complete this generation: take it back, or waits would hang.
+            if let Some(state) = lock(&self.events.states).get_mut(&event.0) {
+                if state.recorded == generation {
+                    state.recorded -= 1;
+                }
+            }
+        }
+        queued
     }
 
     /// [`Device::query_event`](crate::device::Device::query_event).

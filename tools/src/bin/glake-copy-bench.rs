@@ -102,21 +102,8 @@ fn human(bytes: usize) -> String {
 fn run(args: &Args) -> Result<(), String> {
     let err = |e: glake::Error| e.to_string();
     let target = device::open(args.backend, args.device, host_options_from_env()).map_err(err)?;
-    let mut peers: Vec<SharedDevice> = Vec::new();
     let count = target.device_count().unwrap_or(1);
-    for ordinal in 0..count as i32 {
-        if ordinal == args.device || peers.len() >= args.peers {
-            continue;
-        }
-        let backend = match target.kind() {
-            glake::device::BackendKind::Cuda => BackendChoice::Cuda,
-            glake::device::BackendKind::Host => BackendChoice::Host,
-        };
-        match device::open(backend, ordinal, host_options_from_env()) {
-            Ok(peer) => peers.push(peer),
-            Err(e) => eprintln!("device {ordinal}: {e}"),
-        }
-    }
+    let peers = device::open_peers(&target, args.peers, host_options_from_env());
     let config = TransferConfig::from_env();
     let started = Instant::now();
     let mut engines = vec![Engine::new(target.clone(), Vec::new(), config.clone()).map_err(err)?];
@@ -181,7 +168,8 @@ fn run(args: &Args) -> Result<(), String> {
                 let methods: Vec<Method> = std::iter::once(Method::Driver)
                     .chain((0..engines.len()).map(Method::Engine))
                     .collect();
-                // Reps: enough to fill about half a second per method, at least `reps`.
+                // Reps: at least `reps`, and more for small sizes (256 MiB moved per method,
+                // at most 200), so that their medians rest on many copies.
                 let reps = args.reps.max((256 << 20) / size.max(1)).min(200);
                 let mut times: Vec<Vec<f64>> = vec![Vec::new(); methods.len()];
                 for rep in 0..=reps {

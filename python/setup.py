@@ -1,4 +1,6 @@
-"""Builds libgmlake.so with cargo and ships it inside the glake package.
+"""Builds libgmlake.so with cargo and ships it inside the glake package, with the sources of
+the native PyTorch allocator (built on the user's machine, see glake/native) and the start-up
+hook that GLAKE_ENABLE=1 uses.
 
 The library is a plain C ABI shared object, not a Python extension: the wheel is tagged
 py3-none-<platform> and serves every Python 3 version. CARGO_TARGET_DIR is honoured.
@@ -20,6 +22,7 @@ except ImportError:  # setuptools < 70
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 LIBRARY = "libgmlake.so"
+AUTOLOAD = "glake-autoload.pth"
 
 
 class BuildPyWithLibrary(build_py):
@@ -31,9 +34,18 @@ class BuildPyWithLibrary(build_py):
             check=True,
         )
         target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-        destination = pathlib.Path(self.build_lib) / "glake" / LIBRARY
+        build_lib = pathlib.Path(self.build_lib)
+        destination = build_lib / "glake" / LIBRARY
         destination.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(target / "release" / LIBRARY, destination)
+        # glake.h for building the native PyTorch allocator on the user's machine.
+        (build_lib / "glake" / "native").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / "include" / "glake.h", build_lib / "glake" / "native" / "glake.h")
+        # Enables glake at start-up in processes run with GLAKE_ENABLE=1 (see glake.autoload).
+        (build_lib / AUTOLOAD).write_text(
+            'import os; os.environ.get("GLAKE_ENABLE", "") not in ("", "0") '
+            'and __import__("glake.autoload")\n'
+        )
 
 
 class PlatformWheel(bdist_wheel):

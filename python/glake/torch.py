@@ -4,18 +4,23 @@
     glake.torch.enable()                      # before the first CUDA tensor
     glake.torch.enable(frag_limit="64M")      # with configuration
 
-enable() swaps PyTorch's CUDA allocator for libgmlake.so through
-torch.cuda.memory.CUDAPluggableAllocator, registers every hook the plug-in interface has
-(empty_cache, memory fraction, record_stream, base allocation, CUDA graph pools), and makes
-torch.cuda.memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
-memory_stats, memory_summary, memory_snapshot, reset_peak_memory_stats and
-reset_accumulated_memory_stats answer from glake's statistics with PyTorch's key names.
+or with no code change: `GLAKE_ENABLE=1 python train.py` (installed package) or
+`python -m glake.run train.py` (see glake.run).
+
+enable() installs glake's native allocator: an implementation of PyTorch's C++ allocator
+interface built for the installed torch on first use (glake/native), so that every PyTorch
+memory tool (memory_stats, _record_memory_history and memory_viz, MemPool, CUDA graph pools,
+typed out-of-memory errors and observers) answers from glake. Where it cannot be built (no C++
+compiler or CUDA headers), enable() falls back to libgmlake.so through
+torch.cuda.memory.CUDAPluggableAllocator, with statistics and snapshots served by glake, and
+info() says which path is active and why.
 
 Configuration: keywords of enable() (below), else the environment: GLAKE_* variables or
 GMLake's names (vmmDefragment, fragLimit, reuseLimit, defragLevel, autoGC, ...).
 """
 
 import os
+import warnings
 
 import torch as _torch
 
@@ -23,7 +28,7 @@ from . import _library, options
 from . import transfer as _transfer
 from . import stats as _stats
 
-_state = {"allocator": None}
+_state = {"allocator": None, "path": None, "native": None, "reason": None}
 
 
 def is_enabled():
@@ -35,9 +40,44 @@ def library_path():
     return _library.path()
 
 
-def enable(**config):
+def info():
+    """Which way glake serves PyTorch: {"enabled", "path" ("native": glake's implementation of
+    PyTorch's C++ allocator interface, built for this torch; "pluggable": libgmlake.so through
+    torch.cuda.memory.CUDAPluggableAllocator; None: not enabled), "library" (libgmlake.so),
+    "native_library" (the built allocator, if native) and "reason" (why native is not used)}."""
+    try:
+        library = _library.path()
+    except FileNotFoundError:
+        library = None
+    return {
+        "enabled": is_enabled(),
+        "path": _state["path"],
+        "library": library,
+        "native_library": _state["native"],
+        "reason": _state["reason"],
+    }
+
+
+def _native_choice(native):
+    """True: native or fail; False: pluggable; None: native where it builds, else pluggable."""
+    if native is not None:
+        return bool(native)
+    value = os.environ.get("GLAKE_NATIVE", "auto").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+def enable(native=None, **config):
     """Makes glake PyTorch's CUDA allocator. Call before any CUDA memory is allocated; calling
-    again is a no-op. Raises RuntimeError when CUDA is already initialised."""
+    again is a no-op. Raises RuntimeError when CUDA is already initialised.
+
+    `native` (default: $GLAKE_NATIVE, else automatic) chooses the way in: glake's own
+    implementation of PyTorch's C++ allocator interface, built for the installed torch on first
+    use and cached (every PyTorch memory tool works through it), or CUDAPluggableAllocator.
+    Automatic takes the native path when it builds and says why when it does not (info())."""
     if is_enabled():
         return
     env = options.environment(**config)
@@ -49,6 +89,29 @@ def enable(**config):
         )
     os.environ.update(env)
     path = _library.path()
+    _library.load()
+    choice = _native_choice(native)
+    if choice is not False:
+        from . import native as _native
+
+        try:
+            _state["native"] = _native.install(path)
+            _state["allocator"] = _state["path"] = "native"
+            _state["reason"] = None
+            _add_glake_counters()
+            return
+        except _native.Unavailable as err:
+            if choice:
+                raise
+            _state["reason"] = str(err)
+            warnings.warn(f"glake: the native allocator is unavailable ({err}); "
+                          "using torch.cuda.memory.CUDAPluggableAllocator")
+    else:
+        _state["reason"] = "disabled by GLAKE_NATIVE=0 or enable(native=False)"
+    _enable_pluggable(path)
+
+
+def _enable_pluggable(path):
     lib = _library.load()
     allocator = _torch.cuda.memory.CUDAPluggableAllocator(path, "gmlake_malloc", "gmlake_free")
     hooks = allocator.allocator()
@@ -63,6 +126,7 @@ def enable(**config):
     hooks.set_release_pool(address(lib, "gmlake_release_pool"))
     _torch.cuda.memory.change_current_allocator(allocator)
     _state["allocator"] = allocator
+    _state["path"] = "pluggable"
     _install_statistics()
 
 
@@ -185,9 +249,18 @@ _BLOCK_STATES = {
 
 
 def torch_snapshot():
-    """A snapshot in the shape of torch.cuda.memory._snapshot(): segments of every device used,
-    with blocks in PyTorch's states (stitched pieces count as allocated), no traces; glake's
-    stitched ranges are under "glake_stitched"."""
+    """A snapshot in the shape of torch.cuda.memory._snapshot(), with glake's stitched ranges
+    under "glake_stitched". On the native path it is PyTorch's own snapshot (with history when
+    recorded); on the pluggable path it is built from glake's: segments of every device used,
+    blocks in PyTorch's states (stitched pieces count as allocated), no traces."""
+    if _state["path"] == "native":
+        snap = _torch.cuda.memory._snapshot()
+        snap["glake_stitched"] = [
+            dict(s, device=device)
+            for device in range(_torch.cuda.device_count())
+            for s in (snapshot(device) or {}).get("stitched", [])
+        ]
+        return snap
     segments, stitched, traces = [], [], []
     for device in range(_torch.cuda.device_count()):
         traces.append([])
@@ -299,6 +372,20 @@ _REPLACEMENTS = {
     "_accelerator_resetPeakStats": _reset_peak,
     "_accelerator_resetAccumulatedStats": _reset_accumulated,
 }
+
+
+def _add_glake_counters():
+    """On the native path PyTorch's memory_stats() comes from glake through PyTorch's own
+    interface; this adds glake's stitching counters (glake.*) to it."""
+    original = _torch._C._cuda_memoryStats
+
+    def memory_stats_with_glake(device):
+        out = original(device)
+        extra = {k: v for k, v in stats(device).items() if k.startswith("glake.")}
+        out.update(_stats.nested(extra))
+        return out
+
+    _torch._C._cuda_memoryStats = memory_stats_with_glake
 
 
 def _install_statistics():

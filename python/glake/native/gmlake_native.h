@@ -85,6 +85,9 @@ int gmlake_n_set_memory_fraction(int device, double fraction);
 int gmlake_n_memory_fraction(int device, double *out);
 /* Statistics of `device`; all zero for a device not used yet. */
 int gmlake_n_stats(int device, glake_stats *out);
+/* torch.cuda.reset_peak_memory_stats / reset_accumulated_memory_stats of `device`. */
+void gmlake_reset_peak_stats(int device);
+void gmlake_reset_accumulated_stats(int device);
 /* The allocation containing `ptr`: its start and size. */
 int gmlake_n_base(void *ptr, void **out_base, size_t *out_size);
 /* Whether `device`'s pool exists yet (0 or 1). */
@@ -105,7 +108,7 @@ int gmlake_n_pool_live(int device, gmlake_n_pool_id pool, void *ctx,
                        void (*cb)(void *ctx, uint64_t address));
 
 /* Calls `segment` once per segment of `device` in address order with its blocks, then
- * `stitched` once per stitched range. Nothing when the device is not used yet. The callbacks
+ * `stitched` (may be NULL) once per stitched range. Nothing when the device is not used yet. The callbacks
  * run under the pool's lock: they must not call back into libgmlake. */
 int gmlake_n_snapshot(int device, void *ctx,
                       void (*segment)(void *ctx, const gmlake_n_segment *segment,

@@ -1,0 +1,283 @@
+"""glake through PyTorch's own allocator interface (the native path): typed out-of-memory
+errors and observers, memory history and memory_viz, memory fraction, MemPool, CUDA graph
+pools, raw allocations, and enabling without code changes. Run by scripts/gpu-torch.sh; the
+session enables glake in conftest.py."""
+import os
+import pickle
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from conftest import PYTHON_DIR, run_script
+
+import glake.torch
+
+GIB = 2**30
+MIB = 2**20
+
+native = pytest.mark.skipif(glake.torch.info()["path"] != "native",
+                            reason="the native allocator is not active: "
+                            + str(glake.torch.info()["reason"]))
+
+
+def test_info_names_the_active_path():
+    info = glake.torch.info()
+    assert info["enabled"] and info["path"] in ("native", "pluggable")
+    if os.environ.get("GLAKE_NATIVE", "auto") not in ("0", "off"):
+        assert info["path"] == "native", info["reason"]
+        assert os.path.isfile(info["native_library"])
+
+
+@native
+def test_out_of_memory_is_typed_with_pytorchs_message_and_the_process_goes_on():
+    ooms = torch.cuda.memory_stats()["num_ooms"]
+    with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
+        torch.empty(200 * GIB, dtype=torch.uint8, device="cuda")
+    text = str(caught.value)
+    assert "CUDA out of memory. Tried to allocate 200.00 GiB. GPU 0 has a total capacity of" in text
+    assert "glake" in text
+    assert torch.cuda.memory_stats()["num_ooms"] == ooms + 1
+    assert torch.arange(10, device="cuda").sum().item() == 45
+
+
+@native
+def test_out_of_memory_observers_see_the_device():
+    seen = []
+    torch._C._cuda_attach_out_of_memory_observer(
+        lambda device, allocated, total, free: seen.append((device, allocated, total, free)))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch.empty(300 * GIB, dtype=torch.uint8, device="cuda")
+    assert len(seen) == 1
+    device, allocated, total, free = seen[0]
+    assert device == 0 and total == torch.cuda.mem_get_info()[1] and 0 < free <= total
+    assert allocated == torch.cuda.memory_allocated()
+
+
+@native
+def test_memory_fraction_reads_back():
+    torch.cuda.set_per_process_memory_fraction(0.5)
+    try:
+        assert torch.cuda.get_per_process_memory_fraction() == 0.5
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert torch.cuda.get_per_process_memory_fraction() == 1.0
+
+
+def _alloc_here(n):
+    return torch.empty(n, dtype=torch.uint8, device="cuda")
+
+
+@native
+def test_memory_history_records_stacks_segments_and_loads_in_memory_viz(tmp_path):
+    from torch.cuda import _memory_viz
+
+    torch.cuda.empty_cache()
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    try:
+        x = _alloc_here(3 * MIB + 5)
+        big = _alloc_here(256 * MIB)
+        del big
+        torch.cuda.empty_cache()
+        snap = torch.cuda.memory._snapshot()
+        path = tmp_path / "snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    trace = snap["device_traces"][0]
+    actions = [e["action"] for e in trace]
+    for action in ("segment_alloc", "alloc", "free_requested", "free_completed", "segment_free"):
+        assert action in actions, actions
+    mine = [e for e in trace if e["action"] == "alloc" and e["addr"] == x.data_ptr()]
+    assert mine and mine[0]["size"] == 3 * MIB + 5
+    assert any("_alloc_here" == f["name"] and "test_native.py" in f["filename"]
+               for f in mine[0]["frames"])
+    # The live block carries the stack it was allocated with.
+    blocks = [b for s in snap["segments"] for b in s["blocks"]
+              if b["state"] == "active_allocated" and b["requested_size"] == 3 * MIB + 5]
+    assert blocks and any("test_native.py" in f["filename"] for f in blocks[0]["frames"])
+    # What memory_viz reads: the dumped pickle turns into both of its pages.
+    with open(path, "rb") as f:
+        dumped = pickle.load(f)
+    assert "<html" in _memory_viz.trace_plot(dumped).lower()
+    assert "<html" in _memory_viz.segment_plot(dumped).lower()
+    del x
+
+
+@native
+def test_stitched_allocations_are_named_in_the_history():
+    torch.cuda.empty_cache()
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        before = glake.torch.stats()["glake.stitches"]
+        blocks = [_alloc_here(64 * MIB) for _ in range(8)]
+        del blocks[::2]
+        torch.cuda.set_per_process_memory_fraction(
+            (torch.cuda.memory_reserved() + 8 * MIB) / torch.cuda.mem_get_info()[1])
+        try:
+            joined = _alloc_here(192 * MIB)  # only stitched free pieces can serve it
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    assert glake.torch.stats()["glake.stitches"] > before
+    entry = [e for e in snap["device_traces"][0]
+             if e["action"] == "alloc" and e["addr"] == joined.data_ptr()]
+    assert entry and "stitched from" in entry[-1].get("user_metadata", "")
+    assert glake.torch.torch_snapshot()["glake_stitched"]
+    del joined, blocks
+
+
+@native
+def test_mempool_routes_counts_and_snapshots():
+    pool = torch.cuda.MemPool()
+    assert pool.use_count() == 1
+    outside = _alloc_here(4 * MIB)
+    with torch.cuda.use_mem_pool(pool):
+        assert pool.use_count() == 2
+        inside = _alloc_here(24 * MIB)
+    assert pool.use_count() == 1
+    segments = pool.snapshot()
+    assert segments and all(tuple(s["segment_pool_id"]) == tuple(pool.id) for s in segments)
+    starts = [(s["address"], s["address"] + s["total_size"]) for s in segments]
+    assert any(a <= inside.data_ptr() < b for a, b in starts)
+    assert not any(a <= outside.data_ptr() < b for a, b in starts)
+    del inside, outside
+    del pool
+    torch.cuda.empty_cache()
+
+
+@native
+def test_mempools_used_from_several_threads_stay_apart():
+    pools = [torch.cuda.MemPool() for _ in range(3)]
+    made, errors = {}, []
+
+    def work(i):
+        try:
+            with torch.cuda.use_mem_pool(pools[i]):
+                made[i] = _alloc_here((i + 1) * 8 * MIB)
+        except Exception as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, pool in enumerate(pools):
+        ranges = [(s["address"], s["address"] + s["total_size"]) for s in pool.snapshot()]
+        assert any(a <= made[i].data_ptr() < b for a, b in ranges), i
+    made.clear()
+    del pools
+    torch.cuda.empty_cache()
+
+
+@native
+def test_graph_pool_segments_carry_the_graph_pool_id():
+    x = torch.randn(1 << 20, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = x * 2  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        y = x * 2 + 1
+    pool = tuple(graph.pool())
+    assert pool != (0, 0)
+    owned = [s for s in torch.cuda.memory._snapshot()["segments"]
+             if tuple(s["segment_pool_id"]) == pool]
+    assert any(s["address"] <= y.data_ptr() < s["address"] + s["total_size"] for s in owned)
+    x.fill_(1.0)
+    graph.replay()
+    assert torch.allclose(y, torch.full_like(y, 3.0))
+    del graph, y
+
+
+@native
+def test_raw_alloc_and_delete_are_counted():
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ptr = torch.cuda.caching_allocator_alloc(8 * MIB)
+    assert torch.cuda.memory_allocated() >= before + 8 * MIB
+    torch.cuda.caching_allocator_delete(ptr)
+    assert torch.cuda.memory_allocated() == before
+
+
+@native
+def test_memory_stats_keep_glakes_counters():
+    stats = torch.cuda.memory_stats()
+    assert "glake.stitches" in stats and "allocated_bytes.all.current" in stats
+
+
+SHOW_PATH = textwrap.dedent("""
+    import torch
+    x = torch.ones(1 << 20, device="cuda")
+    import glake.torch
+    print("glake path:", glake.torch.info()["path"], flush=True)
+""")
+
+
+def test_launcher_enables_glake_without_code_changes():
+    out = run_script(SHOW_PATH, launcher=True)
+    expected = "native" if glake.torch.info()["path"] == "native" else "pluggable"
+    assert f"glake path: {expected}" in out
+
+
+def test_torchrun_under_the_launcher_enables_every_worker(gpu_count):
+    if gpu_count < 2:
+        pytest.skip("needs two GPUs")
+    out = run_script(SHOW_PATH, launcher=True, nproc=2)
+    assert out.count("glake path: ") == 2 and "glake path: None" not in out
+
+
+TRAIN = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
+                                torch.nn.Linear(2048, 512)).cuda()
+    if sys.argv[1] == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        model = FSDP(model)
+    else:
+        model = DDP(model, device_ids=[rank])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(5):
+        data = torch.randn(64, 512, generator=gen).cuda()
+        loss = model(data).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        if rank == 0:
+            print(f"step {step} loss {total.item():.8f}", flush=True)
+    import glake.torch
+    stats = torch.cuda.memory_stats()
+    print(f"rank {rank} path {glake.torch.info()['path']} peak "
+          f"{stats['allocated_bytes.all.peak']}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_ddp_and_fsdp_under_the_launcher_match_native(gpu_count, kind):
+    if gpu_count < 2:
+        pytest.skip("needs two GPUs")
+    native_out = run_script(TRAIN, kind, nproc=2, glake_off=True)
+    glake_out = run_script(TRAIN, kind, nproc=2, launcher=True)
+    losses = lambda out: [l for l in out.splitlines() if l.startswith("step ")]  # noqa: E731
+    assert len(losses(native_out)) == 5
+    assert losses(glake_out) == losses(native_out)
+    assert glake_out.count(" path native ") + glake_out.count(" path pluggable ") == 2
+    assert " path None " in native_out or "path None" in native_out
+

@@ -1,0 +1,120 @@
+"""Enabling glake without code changes, and the native allocator's build step, without PyTorch
+or a GPU. The children run a copy of the glake package whose glake.torch is a stand-in that
+reports when enable() runs, next to a stand-in `torch` package."""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PYTHON_DIR = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PYTHON_DIR))
+
+from glake import native  # noqa: E402
+
+FAKE_TORCH = "LOADED = True\nprint('torch imported', flush=True)\n"
+FAKE_GLAKE_TORCH = textwrap.dedent("""
+    import sys
+    def enable():
+        torch = sys.modules.get("torch")
+        print("enable called; torch loaded:", getattr(torch, "LOADED", False), flush=True)
+""")
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    """A folder with a stand-in torch, a copy of glake with a stand-in glake.torch, and a
+    training script that imports torch and prints its arguments."""
+    (tmp_path / "site" / "torch").mkdir(parents=True)
+    (tmp_path / "site" / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    shutil.copytree(PYTHON_DIR / "glake", tmp_path / "site" / "glake",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    (tmp_path / "site" / "glake" / "torch.py").write_text(FAKE_GLAKE_TORCH)
+    (tmp_path / "train.py").write_text(
+        "import sys\nimport torch\nprint('args', sys.argv[1:], flush=True)\n")
+    return tmp_path
+
+
+def run(sandbox, argv, env_extra=None, boot=False):
+    env = {k: v for k, v in os.environ.items() if k != "GLAKE_ENABLE"}
+    env.update(env_extra or {})
+    site = sandbox / "site"
+    env["PYTHONPATH"] = os.pathsep.join(
+        ([str(site / "glake" / "_boot")] if boot else []) + [str(site)])
+    argv = [str(sandbox / "train.py") if a == "SCRIPT" else a for a in argv]
+    done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=sandbox)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_launcher_enables_once_right_after_torch_imports(sandbox):
+    code, out = run(sandbox, ["-m", "glake.run", "SCRIPT", "--lr", "3"])
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines.index("torch imported") < lines.index("enable called; torch loaded: True")
+    assert out.count("enable called") == 1
+    assert "args ['--lr', '3']" in out
+
+
+def test_launcher_runs_modules_and_children_inherit_glake(sandbox):
+    # A module that starts a child Python, as torchrun starts its workers.
+    (sandbox / "site" / "spawner.py").write_text(textwrap.dedent("""
+        import subprocess, sys
+        subprocess.run([sys.executable, sys.argv[1]], check=True)
+    """))
+    code, out = run(sandbox, ["-m", "glake.run", "-m", "spawner", "SCRIPT"])
+    assert code == 0, out
+    assert "enable called; torch loaded: True" in out
+
+
+def test_glake_enable_with_the_boot_hook(sandbox):
+    code, out = run(sandbox, ["SCRIPT"], {"GLAKE_ENABLE": "1"}, boot=True)
+    assert code == 0, out
+    assert "enable called; torch loaded: True" in out
+
+
+def test_nothing_happens_without_glake_enable(sandbox):
+    code, out = run(sandbox, ["SCRIPT"], boot=True)
+    assert code == 0, out
+    assert "torch imported" in out and "enable called" not in out
+
+
+def test_launcher_without_a_program_prints_usage(sandbox):
+    code, out = run(sandbox, ["-m", "glake.run"])
+    assert code == 2 and "usage: python -m glake.run" in out
+
+
+class FakeTorch:
+    __version__ = "2.99.0+test"
+    __file__ = "/nonexistent/torch/__init__.py"
+
+    class version:
+        cuda = "13.0"
+
+    class _C:
+        _GLIBCXX_USE_CXX11_ABI = True
+
+
+def test_native_build_command_links_torch_and_libgmlake(tmp_path, monkeypatch):
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "glake.h").write_text("")
+    lib = tmp_path / "lib" / "libgmlake.so"
+    lib.parent.mkdir()
+    lib.write_text("")
+    monkeypatch.setenv("GLAKE_INCLUDE", str(tmp_path / "include"))
+    monkeypatch.setattr(native, "_cuda_includes", lambda torch: ["/cuda/include"])
+    cmd = native.build_command(FakeTorch, str(lib), tmp_path / "out.so")
+    assert "-D_GLIBCXX_USE_CXX11_ABI=1" in cmd and "-ltorch_cuda" in cmd
+    assert str(native.SOURCE) in cmd and str(lib.resolve()) in cmd
+    assert f"-I{tmp_path / 'include'}" in cmd and "-I/cuda/include" in cmd
+    assert f"-Wl,-rpath,{lib.parent.resolve()}" in cmd
+
+
+def test_native_cache_key_follows_torch_and_library(tmp_path):
+    a = native._key(FakeTorch, str(tmp_path / "a.so"))
+    b = native._key(FakeTorch, str(tmp_path / "b.so"))
+    assert a != b and a.startswith("torch-2.99.0_test-")
+    assert native._key(FakeTorch, str(tmp_path / "a.so")) == a

@@ -21,6 +21,9 @@ fi
 # The GPU these results come from (kinds differ in memory and speed).
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 |
   sed 's/^/gpu: /' | tee "$out/gpu.txt"
+# glake's native PyTorch allocator, built once for this torch into the cache enable() uses (a
+# failed build shows here; enable() then falls back to the pluggable path and says why).
+python3 -m glake.native 2>&1 | tail -3 | sed 's/^/native allocator: /' | tee "$out/native.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -v -rs python/tests/gpu 2>&1 | tee "$out/pytest.txt" || status=1

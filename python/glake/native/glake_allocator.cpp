@@ -186,6 +186,9 @@ class GlakeAllocator final : public CUDAAllocator {
     if (force_uncached_ || !enabled_.load(std::memory_order_relaxed)) {
       return malloc_uncached(device, size);
     }
+    // PyTorch's own words for sizes no device has.
+    TORCH_CHECK_WITH(OutOfMemoryError, size < (size_t{1} << 60),
+                     "CUDA out of memory. Tried to allocate more than 1EB memory.");
     const bool tracing = tracing_.load(std::memory_order_acquire);
     std::shared_ptr<c10::GatheredContext> context;
     if (tracing) {
@@ -260,13 +263,19 @@ class GlakeAllocator final : public CUDAAllocator {
   void enable(bool value) override { enabled_.store(value); }
   bool isEnabled() const override { return enabled_.load(); }
 
-  void emptyCache(MempoolId_t /*mempool_id*/) override {
-    // glake returns every unused segment (of the shared pool and of private pools alike):
-    // there is no per-pool cache to keep.
+  void emptyCache(MempoolId_t mempool_id) override {
+    // A pool's own cache: glake hands a released pool's segments to the shared cache, where
+    // the next empty_cache() returns them; until then nothing is pool-only. PyTorch calls this
+    // from MemPool's destructor, so it does nothing and never throws.
+    if (mempool_id != kNoPool) {
+      return;
+    }
+    // Segments of pools still in use stay; every other unused segment goes to the driver.
     const bool tracing = tracing_.load(std::memory_order_acquire);
+    auto context = tracing ? gather(RecordContext::ALL) : nullptr;
     check(gmlake_n_empty_cache(-1), "empty_cache");
     if (tracing) {
-      take_segment_events(nullptr);
+      take_segment_events(context);
     }
   }
 
@@ -778,24 +787,27 @@ class GlakeAllocator final : public CUDAAllocator {
     (void)gmlake_n_stats(device, &stats);
     const auto allocated = static_cast<size_t>(stats.allocated_bytes.all.current);
     const auto reserved = static_cast<size_t>(stats.reserved_bytes.all.current);
+    double fraction = 1.0;
+    (void)gmlake_n_memory_fraction(device, &fraction);
+    const auto allowed = fraction < 1.0
+                             ? static_cast<size_t>(fraction * static_cast<double>(device_total))
+                             : device_total;
+    record(TraceEntry::OOM, device, device_free, size, stream, pool, context);
+    c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size), allocated, reserved,
+                                     c10::Device(c10::DeviceType::CUDA, device));
+    // As PyTorch's allocator: the request, the memory this process may use, what is free.
     std::vector<OutOfMemoryObserver> observers;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       observers = oom_observers_;
     }
     for (const auto& observer : observers) {
-      observer(device, allocated, device_total, device_free);
+      observer(device, size, allowed, device_free);
     }
-    record(TraceEntry::OOM, device, device_free, size, stream, pool, context);
-    c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size), allocated, reserved,
-                                     c10::Device(c10::DeviceType::CUDA, device));
-    double fraction = 1.0;
-    (void)gmlake_n_memory_fraction(device, &fraction);
     std::ostringstream limit;
     if (fraction < 1.0) {
-      limit << " This process is limited to " << format_size(static_cast<uint64_t>(
-                                                    fraction * static_cast<double>(device_total)))
-            << " by set_per_process_memory_fraction or glake's memory limit.";
+      limit << " This process may use " << format_size(allowed)
+            << " (set_per_process_memory_fraction or glake's memory limit).";
     }
     TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",
                      format_size(size), ". GPU ", static_cast<int>(device),

@@ -33,6 +33,8 @@ def test_info_names_the_active_path():
 @native
 def test_out_of_memory_is_typed_with_pytorchs_message_and_the_process_goes_on():
     ooms = torch.cuda.memory_stats()["num_ooms"]
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate more than 1EB"):
+        torch.empty(1 << 61, dtype=torch.uint8, device="cuda")
     with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
         torch.empty(200 * GIB, dtype=torch.uint8, device="cuda")
     text = str(caught.value)
@@ -50,9 +52,10 @@ def test_out_of_memory_observers_see_the_device():
     with pytest.raises(torch.cuda.OutOfMemoryError):
         torch.empty(300 * GIB, dtype=torch.uint8, device="cuda")
     assert len(seen) == 1
-    device, allocated, total, free = seen[0]
-    assert device == 0 and total == torch.cuda.mem_get_info()[1] and 0 < free <= total
-    assert allocated == torch.cuda.memory_allocated()
+    # As PyTorch's allocator reports it: the request, the memory allowed, the memory free.
+    device, requested, allowed, free = seen[0]
+    assert device == 0 and requested == 300 * GIB
+    assert allowed == torch.cuda.mem_get_info()[1] and 0 < free <= allowed
 
 
 @native

@@ -18,6 +18,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -251,6 +252,7 @@ class GlakeAllocator final : public CUDAAllocator {
   // ---- setup and caching ------------------------------------------------------------------
 
   void init(int device_count) override {
+    apply_pytorch_settings();
     std::lock_guard<std::mutex> lock(mutex_);
     device_count_ = device_count;
     traces_.resize(static_cast<size_t>(std::max(device_count, 1)));
@@ -655,6 +657,42 @@ class GlakeAllocator final : public CUDAAllocator {
   std::string name() override { return "glake"; }
 
  private:
+  // PYTORCH_CUDA_ALLOC_CONF: the memory fraction becomes glake's (pools are made after
+  // init, from the environment); settings that tune PyTorch's own block splitting, rounding
+  // and segment growth have no counterpart in glake and are named once as ignored.
+  static void apply_pytorch_settings() {
+    using Config = c10::CachingAllocator::AcceleratorAllocatorConfig;
+    const double fraction = CUDAAllocatorConfig::per_process_memory_fraction();
+    if (fraction < 1.0 && !c10::utils::get_env("GLAKE_MEMORY_FRACTION").has_value()) {
+      c10::utils::set_env("GLAKE_MEMORY_FRACTION", std::to_string(fraction).c_str());
+    }
+    std::vector<std::string> ignored;
+    if (Config::max_split_size() != std::numeric_limits<size_t>::max()) {
+      ignored.emplace_back("max_split_size_mb");
+    }
+    if (Config::garbage_collection_threshold() > 0.0) {
+      ignored.emplace_back("garbage_collection_threshold");
+    }
+    if (Config::use_expandable_segments()) {
+      ignored.emplace_back("expandable_segments (glake stitches instead)");
+    }
+    for (size_t divisions : Config::roundup_power2_divisions()) {
+      if (divisions != 0) {
+        ignored.emplace_back("roundup_power2_divisions");
+        break;
+      }
+    }
+    if (!ignored.empty()) {
+      std::string names;
+      for (const auto& name : ignored) {
+        names += (names.empty() ? "" : ", ") + name;
+      }
+      TORCH_WARN_ONCE("glake: PYTORCH_CUDA_ALLOC_CONF settings of PyTorch's own allocator are "
+                      "ignored: ",
+                      names);
+    }
+  }
+
   int device_count() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (device_count_ > 0) {

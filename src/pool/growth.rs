@@ -3,6 +3,7 @@
 //! as zombies and retried, so a failed unmap neither loses memory nor leaves the books wrong.
 
 use super::blocks::{self, BlockId, Chunk, PoolKind, SegmentId, Tag};
+use super::events::{self, SegmentEvent, SegmentEventKind};
 use super::Inner;
 use crate::device::{DevicePtr, PhysHandle};
 use crate::error::{Error, ErrorKind, Result};
@@ -64,6 +65,13 @@ impl Inner {
         };
         let count = chunks.len() as i64;
         let (_, block) = self.map.add_segment(va, size, chunks, pool, tag);
+        events::record(|| SegmentEvent {
+            kind: SegmentEventKind::Alloc,
+            device: device.ordinal(),
+            address: va,
+            size,
+            pool: self.private_of_tag(tag),
+        });
         self.stats.segment.add(pool, 1);
         self.stats.reserved_bytes.add(pool, size as i64);
         self.stats.num_device_alloc += count;
@@ -106,6 +114,13 @@ impl Inner {
         let Some(removed) = self.map.remove_segment(segment) else {
             return Err(Error::internal("released a segment that is in use"));
         };
+        events::record(|| SegmentEvent {
+            kind: SegmentEventKind::Free,
+            device: device.ordinal(),
+            address: removed.va,
+            size: removed.size,
+            pool: self.private_of_tag(removed.tag),
+        });
         self.stats.segment.add(removed.pool, -1);
         self.stats
             .reserved_bytes

@@ -86,6 +86,18 @@ impl Inner {
         })
     }
 
+    /// The number of pieces of the live stitched allocation at `ptr`; 0 for any other pointer.
+    pub(super) fn stitched_pieces(&self, ptr: DevicePtr) -> u32 {
+        match self.live.get(&ptr).map(|l| l.target) {
+            Some(Target::Stitched(id)) => self
+                .stitch
+                .blocks
+                .get(id)
+                .map_or(0, |s| u32::try_from(s.pieces.len()).unwrap_or(u32::MAX)),
+            _ => 0,
+        }
+    }
+
     /// A picture of segments, blocks and stitched ranges.
     pub(super) fn snapshot(&self) -> snapshot::Snapshot {
         let requested: HashMap<DevicePtr, usize> = self
@@ -100,6 +112,7 @@ impl Inner {
             &self.stats,
             self.cap.bytes(),
             &requested,
+            |tag| self.private_of_tag(tag),
         )
     }
 

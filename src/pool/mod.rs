@@ -22,10 +22,12 @@
 //! `streams` (frees and stream-ordered reuse), `private` (graph pools and capture safety),
 //! `growth` (creating, mapping and releasing physical memory), `stitching` (the pool's side of
 //! stitching) and `inspect` (pointer lookups, errors, snapshots, invariants), with the
-//! bookkeeping in [`blocks`], the memory cap in [`cap`] and snapshots in [`snapshot`].
+//! bookkeeping in [`blocks`], the memory cap in [`cap`], snapshots in [`snapshot`] and the
+//! record of segments created and released in [`events`].
 
 pub mod blocks;
 pub mod cap;
+pub mod events;
 pub mod snapshot;
 
 mod alloc;
@@ -179,10 +181,37 @@ impl Pool {
         lock(&self.inner).malloc_in(&*self.device, size, stream, private)
     }
 
+    /// As [`Pool::malloc_in`], also giving the number of pieces when the memory is a stitched
+    /// range (0 otherwise), read under the same lock: callers that trace stitching ask for it,
+    /// the others pay nothing.
+    pub fn malloc_in_with_pieces(
+        &self,
+        size: usize,
+        stream: Stream,
+        private: Option<PrivatePoolId>,
+    ) -> Result<(DevicePtr, u32)> {
+        let mut inner = lock(&self.inner);
+        let ptr = inner.malloc_in(&*self.device, size, stream, private)?;
+        Ok((ptr, inner.stitched_pieces(ptr)))
+    }
+
     /// Starts routing requests to private pool `id`, creating it or taking one more use of it.
     /// Until the matching [`Pool::end_private`] nothing is unmapped, released or waited for.
     pub fn begin_private(&self, id: PrivatePoolId) {
         lock(&self.inner).begin_private(id);
+    }
+
+    /// Creates private pool `id` or takes one more use of it, without routing to it: a caller
+    /// that routes requests itself (`malloc_in`) keeps a pool alive with this and
+    /// [`Pool::release_private`], as PyTorch's `MemPool` objects do.
+    pub fn retain_private(&self, id: PrivatePoolId) {
+        lock(&self.inner).retain_private(id);
+    }
+
+    /// The uses of private pool `id` (retains and routings begun, less releases); 0 when it is
+    /// not open.
+    pub fn private_use_count(&self, id: PrivatePoolId) -> u32 {
+        lock(&self.inner).private_use_count(id)
     }
 
     /// Ends one routing begun by [`Pool::begin_private`]; frees held back meanwhile record

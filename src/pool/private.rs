@@ -15,7 +15,7 @@ pub type PrivatePoolId = (u64, u64);
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PrivatePool {
     tag: Tag,
-    /// Routings begun (captures and pool contexts) not yet matched by a release.
+    /// Uses taken (retains and routings begun) not yet matched by a release.
     uses: u32,
 }
 
@@ -57,6 +57,11 @@ impl Inner {
     /// Starts routing to private pool `id`, creating it or taking one more use of it.
     pub(super) fn begin_private(&mut self, id: PrivatePoolId) {
         self.routing += 1;
+        self.retain_private(id);
+    }
+
+    /// Creates private pool `id` or takes one more use of it, without routing to it.
+    pub(super) fn retain_private(&mut self, id: PrivatePoolId) {
         if let Some(pool) = self.private.get_mut(&id) {
             pool.uses += 1;
             return;
@@ -64,6 +69,23 @@ impl Inner {
         let tag = self.next_tag;
         self.next_tag += 1;
         self.private.insert(id, PrivatePool { tag, uses: 1 });
+    }
+
+    /// The uses of private pool `id`, 0 when it is not open.
+    pub(super) fn private_use_count(&self, id: PrivatePoolId) -> u32 {
+        self.private.get(&id).map_or(0, |p| p.uses)
+    }
+
+    /// The private pool whose segments carry `tag` (None for the shared pool). A scan: few
+    /// pools are open, and only snapshots and recorded events ask.
+    pub(super) fn private_of_tag(&self, tag: Tag) -> Option<PrivatePoolId> {
+        if tag == SHARED {
+            return None;
+        }
+        self.private
+            .iter()
+            .find(|(_, p)| p.tag == tag)
+            .map(|(&id, _)| id)
     }
 
     /// Ends one routing; at the last, the frees deferred meanwhile record their events.
@@ -132,5 +154,72 @@ impl Inner {
         for tag in tags {
             self.map.retag(tag, SHARED);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use crate::config::Config;
+    use crate::device::host::{HostDevice, HostOptions};
+    use crate::device::Stream;
+    use crate::error::ErrorKind;
+    use crate::pool::Pool;
+
+    const MIB: usize = 1 << 20;
+
+    fn pool() -> Pool {
+        let device = Arc::new(HostDevice::new(0, HostOptions::default()).expect("host device"));
+        Pool::new(device, Config::default()).expect("pool")
+    }
+
+    #[test]
+    fn retain_takes_a_use_without_routing() {
+        let p = pool();
+        let id = (7, 9);
+        assert_eq!(p.private_use_count(id), 0);
+        p.retain_private(id);
+        assert_eq!(p.private_use_count(id), 1);
+        // Not routed to: nothing to end, and empty_cache is not held back.
+        assert_eq!(
+            p.end_private(id).expect_err("no routing").kind(),
+            ErrorKind::InvalidState
+        );
+        let a = p
+            .malloc_in(4 * MIB, Stream::DEFAULT, Some(id))
+            .expect("malloc_in");
+        let shared = p.malloc(MIB, Stream::DEFAULT).expect("malloc");
+        p.free(shared).expect("free");
+        p.empty_cache().expect("empty_cache");
+        assert_eq!(
+            p.stats().segment.all.current,
+            1,
+            "the shared segment is released"
+        );
+
+        p.begin_private(id);
+        assert_eq!(p.private_use_count(id), 2);
+        p.end_private(id).expect("end");
+        assert_eq!(p.private_use_count(id), 2, "ending a routing keeps the use");
+        p.release_private(id).expect("release");
+        assert_eq!(p.private_use_count(id), 1);
+        assert_eq!(p.private_allocations(id), Some(vec![a]));
+        let snapshot = p.snapshot();
+        assert_eq!(snapshot.segments[0].private_pool, Some(id));
+        assert!(snapshot.to_json().contains("\"private_pool\":[7,9]"));
+
+        p.release_private(id).expect("release");
+        assert_eq!(p.private_use_count(id), 0);
+        assert_eq!(p.private_allocations(id), None);
+        let snapshot = p.snapshot();
+        assert_eq!(snapshot.segments[0].private_pool, None);
+        assert!(snapshot.to_json().contains("\"private_pool\":null"));
+        assert_eq!(
+            p.release_private(id).expect_err("not open").kind(),
+            ErrorKind::InvalidState
+        );
+        p.free(a).expect("free");
+        p.check_invariants().expect("invariants");
     }
 }

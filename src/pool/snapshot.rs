@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::fmt::Write;
 
-use super::blocks::{BlockMap, BlockState, PoolKind};
+use super::blocks::{BlockMap, BlockState, PoolKind, Tag};
+use super::PrivatePoolId;
 use crate::device::DevicePtr;
 use crate::stats::MemoryStats;
 use crate::stitch::StitchCache;
@@ -50,6 +51,8 @@ pub struct SegmentInfo {
     pub total_size: usize,
     pub allocated_size: usize,
     pub pool: PoolKind,
+    /// The private pool the segment belongs to; None for the shared pool.
+    pub private_pool: Option<PrivatePoolId>,
     /// Lengths of the physical handles behind the segment, in address order.
     pub chunk_sizes: Vec<usize>,
     pub blocks: Vec<BlockInfo>,
@@ -75,13 +78,15 @@ pub struct Snapshot {
     pub memory_cap: usize,
 }
 
-/// Builds a snapshot; `requested` gives the requested bytes of each live plain allocation.
+/// Builds a snapshot; `requested` gives the requested bytes of each live plain allocation and
+/// `private_of` the private pool of a segment's tag.
 pub(super) fn take(
     map: &BlockMap,
     stitch: &StitchCache,
     stats: &MemoryStats,
     cap: usize,
     requested: &HashMap<DevicePtr, usize>,
+    private_of: impl Fn(Tag) -> Option<PrivatePoolId>,
 ) -> Snapshot {
     let mut segments: Vec<SegmentInfo> = map
         .segments
@@ -117,6 +122,7 @@ pub(super) fn take(
                     .map(|b| b.size)
                     .sum(),
                 pool: segment.pool,
+                private_pool: private_of(segment.tag),
                 chunk_sizes: segment.chunks.iter().map(|c| c.len).collect(),
                 blocks,
             }
@@ -169,9 +175,12 @@ impl Snapshot {
                 PoolKind::Small => "small",
                 PoolKind::Large => "large",
             };
+            let private = s
+                .private_pool
+                .map_or("null".to_string(), |(a, b)| format!("[{a},{b}]"));
             let _ = write!(
                 out,
-                "{{\"address\":{},\"total_size\":{},\"allocated_size\":{},\"segment_type\":\"{pool}\",\"chunk_sizes\":{:?},\"blocks\":[",
+                "{{\"address\":{},\"total_size\":{},\"allocated_size\":{},\"segment_type\":\"{pool}\",\"private_pool\":{private},\"chunk_sizes\":{:?},\"blocks\":[",
                 s.address, s.total_size, s.allocated_size, s.chunk_sizes
             );
             for (j, b) in s.blocks.iter().enumerate() {

@@ -21,7 +21,8 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn index(device: i32) -> Result<usize> {
+/// The table index of `device`; an error when the ordinal is out of range.
+pub fn index(device: i32) -> Result<usize> {
     usize::try_from(device)
         .ok()
         .filter(|&i| i < MAX_DEVICES)

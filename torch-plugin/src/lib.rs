@@ -6,17 +6,19 @@
 //! hooks) are what PyTorch calls. Failures that PyTorch must see become C++ exceptions thrown
 //! by the C++ half (`trampoline.cpp`), which PyTorch turns into Python errors; `gmlake_free`
 //! and `gmlake_release_pool` never throw (PyTorch calls them from deleters and destructors).
-//! The `gmlake_*_json` and `gmlake_reset_*_stats` functions serve the Python package.
+//! The `gmlake_*_json` and `gmlake_reset_*_stats` functions serve the Python package, and the
+//! `gmlake_n_*` functions ([`native`]) the native allocator compiled against torch.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod devices;
+pub mod native;
 mod timing;
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use glake::pool::PrivatePoolId;
+use glake::pool::{AllocationInfo, PrivatePoolId};
 use glake::stats::MemoryStats;
 use glake::{Error, ErrorKind, Stream};
 
@@ -71,7 +73,8 @@ fn stream_of(stream: *mut c_void) -> Stream {
     Stream(stream as usize as u64)
 }
 
-/// PyTorch's `MempoolId_t` (a pair of 64-bit ids), passed by value.
+/// PyTorch's `MempoolId_t` (a pair of 64-bit ids), passed by value; `gmlake_n_pool_id` of the
+/// native ABI.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MempoolId {
@@ -85,27 +88,49 @@ impl From<MempoolId> for PrivatePoolId {
     }
 }
 
+/// Allocates `size` bytes on `device` for `stream` from private pool `private` (None: the
+/// shared pool). With `count_pieces`, the number of pieces of a stitched range comes too (else
+/// 0), looked up under the allocation's lock.
+fn allocate_in(
+    device: c_int,
+    size: usize,
+    stream: *mut c_void,
+    private: Option<PrivatePoolId>,
+    count_pieces: bool,
+) -> glake::Result<(*mut c_void, u32)> {
+    let pool = devices::pool(device)?;
+    let stream = stream_of(stream);
+    let (ptr, pieces) = if count_pieces {
+        pool.malloc_in_with_pieces(size, stream, private)?
+    } else {
+        (pool.malloc_in(size, stream, private)?, 0)
+    };
+    Ok((ptr as usize as *mut c_void, pieces))
+}
+
 fn allocate(size: usize, device: c_int, stream: *mut c_void) -> glake::Result<*mut c_void> {
     if size == 0 {
         // PyTorch gives empty tensors no memory: a null pointer of size 0, freed as such.
         return Ok(std::ptr::null_mut());
     }
-    let pool = devices::pool(device)?;
     let private = devices::route_of(device, stream);
-    let ptr = pool.malloc_in(size, stream_of(stream), private)?;
-    Ok(ptr as usize as *mut c_void)
+    allocate_in(device, size, stream, private, false).map(|(ptr, _)| ptr)
 }
 
-/// Frees `ptr` in the pool of `device`, or in whichever pool knows it.
-fn release(ptr: *mut c_void, device: c_int) -> glake::Result<()> {
+/// Frees `ptr` in the pool of `device`, or in whichever pool knows it; returns the device of
+/// the pool that freed it.
+fn release(ptr: *mut c_void, device: c_int) -> glake::Result<c_int> {
     let addr = ptr as usize as u64;
+    if addr == 0 {
+        return Err(Error::new(ErrorKind::NullPointer, "pointer is NULL"));
+    }
     match devices::existing(device).map(|p| p.free(addr)) {
         Some(Err(err)) if err.kind() != ErrorKind::InvalidPointer => Err(err),
-        Some(Ok(())) => Ok(()),
+        Some(Ok(())) => Ok(device),
         // Not this device's: PyTorch passes the allocation's device, so this is a stray
         // pointer, unless another pool knows it.
         _ => devices::all()
-            .find_map(|(_, p)| p.free(addr).ok())
+            .find_map(|(d, p)| p.free(addr).ok().map(|()| d))
             .ok_or_else(|| {
                 Error::new(
                     ErrorKind::InvalidPointer,
@@ -151,27 +176,45 @@ pub extern "C" fn gmlake_init(device_count: c_int) {
     log::debug!("glake: PyTorch plug-in initialised for {device_count} devices");
 }
 
+/// Returns the unused memory of `device`'s pool (None: of every pool) to the driver; a device
+/// whose pool does not exist yet has none. The first error is returned after all were tried.
+fn empty_caches(device: Option<c_int>) -> glake::Result<()> {
+    if let Some(device) = device {
+        devices::index(device)?;
+    }
+    let mut first = None;
+    for (_, pool) in devices::all().filter(|&(d, _)| device.is_none_or(|wanted| wanted == d)) {
+        if let Err(err) = pool.empty_cache() {
+            first.get_or_insert(err);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
 /// `torch.cuda.empty_cache()`: returns every pool's unused memory to the driver.
 #[no_mangle]
 pub extern "C-unwind" fn gmlake_reset() {
-    let result = guarded(|| {
-        let mut first = None;
-        for (_, pool) in devices::all() {
-            if let Err(err) = pool.empty_cache() {
-                first.get_or_insert(err);
-            }
-        }
-        first.map_or(Ok(()), Err)
-    });
-    if let Err(kind) = result {
+    if let Err(kind) = guarded(|| empty_caches(None)) {
         throw(kind)
     }
+}
+
+/// Caps `device`'s pool (created if needed) at `fraction` of the device.
+fn set_memory_fraction(device: c_int, fraction: f64) -> glake::Result<()> {
+    devices::pool(device)?.set_memory_fraction(fraction)
+}
+
+/// `device`'s cap (its pool created if needed) in bytes, and the fraction last set or the
+/// byte cap's share of the device.
+fn memory_limit_of(device: c_int) -> glake::Result<(u64, f64)> {
+    let pool = devices::pool(device)?;
+    Ok((pool.memory_limit() as u64, pool.memory_fraction()))
 }
 
 /// `torch.cuda.set_per_process_memory_fraction(fraction, device)`.
 #[no_mangle]
 pub extern "C-unwind" fn gmlake_memory_fraction(fraction: f64, device: c_int) {
-    if let Err(kind) = guarded(|| devices::pool(device)?.set_memory_fraction(fraction)) {
+    if let Err(kind) = guarded(|| set_memory_fraction(device, fraction)) {
         throw(kind)
     }
 }
@@ -199,14 +242,27 @@ pub unsafe extern "C" fn gmlake_memory_limit(
         if out_bytes.is_null() || out_fraction.is_null() {
             return Err(Error::new(ErrorKind::NullPointer, "an out pointer is NULL"));
         }
-        let pool = devices::pool(device)?;
+        let (bytes, fraction) = memory_limit_of(device)?;
         // SAFETY: non-null, and the caller passes pointers valid for a write.
         unsafe {
-            *out_bytes = pool.memory_limit() as u64;
-            *out_fraction = pool.memory_fraction();
+            *out_bytes = bytes;
+            *out_fraction = fraction;
         }
         Ok(())
     }))
+}
+
+/// The live allocation containing `ptr`, in whichever pool holds it.
+fn allocation_containing(ptr: *mut c_void) -> glake::Result<AllocationInfo> {
+    let addr = ptr as usize as u64;
+    devices::all()
+        .find_map(|(_, p)| p.allocation_of(addr))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidPointer,
+                format!("{addr:#x} is not inside a glake allocation"),
+            )
+        })
 }
 
 /// The start of the allocation containing `ptr`; its size goes to `*size`.
@@ -218,18 +274,7 @@ pub unsafe extern "C-unwind" fn gmlake_base_alloc(
     ptr: *mut c_void,
     size: *mut usize,
 ) -> *mut c_void {
-    let found = guarded(|| {
-        let addr = ptr as usize as u64;
-        devices::all()
-            .find_map(|(_, p)| p.allocation_of(addr))
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::InvalidPointer,
-                    format!("{addr:#x} is not inside a glake allocation"),
-                )
-            })
-    });
-    match found {
+    match guarded(|| allocation_containing(ptr)) {
         Ok(info) => {
             if !size.is_null() {
                 // SAFETY: non-null and valid for a write under this function's contract.
@@ -245,23 +290,25 @@ pub unsafe extern "C-unwind" fn gmlake_base_alloc(
 /// the time of the free has completed.
 #[no_mangle]
 pub extern "C-unwind" fn gmlake_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    let result = guarded(|| {
-        let addr = ptr as usize as u64;
-        let mut last = Error::new(
-            ErrorKind::InvalidPointer,
-            format!("{addr:#x} was not allocated by glake"),
-        );
-        for (_, pool) in devices::all() {
-            match pool.record_stream(addr, stream_of(stream)) {
-                Ok(()) => return Ok(()),
-                Err(err) => last = err,
-            }
-        }
-        Err(last)
-    });
-    if let Err(kind) = result {
+    if let Err(kind) = guarded(|| record_stream(ptr, stream)) {
         throw(kind)
     }
+}
+
+/// Records that `stream` uses the allocation at `ptr`, in whichever pool holds it.
+fn record_stream(ptr: *mut c_void, stream: *mut c_void) -> glake::Result<()> {
+    let addr = ptr as usize as u64;
+    let mut last = Error::new(
+        ErrorKind::InvalidPointer,
+        format!("{addr:#x} was not allocated by glake"),
+    );
+    for (_, pool) in devices::all() {
+        match pool.record_stream(addr, stream_of(stream)) {
+            Ok(()) => return Ok(()),
+            Err(err) => last = err,
+        }
+    }
+    Err(last)
 }
 
 /// Starts routing `device`'s requests on streams that `filter` selects to private pool `id`
@@ -345,10 +392,12 @@ fn status<T>(result: Result<T, ErrorKind>) -> c_int {
 /// `out` must be valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn gmlake_stats_json(device: c_int, out: *mut *mut c_char) -> c_int {
-    text_out(out, || {
-        let stats = devices::existing(device).map_or_else(MemoryStats::default, |p| p.stats());
-        Ok(stats.to_json())
-    })
+    text_out(out, || Ok(stats_of(device).to_json()))
+}
+
+/// Statistics of `device`, all zero when its pool does not exist (which is not created).
+fn stats_of(device: c_int) -> MemoryStats {
+    devices::existing(device).map_or_else(MemoryStats::default, |p| p.stats())
 }
 
 /// A snapshot of `device`'s segments, blocks and stitched ranges as JSON, or `null` for a
@@ -390,7 +439,8 @@ pub unsafe extern "C" fn gmlake_pool_allocations_json(
     })
 }
 
-/// Calls of `gmlake_malloc`/`gmlake_free` and the nanoseconds spent in them, as JSON; counted
+/// Calls of `gmlake_malloc`/`gmlake_free` (and `gmlake_n_malloc`/`gmlake_n_free`) and the
+/// nanoseconds spent in them, as JSON; counted
 /// only when `GLAKE_TIME_CALLS=1` was set at start.
 ///
 /// # Safety

@@ -1,6 +1,6 @@
-//! Opt-in accounting of the time spent inside `gmlake_malloc` and `gmlake_free`
-//! (`GLAKE_TIME_CALLS=1`), so that a benchmark can tell the allocator's share of a step. Off,
-//! it costs one relaxed load per call.
+//! Opt-in accounting of the time spent inside `gmlake_malloc` and `gmlake_free`, and their
+//! native counterparts `gmlake_n_malloc` and `gmlake_n_free` (`GLAKE_TIME_CALLS=1`), so that a
+//! benchmark can tell the allocator's share of a step. Off, it costs one relaxed load per call.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;

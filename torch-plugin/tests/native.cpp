@@ -1,0 +1,575 @@
+// Calls libgmlake.so through python/glake/native/gmlake_native.h, as the native allocator
+// compiled against torch does, on the host backend. One scenario per run (its name is the
+// argument), each in a fresh process; exits nonzero on the first failed check's scenario.
+#include "gmlake_native.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+// The header's layouts, with the numbers the Rust side asserts for its own structs.
+static_assert(sizeof(gmlake_n_pool_id) == 16, "gmlake_n_pool_id");
+static_assert(offsetof(gmlake_n_pool_id, second) == 8, "gmlake_n_pool_id.second");
+static_assert(sizeof(gmlake_n_block) == 40, "gmlake_n_block");
+static_assert(offsetof(gmlake_n_block, requested_size) == 16, "gmlake_n_block.requested_size");
+static_assert(offsetof(gmlake_n_block, state) == 24, "gmlake_n_block.state");
+static_assert(offsetof(gmlake_n_block, stream) == 32, "gmlake_n_block.stream");
+static_assert(sizeof(gmlake_n_segment) == 64, "gmlake_n_segment");
+static_assert(offsetof(gmlake_n_segment, stream) == 32, "gmlake_n_segment.stream");
+static_assert(offsetof(gmlake_n_segment, is_large) == 40, "gmlake_n_segment.is_large");
+static_assert(offsetof(gmlake_n_segment, pool) == 48, "gmlake_n_segment.pool");
+static_assert(sizeof(gmlake_n_stitched) == 24, "gmlake_n_stitched");
+static_assert(offsetof(gmlake_n_stitched, in_use) == 16, "gmlake_n_stitched.in_use");
+static_assert(offsetof(gmlake_n_stitched, pieces) == 20, "gmlake_n_stitched.pieces");
+static_assert(sizeof(gmlake_n_event) == 40, "gmlake_n_event");
+static_assert(offsetof(gmlake_n_event, device) == 4, "gmlake_n_event.device");
+static_assert(offsetof(gmlake_n_event, address) == 8, "gmlake_n_event.address");
+static_assert(offsetof(gmlake_n_event, size) == 16, "gmlake_n_event.size");
+static_assert(offsetof(gmlake_n_event, pool) == 24, "gmlake_n_event.pool");
+
+static int failures = 0;
+
+#define CHECK(cond)                                                                  \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      std::fprintf(stderr, "%s:%d: check failed: %s (last error: %s)\n", __FILE__,  \
+                   __LINE__, #cond, gmlake_last_error());                            \
+      ++failures;                                                                    \
+    }                                                                                \
+  } while (0)
+
+static const size_t MiB = size_t{1} << 20;
+static const gmlake_n_pool_id SHARED{0, 0};
+
+static bool same(gmlake_n_pool_id a, gmlake_n_pool_id b) {
+  return a.first == b.first && a.second == b.second;
+}
+
+static bool error_has(const char* text) {
+  return std::strstr(gmlake_last_error(), text) != nullptr;
+}
+
+static void* alloc(size_t size, gmlake_n_pool_id pool = SHARED) {
+  void* p = nullptr;
+  int status = gmlake_n_malloc(0, size, nullptr, pool, &p, nullptr);
+  CHECK(status == GMLAKE_N_OK);
+  CHECK(p != nullptr);
+  return p;
+}
+
+static void release(void* p) {
+  int device = -7;
+  CHECK(gmlake_n_free(p, 0, &device) == GMLAKE_N_OK);
+  CHECK(device == 0);
+}
+
+static glake_stats stats(int device) {
+  glake_stats out;
+  std::memset(&out, 0xff, sizeof out);
+  CHECK(gmlake_n_stats(device, &out) == GMLAKE_N_OK);
+  return out;
+}
+
+static bool all_zero(const glake_stats& s) {
+  glake_stats zero;
+  std::memset(&zero, 0, sizeof zero);
+  return std::memcmp(&s, &zero, sizeof s) == 0;
+}
+
+struct Segment {
+  gmlake_n_segment info;
+  std::vector<gmlake_n_block> blocks;
+};
+
+struct Snapshot {
+  std::vector<Segment> segments;
+  std::vector<gmlake_n_stitched> stitched;
+
+  // The segment holding `p`, or nullptr.
+  const Segment* holding(const void* p) const {
+    auto at = reinterpret_cast<uint64_t>(p);
+    for (const auto& s : segments) {
+      if (at >= s.info.address && at < s.info.address + s.info.total_size) return &s;
+    }
+    return nullptr;
+  }
+};
+
+static Snapshot snapshot(int device) {
+  Snapshot out;
+  int status = gmlake_n_snapshot(
+      device, &out,
+      [](void* ctx, const gmlake_n_segment* segment, const gmlake_n_block* blocks, size_t count) {
+        static_cast<Snapshot*>(ctx)->segments.push_back(
+            Segment{*segment, std::vector<gmlake_n_block>(blocks, blocks + count)});
+      },
+      [](void* ctx, const gmlake_n_stitched* range) {
+        static_cast<Snapshot*>(ctx)->stitched.push_back(*range);
+      });
+  CHECK(status == GMLAKE_N_OK);
+  return out;
+}
+
+static std::vector<gmlake_n_event> take() {
+  std::vector<gmlake_n_event> out;
+  size_t count = gmlake_n_take_events(&out, [](void* ctx, const gmlake_n_event* event) {
+    static_cast<std::vector<gmlake_n_event>*>(ctx)->push_back(*event);
+  });
+  CHECK(count == out.size());
+  return out;
+}
+
+static int live(gmlake_n_pool_id pool, std::vector<uint64_t>* out) {
+  return gmlake_n_pool_live(0, pool, out, [](void* ctx, uint64_t address) {
+    static_cast<std::vector<uint64_t>*>(ctx)->push_back(address);
+  });
+}
+
+static int uses(gmlake_n_pool_id pool) {
+  int out = -1;
+  CHECK(gmlake_n_pool_use_count(0, pool, &out) == GMLAKE_N_OK);
+  return out;
+}
+
+static uint64_t addr(const void* p) { return reinterpret_cast<uint64_t>(p); }
+
+// A malloc and a free, statistics on the way, and the calls' argument checks.
+static void round_trip() {
+  CHECK(gmlake_n_device_used(0) == 0);
+  CHECK(all_zero(stats(0)));
+  CHECK(gmlake_n_device_used(0) == 0);  // statistics create no pool
+
+  void* p = nullptr;
+  uint32_t pieces = 99;
+  CHECK(gmlake_n_malloc(0, 3 * MiB + 5, nullptr, SHARED, &p, &pieces) == GMLAKE_N_OK);
+  CHECK(p != nullptr);
+  CHECK(pieces == 0);
+  CHECK(gmlake_n_device_used(0) == 1);
+  void* small = alloc(1000);
+
+  void* base = nullptr;
+  size_t size = 0;
+  CHECK(gmlake_n_base(static_cast<char*>(p) + 100, &base, &size) == GMLAKE_N_OK);
+  CHECK(base == p);
+  CHECK(size == 4 * MiB);
+  glake_stats s = stats(0);
+  CHECK(s.allocation.all.current == 2);
+  CHECK(s.allocated_bytes.all.current == static_cast<int64_t>(4 * MiB + 1024));
+  CHECK(s.requested_bytes.all.current == static_cast<int64_t>(3 * MiB + 5 + 1000));
+  CHECK(s.allocated_bytes.large_pool.current == static_cast<int64_t>(4 * MiB));
+
+  int device = -7;
+  CHECK(gmlake_n_free(p, 0, &device) == GMLAKE_N_OK);
+  CHECK(device == 0);
+  device = -7;
+  CHECK(gmlake_n_free(small, -1, &device) == GMLAKE_N_OK);  // any device
+  CHECK(device == 0);
+  void* hinted = alloc(MiB);
+  device = -7;
+  CHECK(gmlake_n_free(hinted, 5, &device) == GMLAKE_N_OK);  // a wrong hint still finds it
+  CHECK(device == 0);
+  void* quiet = alloc(MiB);
+  CHECK(gmlake_n_free(quiet, 0, nullptr) == GMLAKE_N_OK);
+  s = stats(0);
+  CHECK(s.allocation.all.current == 0);
+  CHECK(s.allocated_bytes.all.current == 0);
+  CHECK(s.reserved_bytes.all.current > 0);
+
+  // Bad arguments are GMLAKE_N_INVALID with a message, and leave the outputs alone.
+  p = reinterpret_cast<void*>(0x1);
+  CHECK(gmlake_n_malloc(0, 0, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
+  CHECK(error_has("size 0"));
+  CHECK(p == reinterpret_cast<void*>(0x1));
+  CHECK(gmlake_n_malloc(0, MiB, nullptr, SHARED, nullptr, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc(64, MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
+  CHECK(error_has("out of range"));
+  CHECK(gmlake_n_malloc(-1, MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc(0, MiB, nullptr, gmlake_n_pool_id{5, 5}, &p, nullptr) == GMLAKE_N_INVALID);
+  CHECK(error_has("not open"));
+  CHECK(p == reinterpret_cast<void*>(0x1));
+  CHECK(gmlake_n_stats(0, nullptr) == GMLAKE_N_INVALID);
+  glake_stats unused;
+  CHECK(gmlake_n_stats(-1, &unused) == GMLAKE_N_INVALID);
+  CHECK(all_zero(stats(1)));
+  CHECK(gmlake_n_device_used(1) == 0);
+  CHECK(gmlake_n_device_used(-1) == 0);
+  CHECK(gmlake_n_device_used(1000) == 0);
+
+  // Emptying caches: one device, every device, a device not used yet (nothing, no pool).
+  CHECK(gmlake_n_empty_cache(0) == GMLAKE_N_OK);
+  CHECK(stats(0).reserved_bytes.all.current == 0);
+  alloc(2 * MiB);  // kept live: only free memory goes
+  CHECK(gmlake_n_empty_cache(-1) == GMLAKE_N_OK);
+  CHECK(stats(0).reserved_bytes.all.current == static_cast<int64_t>(2 * MiB));
+  CHECK(gmlake_n_empty_cache(3) == GMLAKE_N_OK);
+  CHECK(gmlake_n_device_used(3) == 0);
+  CHECK(gmlake_n_empty_cache(-2) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_empty_cache(64) == GMLAKE_N_INVALID);
+}
+
+// A request beyond the cap is GMLAKE_N_OUT_OF_MEMORY with PyTorch's wording; the pool goes on.
+static void out_of_memory() {
+  CHECK(gmlake_n_set_memory_fraction(0, 1.5) == GMLAKE_N_INVALID);
+  CHECK(error_has("fraction"));
+  CHECK(gmlake_n_set_memory_fraction(0, 1.0 / 64) == GMLAKE_N_OK);  // 16 MiB of 1 GiB
+  double fraction = 0;
+  CHECK(gmlake_n_memory_fraction(0, &fraction) == GMLAKE_N_OK);
+  CHECK(fraction == 1.0 / 64);
+  CHECK(gmlake_n_memory_fraction(0, nullptr) == GMLAKE_N_INVALID);
+
+  void* held = alloc(8 * MiB);
+  void* p = reinterpret_cast<void*>(0x1);
+  uint32_t pieces = 99;
+  CHECK(gmlake_n_malloc(0, 12 * MiB, nullptr, SHARED, &p, &pieces) == GMLAKE_N_OUT_OF_MEMORY);
+  CHECK(std::strncmp(gmlake_last_error(), "CUDA out of memory.", 19) == 0);
+  CHECK(error_has("12582912 bytes"));
+  CHECK(p == reinterpret_cast<void*>(0x1));
+  CHECK(pieces == 99);
+  glake_stats s = stats(0);
+  CHECK(s.num_ooms == 1);
+  CHECK(s.allocation.all.current == 1);
+  CHECK(s.reserved_bytes.all.current <= static_cast<int64_t>(16 * MiB));
+
+  void* fits = alloc(4 * MiB);
+  release(fits);
+  release(held);
+  CHECK(gmlake_n_malloc(0, 12 * MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_OK);
+  release(p);
+  CHECK(gmlake_n_set_memory_fraction(0, 1.0) == GMLAKE_N_OK);
+  CHECK(gmlake_n_memory_fraction(0, &fraction) == GMLAKE_N_OK);
+  CHECK(fraction == 1.0);
+}
+
+// Stray, interior, NULL and freed pointers are GMLAKE_N_INVALID, and nothing is lost.
+static void invalid_pointers() {
+  void* p = alloc(8 * MiB);
+  glake_stats before = stats(0);
+  int device = -7;
+  CHECK(gmlake_n_free(reinterpret_cast<void*>(0x1000), 0, &device) == GMLAKE_N_INVALID);
+  CHECK(error_has("not allocated by glake"));
+  CHECK(device == -7);
+  CHECK(gmlake_n_free(reinterpret_cast<void*>(0x1000), -1, &device) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_free(static_cast<char*>(p) + 4096, 0, &device) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_free(nullptr, 0, &device) == GMLAKE_N_INVALID);
+  CHECK(error_has("NULL"));
+  CHECK(device == -7);
+  CHECK(gmlake_n_record_stream(reinterpret_cast<void*>(0x1000), nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_record_stream(p, nullptr) == GMLAKE_N_OK);
+  void* base = nullptr;
+  size_t size = 0;
+  CHECK(gmlake_n_base(reinterpret_cast<void*>(0x1000), &base, &size) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_base(p, nullptr, &size) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_base(p, &base, nullptr) == GMLAKE_N_INVALID);
+  glake_stats after = stats(0);
+  CHECK(after.allocation.all.current == before.allocation.all.current);
+  CHECK(after.allocated_bytes.all.current == before.allocated_bytes.all.current);
+  CHECK(after.reserved_bytes.all.current == before.reserved_bytes.all.current);
+  CHECK(gmlake_n_base(p, &base, &size) == GMLAKE_N_OK);
+  CHECK(base == p);
+
+  release(p);
+  CHECK(gmlake_n_free(p, 0, &device) == GMLAKE_N_INVALID);  // a double free
+  CHECK(error_has("double free"));
+  CHECK(stats(0).allocation.all.current == 0);
+}
+
+// Private pools: uses, allocations named by pool, their segments, and the return to the
+// shared pool at the last release.
+static void private_pools() {
+  const gmlake_n_pool_id id{7, 9};
+  const gmlake_n_pool_id other{8, 0};
+  CHECK(uses(id) == 0);
+  CHECK(gmlake_n_pool_release(0, id) == GMLAKE_N_INVALID);  // not open, no pool yet
+  CHECK(gmlake_n_pool_end(0, id) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_pool_retain(0, SHARED) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_pool_begin(0, SHARED) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_pool_retain(64, id) == GMLAKE_N_INVALID);
+  int out = -1;
+  CHECK(gmlake_n_pool_use_count(0, id, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_pool_use_count(-1, id, &out) == GMLAKE_N_INVALID);
+
+  CHECK(gmlake_n_pool_retain(0, id) == GMLAKE_N_OK);
+  CHECK(uses(id) == 1);
+  CHECK(gmlake_n_pool_begin(0, id) == GMLAKE_N_OK);
+  CHECK(uses(id) == 2);
+  CHECK(uses(other) == 0);
+
+  void* a = alloc(8 * MiB, id);
+  void* b = alloc(1000, id);
+  void* c = alloc(8 * MiB);
+  CHECK(a != c);
+  std::vector<uint64_t> in_pool;
+  CHECK(live(id, &in_pool) == GMLAKE_N_OK);
+  std::vector<uint64_t> expected{addr(a), addr(b)};
+  std::sort(expected.begin(), expected.end());
+  CHECK(in_pool == expected);
+  std::vector<uint64_t> none;
+  CHECK(live(other, &none) == GMLAKE_N_INVALID);
+  CHECK(none.empty());
+
+  Snapshot snap = snapshot(0);
+  const Segment* sa = snap.holding(a);
+  const Segment* sb = snap.holding(b);
+  const Segment* sc = snap.holding(c);
+  CHECK(sa != nullptr && sb != nullptr && sc != nullptr);
+  if (sa && sb && sc) {
+    CHECK(same(sa->info.pool, id));
+    CHECK(same(sb->info.pool, id));
+    CHECK(same(sc->info.pool, SHARED));
+    CHECK(sa->info.is_large == 1);
+    CHECK(sb->info.is_large == 0);
+    CHECK(sc->info.is_large == 1);
+    CHECK(sc->blocks.size() >= 1 && sc->blocks[0].address == addr(c));
+    CHECK(sc->blocks[0].state == GMLAKE_N_BLOCK_ALLOCATED);
+    CHECK(sc->blocks[0].requested_size == 8 * MiB);
+  }
+  for (const auto& s : snap.segments) {
+    CHECK(same(s.info.pool, id) || same(s.info.pool, SHARED));
+  }
+
+  CHECK(gmlake_n_pool_end(0, id) == GMLAKE_N_OK);
+  CHECK(uses(id) == 2);
+  CHECK(gmlake_n_pool_end(0, id) == GMLAKE_N_INVALID);  // no routing left to end
+  CHECK(gmlake_n_pool_release(0, id) == GMLAKE_N_OK);
+  CHECK(uses(id) == 1);
+
+  // Freed, a's memory stays with the pool: empty_cache keeps it.
+  release(a);
+  in_pool.clear();
+  CHECK(live(id, &in_pool) == GMLAKE_N_OK);
+  CHECK(in_pool == std::vector<uint64_t>{addr(b)});
+  CHECK(gmlake_n_empty_cache(0) == GMLAKE_N_OK);
+  snap = snapshot(0);
+  sa = snap.holding(a);
+  CHECK(sa != nullptr && same(sa->info.pool, id));
+
+  // The last release: the pool's segments are shared ones, released like any other.
+  CHECK(gmlake_n_pool_release(0, id) == GMLAKE_N_OK);
+  CHECK(uses(id) == 0);
+  CHECK(live(id, &in_pool) == GMLAKE_N_INVALID);
+  snap = snapshot(0);
+  for (const auto& s : snap.segments) CHECK(same(s.info.pool, SHARED));
+  CHECK(gmlake_n_pool_release(0, id) == GMLAKE_N_INVALID);
+  CHECK(error_has("not open"));
+  release(b);
+  release(c);
+  CHECK(gmlake_n_empty_cache(0) == GMLAKE_N_OK);
+  CHECK(stats(0).reserved_bytes.all.current == 0);
+}
+
+// Segment events: off by default, then kept per thread while on, in order.
+static void segment_events() {
+  CHECK(take().empty());
+  release(alloc(8 * MiB));
+  CHECK(gmlake_n_empty_cache(0) == GMLAKE_N_OK);
+  CHECK(take().empty());  // off by default
+
+  gmlake_n_record_events(1);
+  void* p = alloc(20 * MiB);
+  std::vector<gmlake_n_event> events = take();
+  CHECK(events.size() == 1);
+  if (events.size() == 1) {
+    CHECK(events[0].kind == GMLAKE_N_SEGMENT_ALLOC);
+    CHECK(events[0].device == 0);
+    CHECK(events[0].address == addr(p));
+    CHECK(events[0].size == 20 * MiB);
+    CHECK(same(events[0].pool, SHARED));
+  }
+  CHECK(take().empty());  // taken events are forgotten
+  release(p);
+  CHECK(take().empty());  // a free keeps the segment cached
+  CHECK(gmlake_n_empty_cache(0) == GMLAKE_N_OK);
+  events = take();
+  CHECK(events.size() == 1);
+  if (events.size() == 1) {
+    CHECK(events[0].kind == GMLAKE_N_SEGMENT_FREE);
+    CHECK(events[0].address == addr(p));
+    CHECK(events[0].size == 20 * MiB);
+  }
+
+  // Another thread's events are its own.
+  void* q = nullptr;
+  std::vector<gmlake_n_event> theirs;
+  std::thread other([&] {
+    q = alloc(6 * MiB);
+    theirs = take();
+  });
+  other.join();
+  CHECK(theirs.size() == 1 && theirs[0].kind == GMLAKE_N_SEGMENT_ALLOC);
+  CHECK(theirs.size() == 1 && theirs[0].size == 6 * MiB && theirs[0].address == addr(q));
+  CHECK(take().empty());
+
+  // A private pool's segment names its pool.
+  const gmlake_n_pool_id id{3, 4};
+  CHECK(gmlake_n_pool_retain(0, id) == GMLAKE_N_OK);
+  void* r = alloc(4 * MiB, id);
+  events = take();
+  CHECK(events.size() == 1 && same(events[0].pool, id) && events[0].address == addr(r));
+  release(r);
+  CHECK(gmlake_n_pool_release(0, id) == GMLAKE_N_OK);
+
+  // Without a callback the events are counted and dropped.
+  release(q);
+  CHECK(gmlake_n_empty_cache(0) == GMLAKE_N_OK);
+  CHECK(gmlake_n_take_events(nullptr, nullptr) == 2);  // q's and r's segments
+  CHECK(take().empty());
+
+  // Off again: nothing more is kept.
+  gmlake_n_record_events(0);
+  void* s = alloc(10 * MiB);
+  release(s);
+  CHECK(gmlake_n_empty_cache(0) == GMLAKE_N_OK);
+  CHECK(take().empty());
+  CHECK(stats(0).num_device_free > 0);
+}
+
+// The statistics agree with the snapshot: segments, bytes in each state, requested bytes.
+static void stats_match_snapshot() {
+  void* a = alloc(3 * MiB + 5);
+  void* b = alloc(1000);
+  void* c = alloc(20 * MiB);
+  void* d = alloc(500);
+  release(alloc(8 * MiB));  // a cached free segment
+  (void)a;
+  (void)b;
+  (void)d;
+  CHECK(c != nullptr);
+  glake_stats s = stats(0);
+  Snapshot snap = snapshot(0);
+  CHECK(snap.stitched.empty());
+  CHECK(static_cast<int64_t>(snap.segments.size()) == s.segment.all.current);
+  int64_t reserved = 0, small = 0, allocated = 0, requested = 0, segment_allocated = 0;
+  uint64_t previous_end = 0;
+  for (const auto& seg : snap.segments) {
+    CHECK(seg.info.address >= previous_end);  // address order
+    previous_end = seg.info.address + seg.info.total_size;
+    reserved += seg.info.total_size;
+    if (!seg.info.is_large) small += seg.info.total_size;
+    segment_allocated += seg.info.allocated_size;
+    CHECK(same(seg.info.pool, SHARED));
+    CHECK(seg.info.stream == 0);
+    CHECK(!seg.blocks.empty());
+    uint64_t at = seg.info.address, not_free = 0, asked = 0;
+    for (const auto& block : seg.blocks) {
+      CHECK(block.address == at);  // contiguous, covering the segment
+      at += block.size;
+      CHECK(block.state == GMLAKE_N_BLOCK_ALLOCATED || block.state == GMLAKE_N_BLOCK_FREE);
+      if (block.state == GMLAKE_N_BLOCK_ALLOCATED) {
+        allocated += block.size;
+        CHECK(block.requested_size > 0 && block.requested_size <= block.size);
+      } else {
+        CHECK(block.requested_size == 0);
+      }
+      if (block.state != GMLAKE_N_BLOCK_FREE) not_free += block.size;
+      asked += block.requested_size;
+    }
+    CHECK(at == seg.info.address + seg.info.total_size);
+    CHECK(seg.info.allocated_size == not_free);
+    CHECK(seg.info.requested_size == asked);
+    requested += asked;
+  }
+  CHECK(reserved == s.reserved_bytes.all.current);
+  CHECK(small == s.reserved_bytes.small_pool.current);
+  CHECK(allocated == s.allocated_bytes.all.current);
+  CHECK(segment_allocated == s.active_bytes.all.current);
+  CHECK(requested == s.requested_bytes.all.current);
+  CHECK(requested == static_cast<int64_t>(3 * MiB + 5 + 1000 + 20 * MiB + 500));
+
+  // A device not used yet: no segments, zero statistics, and still no pool.
+  Snapshot empty = snapshot(1);
+  CHECK(empty.segments.empty() && empty.stitched.empty());
+  CHECK(all_zero(stats(1)));
+  CHECK(gmlake_n_device_used(1) == 0);
+  CHECK(gmlake_n_snapshot(-1, nullptr, nullptr, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_snapshot(0, nullptr, nullptr, nullptr) == GMLAKE_N_OK);
+}
+
+// A stitched allocation reports its pieces, and the snapshot shows the range and its pieces.
+static void stitched() {
+  std::vector<void*> blocks;
+  for (int i = 0; i < 6; ++i) blocks.push_back(alloc(6 * MiB));
+  for (int i = 0; i < 6; i += 2) release(blocks[i]);
+  int64_t reserved = stats(0).reserved_bytes.all.current;
+
+  void* big = nullptr;
+  uint32_t pieces = 0;
+  CHECK(gmlake_n_malloc(0, 18 * MiB, nullptr, SHARED, &big, &pieces) == GMLAKE_N_OK);
+  CHECK(pieces == 3);
+  glake_stats s = stats(0);
+  CHECK(s.stitches == 1);
+  CHECK(s.reserved_bytes.all.current == reserved);
+  void* base = nullptr;
+  size_t size = 0;
+  CHECK(gmlake_n_base(static_cast<char*>(big) + 100, &base, &size) == GMLAKE_N_OK);
+  CHECK(base == big && size == 18 * MiB);
+
+  Snapshot snap = snapshot(0);
+  CHECK(snap.stitched.size() == 1);
+  if (snap.stitched.size() == 1) {
+    CHECK(snap.stitched[0].address == addr(big));
+    CHECK(snap.stitched[0].size == 18 * MiB);
+    CHECK(snap.stitched[0].in_use == 1);
+    CHECK(snap.stitched[0].pieces == 3);
+  }
+  int64_t plain = 0, piece_bytes = 0;
+  for (const auto& seg : snap.segments) {
+    for (const auto& block : seg.blocks) {
+      if (block.state == GMLAKE_N_BLOCK_ALLOCATED) plain += block.size;
+      if (block.state == GMLAKE_N_BLOCK_STITCHED) {
+        piece_bytes += block.size;
+        CHECK(block.requested_size == 0);
+      }
+    }
+  }
+  CHECK(piece_bytes == static_cast<int64_t>(18 * MiB));
+  CHECK(plain + piece_bytes == s.allocated_bytes.all.current);
+
+  // Freed, the range stays cached; the same request reuses it, pieces and all.
+  release(big);
+  snap = snapshot(0);
+  CHECK(snap.stitched.size() == 1 && snap.stitched[0].in_use == 0);
+  pieces = 0;
+  void* again = nullptr;
+  CHECK(gmlake_n_malloc(0, 18 * MiB, nullptr, SHARED, &again, &pieces) == GMLAKE_N_OK);
+  CHECK(again == big && pieces == 3);
+  CHECK(stats(0).stitch_reuse_hits == 1);
+  release(again);
+  void* plain_block = nullptr;
+  pieces = 99;
+  CHECK(gmlake_n_malloc(0, 2 * MiB, nullptr, SHARED, &plain_block, &pieces) == GMLAKE_N_OK);
+  CHECK(pieces == 0);
+  release(plain_block);
+}
+
+int main(int argc, char** argv) {
+  const struct {
+    const char* name;
+    void (*run)();
+  } scenarios[] = {
+      {"round_trip", round_trip},
+      {"out_of_memory", out_of_memory},
+      {"invalid_pointers", invalid_pointers},
+      {"private_pools", private_pools},
+      {"segment_events", segment_events},
+      {"stats_match_snapshot", stats_match_snapshot},
+      {"stitched", stitched},
+  };
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s SCENARIO\n", argv[0]);
+    return 2;
+  }
+  for (const auto& scenario : scenarios) {
+    if (std::strcmp(scenario.name, argv[1]) == 0) {
+      scenario.run();
+      if (failures == 0) std::printf("%s passed\n", scenario.name);
+      return failures == 0 ? 0 : 1;
+    }
+  }
+  std::fprintf(stderr, "unknown scenario %s\n", argv[1]);
+  return 2;
+}

@@ -108,8 +108,8 @@ int gmlake_n_pool_live(int device, gmlake_n_pool_id pool, void *ctx,
                        void (*cb)(void *ctx, uint64_t address));
 
 /* Calls `segment` once per segment of `device` in address order with its blocks, then
- * `stitched` (may be NULL) once per stitched range. Nothing when the device is not used yet. The callbacks
- * run under the pool's lock: they must not call back into libgmlake. */
+ * `stitched` (may be NULL) once per stitched range. Nothing when the device is not used yet.
+ * The callbacks must not call back into libgmlake. */
 int gmlake_n_snapshot(int device, void *ctx,
                       void (*segment)(void *ctx, const gmlake_n_segment *segment,
                                       const gmlake_n_block *blocks, size_t count),

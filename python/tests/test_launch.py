@@ -113,8 +113,8 @@ def test_native_build_command_links_torch_and_libgmlake(tmp_path, monkeypatch):
     assert f"-Wl,-rpath,{lib.parent.resolve()}" in cmd
 
 
-def test_native_cache_key_follows_torch_and_library(tmp_path):
-    a = native._key(FakeTorch, str(tmp_path / "a.so"))
-    b = native._key(FakeTorch, str(tmp_path / "b.so"))
+def test_native_cache_key_follows_torch_and_the_command():
+    a = native._key(FakeTorch, ["c++", "-O2", "/lib/a/libgmlake.so"])
+    b = native._key(FakeTorch, ["c++", "-O2", "/lib/b/libgmlake.so"])
     assert a != b and a.startswith("torch-2.99.0_test-")
-    assert native._key(FakeTorch, str(tmp_path / "a.so")) == a
+    assert native._key(FakeTorch, ["c++", "-O2", "/lib/a/libgmlake.so"]) == a

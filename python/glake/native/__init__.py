@@ -87,7 +87,10 @@ def build_command(torch, library, output):
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     lib_dir = torch_dir / "lib"
     library = str(pathlib.Path(library).resolve())
-    cmd = [_compiler(), "-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
+    # Default symbol visibility, as PyTorch's own extensions: with hidden visibility, library
+    # templates (iostreams) get private copies built from this compiler's headers, which crash
+    # against an older libstdc++ loaded by the process.
+    cmd = [_compiler(), "-std=c++17", "-O2", "-fPIC", "-shared",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     cmd += [f"-I{d}" for d in includes]
     cmd += [str(SOURCE), "-o", str(output), f"-L{lib_dir}", "-lc10", "-lc10_cuda",
@@ -96,10 +99,10 @@ def build_command(torch, library, output):
     return cmd
 
 
-def _key(torch, library):
+def _key(torch, command):
+    """The cache key of a build: the torch build, the sources and the compiler command."""
     h = hashlib.sha256()
-    for part in (torch.__version__, str(torch.version.cuda), sys.platform,
-                 str(pathlib.Path(library).resolve())):
+    for part in (torch.__version__, str(torch.version.cuda), sys.platform, *command):
         h.update(part.encode())
     for f in (SOURCE, ABI_HEADER):
         h.update(f.read_bytes())
@@ -113,7 +116,8 @@ def build(library, quiet=True):
 
     if not torch.cuda.is_available() and not os.environ.get("GLAKE_NATIVE_BUILD_ANYWAY"):
         raise Unavailable("CUDA is not available to this torch")
-    folder = cache_dir() / _key(torch, library)
+    command = build_command(torch, library, "OUTPUT")
+    folder = cache_dir() / _key(torch, command)
     target = folder / LIBRARY_NAME
     if target.is_file():
         return target
@@ -124,7 +128,7 @@ def build(library, quiet=True):
             return target
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
         os.close(fd)
-        cmd = build_command(torch, library, tmp)
+        cmd = [tmp if part == "OUTPUT" else part for part in command]
         if not quiet:
             print(" ".join(cmd), file=sys.stderr)
         done = subprocess.run(cmd, capture_output=True, text=True)

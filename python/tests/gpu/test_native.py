@@ -32,6 +32,7 @@ def test_info_names_the_active_path():
 
 @native
 def test_out_of_memory_is_typed_with_pytorchs_message_and_the_process_goes_on():
+    torch.ones(1, device="cuda")  # CUDA started: memory_stats() is empty before
     ooms = torch.cuda.memory_stats()["num_ooms"]
     with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate more than 1EB"):
         torch.empty(1 << 61, dtype=torch.uint8, device="cuda")

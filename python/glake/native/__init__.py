@@ -72,11 +72,46 @@ def _cuda_includes(torch):
     return found
 
 
+def _loaded_libstdcxx():
+    """The real path of the libstdc++ this process has loaded, or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "/libstdc++.so" in path:
+                    return os.path.realpath(path)
+    except OSError:
+        pass
+    return None
+
+
+def _runtime_of(cxx):
+    """The real path of the libstdc++ compiler `cxx` links against, or None."""
+    try:
+        out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return os.path.realpath(out) if out and os.path.isabs(out) else None
+
+
 def _compiler():
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
+    """The C++ compiler: of $CXX, c++ and g++, the first whose libstdc++ is the one this
+    process runs with (code built with another compiler's library headers can crash against
+    it), else the first that exists."""
+    candidates = []
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        path = shutil.which(name) if name else None
+        if path and path not in candidates:
+            candidates.append(path)
+    if not candidates:
         raise Unavailable("no C++ compiler found (set CXX)")
-    return cxx
+    loaded = _loaded_libstdcxx()
+    if loaded:
+        for cxx in candidates:
+            if _runtime_of(cxx) == loaded:
+                return cxx
+    return candidates[0]
 
 
 def build_command(torch, library, output):

@@ -254,14 +254,8 @@ def torch_snapshot():
     recorded); on the pluggable path it is built from glake's: segments of every device used,
     blocks in PyTorch's states (stitched pieces count as allocated), no traces."""
     if _state["path"] == "native":
-        snap = _torch.cuda.memory._snapshot()
-        snap["glake_stitched"] = [
-            dict(s, device=device)
-            for device in range(_torch.cuda.device_count())
-            for s in (snapshot(device) or {}).get("stitched", [])
-        ]
-        return snap
-    segments, stitched, traces = [], [], []
+        return _torch.cuda.memory._snapshot()  # glake_stitched added by _add_glake_counters
+    segments, traces = [], []
     for device in range(_torch.cuda.device_count()):
         traces.append([])
         snap = snapshot(device)
@@ -295,12 +289,11 @@ def torch_snapshot():
                     "blocks": blocks,
                 }
             )
-        stitched.extend(dict(s, device=device) for s in snap["stitched"])
     return {
         "segments": segments,
         "device_traces": traces,
         "allocator_settings": {},
-        "glake_stitched": stitched,
+        "glake_stitched": _stitched_ranges(),
     }
 
 
@@ -375,8 +368,9 @@ _REPLACEMENTS = {
 
 
 def _add_glake_counters():
-    """On the native path PyTorch's memory_stats() comes from glake through PyTorch's own
-    interface; this adds glake's stitching counters (glake.*) to it."""
+    """On the native path PyTorch's memory_stats() and snapshots come from glake through
+    PyTorch's own interface; this adds glake's stitching counters (glake.*) to the statistics
+    and its stitched ranges ("glake_stitched") to the snapshots."""
     original = _torch._C._cuda_memoryStats
 
     def memory_stats_with_glake(device):
@@ -386,6 +380,23 @@ def _add_glake_counters():
         return out
 
     _torch._C._cuda_memoryStats = memory_stats_with_glake
+    original_snapshot = _torch._C._cuda_memorySnapshot
+
+    def snapshot_with_stitched(*args, **kwargs):
+        snap = original_snapshot(*args, **kwargs)
+        snap["glake_stitched"] = _stitched_ranges()
+        return snap
+
+    _torch._C._cuda_memorySnapshot = snapshot_with_stitched
+
+
+def _stitched_ranges():
+    """glake's stitched ranges of every device used, each with its device."""
+    return [
+        dict(s, device=device)
+        for device in range(_torch.cuda.device_count())
+        for s in (snapshot(device) or {}).get("stitched", [])
+    ]
 
 
 def _install_statistics():

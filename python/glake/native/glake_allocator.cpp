@@ -1093,6 +1093,9 @@ __attribute__((visibility("default"))) int glake_native_install(char* error, siz
       allocator = std::make_shared<glake_native::GlakeAllocator>();
     }
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+    // Device-generic callers (torch.accelerator's memory API) find the CUDA allocator in c10's
+    // registry, which the swap above leaves alone.
+    c10::SetAllocator(c10::DeviceType::CUDA, allocator.get(), std::numeric_limits<uint8_t>::max());
     return 0;
   } catch (const std::exception& e) {
     if (error != nullptr && length > 0) {

@@ -124,8 +124,13 @@ def test_empty_cache_returns_memory_to_the_driver():
     free_before, _ = torch.cuda.mem_get_info()
     torch.cuda.empty_cache()
     free_after, _ = torch.cuda.mem_get_info()
-    assert torch.cuda.memory_reserved() <= reserved - 2 * GIB
-    assert free_after >= free_before + 2 * GIB - 64 * MIB
+    released = reserved - torch.cuda.memory_reserved()
+    # Some of the 2 GiB may have been stitched from memory cached before; what the cache held
+    # and nothing uses goes back, all the way to the driver.
+    assert released >= GIB
+    assert all(any(b["state"] != "inactive" for b in s["blocks"])
+               for s in torch.cuda.memory_snapshot())
+    assert free_after >= free_before + released - 64 * MIB
 
 
 def test_out_of_memory_raises_and_the_process_goes_on():

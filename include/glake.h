@@ -302,7 +302,7 @@ glake_status glake_record_stream(struct glake_pool *pool, void *ptr, glake_strea
 // Returns cached, unused memory to the driver (after waiting for the device).
 glake_status glake_empty_cache(struct glake_pool *pool);
 
-// Caps the pool's physical memory at `fraction` of the device's memory, in (0, 1], kept as
+// Caps the pool's physical memory at `fraction` of the device's memory, in [0, 1], kept as
 // the nearest byte (a fraction computed as budget / total gives the budget back exactly).
 // Replaces any earlier cap.
 glake_status glake_set_memory_fraction(struct glake_pool *pool, double fraction);

@@ -324,8 +324,17 @@ fn memory_fraction_caps_growth_and_oom_is_an_error() {
     let b = p.malloc(10 * MIB, Stream::DEFAULT).unwrap();
     p.free(a).unwrap();
     p.free(b).unwrap();
-    assert!(p.set_memory_fraction(0.0).is_err());
+    assert!(p.set_memory_fraction(-0.1).is_err());
     assert!(p.set_memory_fraction(1.5).is_err());
+    assert!(p.set_memory_fraction(f64::NAN).is_err());
+    // A fraction of 0 (as PyTorch allows) lets nothing new be created.
+    p.empty_cache().unwrap();
+    p.set_memory_fraction(0.0).unwrap();
+    assert_eq!(p.memory_fraction(), 0.0);
+    let err = p.malloc(4 * MIB, Stream::DEFAULT).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    p.set_memory_fraction(1.0).unwrap();
+    p.free(p.malloc(4 * MIB, Stream::DEFAULT).unwrap()).unwrap();
 }
 
 #[test]

@@ -367,7 +367,7 @@ pub extern "C" fn glake_empty_cache(pool: *mut glake_pool) -> glake_status {
     })
 }
 
-/// Caps the pool's physical memory at `fraction` of the device's memory, in (0, 1], kept as
+/// Caps the pool's physical memory at `fraction` of the device's memory, in [0, 1], kept as
 /// the nearest byte (a fraction computed as budget / total gives the budget back exactly).
 /// Replaces any earlier cap.
 #[no_mangle]

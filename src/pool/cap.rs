@@ -40,11 +40,12 @@ impl MemoryCap {
         Ok(cap)
     }
 
-    /// Caps at `fraction` of the device, in (0, 1].
+    /// Caps at `fraction` of the device, in [0, 1] (0, as in PyTorch, lets the pool create
+    /// nothing more: every request that needs new memory fails).
     pub fn set_fraction(&mut self, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::invalid_argument(format!(
-                "memory fraction {fraction} must be in (0, 1]"
+                "memory fraction {fraction} must be in [0, 1]"
             )));
         }
         self.bytes = bytes_of_fraction(self.total, fraction);

@@ -9,7 +9,9 @@ with the same seed (same model, same sequence of shapes).
     python3 bench/train_bench.py --allocators 'native,glake,glake[GLAKE_FRAG_LIMIT=64M]'
     python3 bench/train_bench.py --workloads moe,generate --lockstep --rounds 2
 
-An allocator may carry environment settings in brackets, separated by ';'. With --rounds N
+An allocator may carry environment settings in brackets, separated by ';'
+(`glake[GLAKE_NATIVE=0]`: glake through CUDAPluggableAllocator; `native[BENCH_MEMORY_HISTORY=1]`:
+with memory history recorded, stacks included). With --rounds N
 every workload runs N rounds, the order of the allocators rotating each round (the first
 process of a round tends to run slow), and each run is compared with the native run of its
 own round.
@@ -68,6 +70,10 @@ def child(allocator, workload, steps, seed, lockstep=False):
     import workloads
 
     torch.cuda.init()
+    if os.environ.get("BENCH_MEMORY_HISTORY") == "1":
+        # What recording memory history (alloc/free events with Python stacks, for memory_viz)
+        # costs a training step, with PyTorch's allocator or glake's.
+        torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
     free, total = torch.cuda.mem_get_info()
     baseline = total - free
     rng = random.Random(seed)

@@ -159,10 +159,14 @@ mod tests {
         cap.set_bytes(usize::MAX).expect("valid");
         assert_eq!(cap.bytes(), total, "clamped to the device");
         assert!(cap.set_bytes(0).is_err());
-        for bad in [0.0, -0.1, 1.0001, f64::NAN, f64::INFINITY] {
+        for bad in [-0.1, 1.0001, f64::NAN, f64::INFINITY] {
             assert!(cap.set_fraction(bad).is_err(), "{bad}");
         }
         assert_eq!(cap.bytes(), total, "a refused setting changes nothing");
+        cap.set_fraction(0.0)
+            .expect("0 is PyTorch's way to allow nothing more");
+        assert_eq!(cap.bytes(), 0);
+        assert!(!cap.fits(0, 1));
         assert_eq!(bytes_of_fraction(total, 1.0), total);
     }
 }

@@ -681,3 +681,172 @@ fn stitched_from_many_pieces_is_usable_end_to_end() {
     }
     p.check_invariants().unwrap();
 }
+
+/// (address, size, state) of every block, segment by segment: what a graph pool's checkpoint
+/// must find again after a restore.
+fn block_layout(p: &Pool) -> Vec<Vec<(u64, usize, BlockUse)>> {
+    p.snapshot()
+        .segments
+        .iter()
+        .map(|s| {
+            s.blocks
+                .iter()
+                .map(|b| (b.address, b.size, b.state))
+                .collect()
+        })
+        .collect()
+}
+
+/// Always on the host backend (a gated stream holds a free pending). A graph pool's
+/// checkpoint restored: allocations freed since come back at their addresses with
+/// `malloc_at`, counted as any allocation, while ranges that are not free memory of the pool
+/// usable on the stream are refused with nothing changed.
+#[test]
+fn malloc_at_restores_freed_allocations_of_a_private_pool() {
+    let host = common::host_device(1 << 30);
+    let device: SharedDevice = host.clone();
+    let s1 = device.create_stream().unwrap();
+    let s2 = device.create_stream().unwrap();
+    let p = pool(&device);
+    let id = (5, 6);
+    let other = p.malloc(4 * MIB, s1).unwrap();
+    p.free(other).unwrap();
+
+    p.begin_private(id);
+    // One 20 MiB segment split into a, b, keep and a free rest; one small segment for c, d.
+    let big = p.malloc_in(20 * MIB, s1, Some(id)).unwrap();
+    p.free(big).unwrap();
+    let a = p.malloc_in(6 * MIB, s1, Some(id)).unwrap();
+    let b = p.malloc_in(4 * MIB, s1, Some(id)).unwrap();
+    let keep = p.malloc_in(4 * MIB, s1, Some(id)).unwrap();
+    let c = p.malloc_in(1000, s1, Some(id)).unwrap();
+    let d = p.malloc_in(3000, s1, Some(id)).unwrap();
+    assert_eq!((a + (6 * MIB) as u64, b + (4 * MIB) as u64), (b, keep));
+    let checkpoint = p.private_allocations(id).unwrap();
+    let stats = p.stats();
+    let layout = block_layout(&p);
+
+    // b is used on s2 too, whose work is held back: its free stays pending.
+    p.record_stream(b, s2).unwrap();
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    host.enqueue_host_fn(
+        s2,
+        Box::new(move || {
+            let _ = gate.recv();
+        }),
+    )
+    .unwrap();
+    for ptr in [a, b, c] {
+        p.free(ptr).unwrap();
+    }
+    let mut left = vec![keep, d];
+    left.sort_unstable();
+    assert_eq!(p.private_allocations(id), Some(left));
+    let freed = p.stats();
+    let freed_layout = block_layout(&p);
+    let refused = |addr: u64, size: usize, stream: Stream, pool: Option<(u64, u64)>| {
+        p.malloc_at(addr, size, stream, pool).unwrap_err().kind()
+    };
+    use ErrorKind::{InvalidArgument, InvalidState};
+    assert_eq!(refused(b, 4 * MIB, s1, Some(id)), InvalidState, "pending");
+    assert_eq!(refused(keep, 4 * MIB, s1, Some(id)), InvalidState, "live");
+    assert_eq!(refused(a, 12 * MIB, s1, Some(id)), InvalidState, "overlaps");
+    assert_eq!(refused(a, 6 * MIB, s2, Some(id)), InvalidState, "stream");
+    assert_eq!(refused(a, 6 * MIB, s1, None), InvalidState, "shared");
+    assert_eq!(refused(a, 6 * MIB, s1, Some((1, 1))), InvalidState);
+    assert_eq!(refused(other, 4 * MIB, s1, Some(id)), InvalidState);
+    assert_eq!(refused(0x1000, 4 * MIB, s1, Some(id)), InvalidState);
+    assert_eq!(refused(a, 6 * MIB + 512, s1, Some(id)), InvalidArgument);
+    assert_eq!(refused(a + 512, 2 * MIB, s1, Some(id)), InvalidArgument);
+    assert_eq!(refused(c, 1000, s1, Some(id)), InvalidArgument);
+    assert_eq!(refused(a, 0, s1, Some(id)), InvalidArgument);
+    assert_eq!(p.stats(), freed, "a refusal changes nothing");
+    assert_eq!(block_layout(&p), freed_layout);
+    p.check_invariants().unwrap();
+
+    // Restored while the routing is active, on the stream they were freed on.
+    assert_eq!(p.malloc_at(a, 6 * MIB, s1, Some(id)).unwrap(), a);
+    assert_eq!(p.malloc_at(c, 1024, s1, Some(id)).unwrap(), c);
+    p.end_private(id).unwrap();
+    assert_eq!(refused(b, 4 * MIB, s1, Some(id)), InvalidState, "s2 busy");
+    open.send(()).unwrap();
+    device.synchronize_stream(s2).unwrap();
+    assert_eq!(p.malloc_at(b, 4 * MIB, s1, Some(id)).unwrap(), b);
+
+    assert_eq!(p.private_allocations(id).unwrap(), checkpoint);
+    assert_eq!(block_layout(&p), layout);
+    let now = p.stats();
+    for (name, before, after) in [
+        ("allocation", stats.allocation, now.allocation),
+        ("active", stats.active, now.active),
+        (
+            "allocated_bytes",
+            stats.allocated_bytes,
+            now.allocated_bytes,
+        ),
+        ("active_bytes", stats.active_bytes, now.active_bytes),
+        ("inactive_split", stats.inactive_split, now.inactive_split),
+        (
+            "inactive_split_bytes",
+            stats.inactive_split_bytes,
+            now.inactive_split_bytes,
+        ),
+    ] {
+        assert_eq!(before.all.current, after.all.current, "{name}");
+        assert_eq!(
+            before.small_pool.current, after.small_pool.current,
+            "{name}"
+        );
+        assert_eq!(
+            before.large_pool.current, after.large_pool.current,
+            "{name}"
+        );
+    }
+    assert_eq!(
+        now.allocation.all.allocated,
+        stats.allocation.all.allocated + 3
+    );
+    // A restore asks for the size it restores: c's 1000 bytes come back as 1024.
+    assert_eq!(
+        now.requested_bytes.all.current,
+        stats.requested_bytes.all.current + 24
+    );
+    let info = p.allocation_of(c + 10).unwrap();
+    assert_eq!((info.base, info.size, info.requested), (c, 1024, 1024));
+    p.check_invariants().unwrap();
+
+    // The restored allocations free like any other.
+    for ptr in [a, b, c, keep, d] {
+        p.free(ptr).unwrap();
+    }
+    assert_eq!(p.stats().allocation.all.current, 0);
+    assert_eq!(p.stats().requested_bytes.all.current, 0);
+    assert_eq!(p.private_allocations(id), Some(vec![]));
+    p.check_invariants().unwrap();
+    p.release_private(id).unwrap();
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+    drop(p);
+    device.destroy_stream(s1).unwrap();
+    device.destroy_stream(s2).unwrap();
+}
+
+/// The shared pool restores too, and a private pool's memory is not the shared pool's.
+#[test]
+fn malloc_at_in_the_shared_pool() {
+    let device = common::device();
+    let p = pool(&device);
+    let a = p.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    p.free(a).unwrap();
+    assert_eq!(p.malloc_at(a, 4 * MIB, Stream::DEFAULT, None).unwrap(), a);
+    assert_eq!(p.stats().allocated_bytes.all.current, (4 * MIB) as i64);
+    assert_eq!(
+        p.malloc_at(a, 4 * MIB, Stream::DEFAULT, None)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidState,
+        "already live"
+    );
+    p.free(a).unwrap();
+    p.check_invariants().unwrap();
+}

@@ -8,7 +8,20 @@ use super::blocks::{BlockId, PoolKind, Tag, SHARED};
 use super::{sizes, Inner, Live, Target};
 use crate::config::DefragLevel;
 use crate::device::{DevicePtr, Stream};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Refuses sizes no request may have: 0, and beyond any device.
+fn check_size(size: usize) -> Result<()> {
+    if size == 0 {
+        return Err(Error::invalid_argument("size 0 requested"));
+    }
+    if size > isize::MAX as usize {
+        return Err(Error::invalid_argument(format!(
+            "size {size} is beyond any device"
+        )));
+    }
+    Ok(())
+}
 
 impl Inner {
     pub(super) fn reserved(&self) -> usize {
@@ -22,14 +35,7 @@ impl Inner {
         stream: Stream,
         tag: Tag,
     ) -> Result<DevicePtr> {
-        if size == 0 {
-            return Err(Error::invalid_argument("size 0 requested"));
-        }
-        if size > isize::MAX as usize {
-            return Err(Error::invalid_argument(format!(
-                "size {size} is beyond any device"
-            )));
-        }
+        check_size(size)?;
         let pool = sizes::pool_of(size, self.config.small_limit);
         let rounded = sizes::round(size, pool, self.granularity)?;
         if rounded > self.total_memory {
@@ -59,12 +65,71 @@ impl Inner {
                 )));
             }
         };
-        if let Some(live) = self.live.get_mut(&ptr) {
-            live.requested = size;
-            let delta = size as i64;
-            self.stats.requested_bytes.add(pool, delta);
-        }
+        self.set_requested(ptr, size);
         Ok(ptr)
+    }
+
+    /// Allocates exactly `[addr, addr+size)` again for use on `stream`, from the segments of
+    /// pool `tag`: the range must lie inside one free block usable on `stream`, and `size` be a
+    /// size this pool hands out (it is not rounded again). Nothing changes when it does not:
+    /// an `InvalidState` error for a range that is not such free memory, `InvalidArgument` for
+    /// a size or address off the pool's unit. Nothing is created or mapped, and while a
+    /// routing is active (a capture may be underway) no driver call is made. PyTorch's CUDA graph trees restore a graph pool's checkpoint with this: its
+    /// allocations freed since must come back where the captured graphs expect them.
+    pub(super) fn malloc_at(
+        &mut self,
+        device: &dyn crate::device::Device,
+        addr: DevicePtr,
+        size: usize,
+        stream: Stream,
+        tag: Tag,
+    ) -> Result<DevicePtr> {
+        check_size(size)?;
+        if !self.pending.is_empty() {
+            self.process_pending(device)?;
+        }
+        let not_free = |inner: &Self| {
+            let owner = match inner.private_of_tag(tag) {
+                Some(id) => format!("private pool {id:?}"),
+                None => "the shared pool".to_string(),
+            };
+            Error::new(
+                ErrorKind::InvalidState,
+                format!(
+                    "[{addr:#x}, {:#x}) is not free memory of {owner} usable on stream {:#x}",
+                    addr.saturating_add(size as u64),
+                    stream.0
+                ),
+            )
+        };
+        let Some(id) = self.map.block_containing(addr) else {
+            return Err(not_free(self));
+        };
+        let segment = &self.map.segments[self.map.blocks[id].segment];
+        let pool = segment.pool;
+        let unit = sizes::unit(pool, self.granularity);
+        if size % unit != 0 || (addr - segment.va) % unit as u64 != 0 {
+            return Err(Error::invalid_argument(format!(
+                "[{addr:#x}, +{size}) is not aligned to the {unit} byte unit of its pool"
+            )));
+        }
+        if segment.tag != tag {
+            return Err(not_free(self));
+        }
+        let Some(id) = self.map.take_range(addr, size, stream) else {
+            return Err(not_free(self));
+        };
+        self.register(addr, Target::Block(id), size, stream, pool);
+        self.set_requested(addr, size);
+        Ok(addr)
+    }
+
+    /// Records the bytes asked for by the new allocation at `ptr`.
+    fn set_requested(&mut self, ptr: DevicePtr, requested: usize) {
+        if let Some(live) = self.live.get_mut(&ptr) {
+            live.requested = requested;
+            self.stats.requested_bytes.add(live.pool, requested as i64);
+        }
     }
 
     /// Records a new allocation and its statistics.

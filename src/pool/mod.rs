@@ -195,6 +195,24 @@ impl Pool {
         Ok((ptr, inner.stitched_pieces(ptr)))
     }
 
+    /// Allocates exactly `[addr, addr+size)` again for use on `stream`, from private pool
+    /// `private` when given (which must be open; routing to it is not needed), else from the
+    /// shared pool. The range must lie inside one free block of that pool usable on `stream`
+    /// (else an `InvalidState` error), and `size` be a size the pool handed out before: it is
+    /// not rounded again, and one off the pool's unit is an `InvalidArgument` error. Nothing
+    /// changes on an error. The allocation is then like any other. PyTorch's CUDA graph trees
+    /// restore a graph pool's checkpoint with this: allocations freed since come back at the
+    /// addresses the captured graphs use.
+    pub fn malloc_at(
+        &self,
+        addr: DevicePtr,
+        size: usize,
+        stream: Stream,
+        private: Option<PrivatePoolId>,
+    ) -> Result<DevicePtr> {
+        lock(&self.inner).malloc_at_in(&*self.device, addr, size, stream, private)
+    }
+
     /// Starts routing requests to private pool `id`, creating it or taking one more use of it.
     /// Until the matching [`Pool::end_private`] nothing is unmapped, released or waited for.
     pub fn begin_private(&self, id: PrivatePoolId) {

@@ -29,18 +29,7 @@ impl Inner {
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
-        let tag = match private {
-            None => SHARED,
-            Some(id) => match self.private.get(&id) {
-                Some(p) => p.tag,
-                None => {
-                    return Err(Error::new(
-                        ErrorKind::InvalidState,
-                        format!("private pool {id:?} is not open"),
-                    ))
-                }
-            },
-        };
+        let tag = self.tag_of(private)?;
         if self.routing == 0 {
             return self.malloc(device, size, stream, tag);
         }
@@ -52,6 +41,33 @@ impl Inner {
             log::warn!("glake: restoring the stream capture mode failed: {err}");
         }
         result
+    }
+
+    /// Allocates exactly `[addr, addr+size)` again from private pool `private` when given
+    /// (which must be open), else from the shared pool; see `Inner::malloc_at`.
+    pub(super) fn malloc_at_in(
+        &mut self,
+        device: &dyn crate::device::Device,
+        addr: DevicePtr,
+        size: usize,
+        stream: Stream,
+        private: Option<PrivatePoolId>,
+    ) -> Result<DevicePtr> {
+        let tag = self.tag_of(private)?;
+        self.malloc_at(device, addr, size, stream, tag)
+    }
+
+    /// The tag of private pool `private` (which must be open), or of the shared pool for None.
+    fn tag_of(&self, private: Option<PrivatePoolId>) -> Result<Tag> {
+        match private {
+            None => Ok(SHARED),
+            Some(id) => self.private.get(&id).map(|p| p.tag).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidState,
+                    format!("private pool {id:?} is not open"),
+                )
+            }),
+        }
     }
 
     /// Starts routing to private pool `id`, creating it or taking one more use of it.

@@ -16,7 +16,7 @@ use glake::{Error, ErrorKind, Pool};
 
 use crate::{
     allocate_in, allocation_containing, devices, empty_caches, guarded, memory_limit_of,
-    record_stream, release, set_memory_fraction, stats_of, timing, MempoolId,
+    record_stream, release, set_memory_fraction, stats_of, stream_of, timing, MempoolId,
 };
 
 pub const GMLAKE_N_OK: c_int = 0;
@@ -233,6 +233,35 @@ pub unsafe extern "C" fn gmlake_n_malloc(
             }
             Ok(())
         })
+    }))
+}
+
+/// Allocates exactly `[address, address+size)` again on `device` for `stream`, from private
+/// pool `pool` when it is not {0, 0}: restoring a graph pool's checkpoint brings allocations
+/// freed since back at their addresses. Invalid (nothing changed) when the range is not free
+/// memory of that pool usable on `stream`, or the device has no pool yet.
+#[no_mangle]
+pub extern "C" fn gmlake_n_malloc_at(
+    device: c_int,
+    address: *mut c_void,
+    size: usize,
+    stream: *mut c_void,
+    pool: gmlake_n_pool_id,
+) -> c_int {
+    n_status(guarded(|| {
+        devices::index(device)?;
+        let Some(existing) = devices::existing(device) else {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("device {device} has no pool yet: nothing to allocate again"),
+            ));
+        };
+        existing.malloc_at(
+            address as usize as u64,
+            size,
+            stream_of(stream),
+            pool.private(),
+        )
     }))
 }
 

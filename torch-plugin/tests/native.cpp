@@ -546,6 +546,66 @@ static void stitched() {
   release(plain_block);
 }
 
+// A graph pool's checkpoint restored: allocations freed since come back at their addresses
+// with gmlake_n_malloc_at, counted as any allocation; ranges that are not free memory of the
+// pool are refused and change nothing.
+static void malloc_at() {
+  const gmlake_n_pool_id id{7, 1};
+  void* none = reinterpret_cast<void*>(0x1000);
+  CHECK(gmlake_n_malloc_at(0, none, 2 * MiB, nullptr, id) == GMLAKE_N_INVALID);  // no pool
+  CHECK(error_has("no pool"));
+  CHECK(gmlake_n_device_used(0) == 0);
+  CHECK(gmlake_n_malloc_at(-1, none, 2 * MiB, nullptr, id) == GMLAKE_N_INVALID);
+
+  CHECK(gmlake_n_pool_begin(0, id) == GMLAKE_N_OK);
+  void* a = alloc(6 * MiB, id);
+  void* b = alloc(1000, id);
+  void* keep = alloc(4 * MiB, id);
+  void* shared = alloc(4 * MiB);
+  release(shared);  // free memory of the shared pool
+  std::vector<uint64_t> checkpoint;
+  CHECK(live(id, &checkpoint) == GMLAKE_N_OK);
+  glake_stats before = stats(0);
+  release(a);
+  release(b);
+
+  glake_stats freed = stats(0);
+  CHECK(gmlake_n_malloc_at(0, keep, 4 * MiB, nullptr, id) == GMLAKE_N_INVALID);  // live
+  CHECK(error_has("not free memory"));
+  CHECK(gmlake_n_malloc_at(0, shared, 4 * MiB, nullptr, id) == GMLAKE_N_INVALID);  // shared
+  CHECK(gmlake_n_malloc_at(0, a, 6 * MiB, nullptr, SHARED) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc_at(0, a, 6 * MiB, nullptr, gmlake_n_pool_id{9, 9}) == GMLAKE_N_INVALID);
+  CHECK(error_has("not open"));
+  CHECK(gmlake_n_malloc_at(0, b, 1000, nullptr, id) == GMLAKE_N_INVALID);  // not rounded
+  CHECK(gmlake_n_malloc_at(0, none, 2 * MiB, nullptr, id) == GMLAKE_N_INVALID);
+  glake_stats after = stats(0);
+  CHECK(std::memcmp(&freed, &after, sizeof freed) == 0);
+
+  CHECK(gmlake_n_malloc_at(0, a, 6 * MiB, nullptr, id) == GMLAKE_N_OK);
+  CHECK(gmlake_n_malloc_at(0, b, 1024, nullptr, id) == GMLAKE_N_OK);
+  CHECK(gmlake_n_malloc_at(0, a, 6 * MiB, nullptr, id) == GMLAKE_N_INVALID);  // live again
+  std::vector<uint64_t> restored;
+  CHECK(live(id, &restored) == GMLAKE_N_OK);
+  CHECK(restored == checkpoint);
+  glake_stats now = stats(0);
+  CHECK(now.allocation.all.current == before.allocation.all.current);
+  CHECK(now.allocated_bytes.all.current == before.allocated_bytes.all.current);
+  CHECK(now.allocated_bytes.small_pool.current == before.allocated_bytes.small_pool.current);
+  CHECK(now.active_bytes.all.current == before.active_bytes.all.current);
+  CHECK(now.requested_bytes.all.current == before.requested_bytes.all.current + 24);
+  void* base = nullptr;
+  size_t size = 0;
+  CHECK(gmlake_n_base(static_cast<char*>(a) + 100, &base, &size) == GMLAKE_N_OK);
+  CHECK(base == a && size == 6 * MiB);
+
+  CHECK(gmlake_n_pool_end(0, id) == GMLAKE_N_OK);
+  release(a);
+  release(b);
+  release(keep);
+  CHECK(stats(0).allocation.all.current == 0);
+  CHECK(gmlake_n_pool_release(0, id) == GMLAKE_N_OK);
+}
+
 int main(int argc, char** argv) {
   const struct {
     const char* name;
@@ -558,6 +618,7 @@ int main(int argc, char** argv) {
       {"segment_events", segment_events},
       {"stats_match_snapshot", stats_match_snapshot},
       {"stitched", stitched},
+      {"malloc_at", malloc_at},
   };
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s SCENARIO\n", argv[0]);

@@ -56,3 +56,8 @@ fn stats_match_the_snapshot() {
 fn stitched_allocations_report_their_pieces() {
     scenario("stitched");
 }
+
+#[test]
+fn malloc_at_restores_freed_allocations_of_a_graph_pool() {
+    scenario("malloc_at");
+}

@@ -76,6 +76,13 @@ const char *gmlake_last_error(void);
  * when the memory is a stitched range, else 0. */
 int gmlake_n_malloc(int device, size_t size, void *stream, gmlake_n_pool_id pool, void **out,
                     uint32_t *out_stitched);
+/* Allocates exactly `[address, address+size)` again on `device` for `stream`, from `pool`
+ * ({0, 0}: the shared pool), counted as any malloc: restoring a graph pool's checkpoint brings
+ * allocations freed since back at the addresses its graphs use. `size` is the size the
+ * allocation had (not rounded again). GMLAKE_N_INVALID when the range is not inside one free
+ * block of that pool usable on `stream`, or the device has no pool yet; nothing changes then. */
+int gmlake_n_malloc_at(int device, void *address, size_t size, void *stream,
+                       gmlake_n_pool_id pool);
 /* Frees `ptr`; `device` is a hint (-1: any). `*out_device` (may be NULL) gets the device. */
 int gmlake_n_free(void *ptr, int device, int *out_device);
 int gmlake_n_record_stream(void *ptr, void *stream);

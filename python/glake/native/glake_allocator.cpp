@@ -102,8 +102,13 @@ struct Route {
 
 // A graph pool's live allocations, kept by CUDA graph trees to restore a path later.
 struct PoolState final : AllocatorState {
+  struct Allocation {
+    void* ptr;
+    size_t size;
+    cudaStream_t stream;
+  };
   MempoolId_t pool;
-  std::vector<std::pair<void*, size_t>> live;  // address, size
+  std::vector<Allocation> live;
 };
 
 // A bounded history of trace entries for one device (oldest dropped first).
@@ -570,22 +575,23 @@ class GlakeAllocator final : public CUDAAllocator {
                                                      MempoolId_t id) override {
     auto state = std::make_shared<PoolState>();
     state->pool = id;
-    std::vector<void*> live;
-    check(gmlake_n_pool_live(device, to_c(id), &live,
-                             [](void* ctx, uint64_t address) {
-                               static_cast<std::vector<void*>*>(ctx)->push_back(
-                                   reinterpret_cast<void*>(address));
-                             }),
-          "reading a graph pool");
-    for (void* ptr : live) {
-      void* base = nullptr;
-      size_t size = 0;
-      check(gmlake_n_base(ptr, &base, &size), "reading a graph pool allocation");
-      state->live.emplace_back(ptr, size);
+    for (const auto& copy : snapshot_device(device)) {
+      if (from_c(copy.segment.pool) != id) {
+        continue;
+      }
+      for (const auto& b : copy.blocks) {
+        if (b.state == GMLAKE_N_BLOCK_ALLOCATED) {
+          state->live.push_back({reinterpret_cast<void*>(b.address), b.size,
+                                 reinterpret_cast<cudaStream_t>(b.stream)});
+        }
+      }
     }
     return state;
   }
 
+  // Brings graph pool `pps->pool` back to the checkpoint: allocations made since are freed,
+  // allocations freed since come back at their own addresses (PyTorch hands them to the
+  // tensors of the graph tree's path).
   CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
                                          std::shared_ptr<AllocatorState> pps) override {
     auto* state = dynamic_cast<PoolState*>(pps.get());
@@ -598,17 +604,8 @@ class GlakeAllocator final : public CUDAAllocator {
                              }),
           "reading a graph pool");
     std::unordered_set<void*> wanted;
-    for (const auto& [ptr, size] : state->live) {
-      wanted.insert(ptr);
-    }
-    std::unordered_set<void*> now(live.begin(), live.end());
-    for (void* ptr : wanted) {
-      // Bringing back an allocation freed since the checkpoint would need that exact address
-      // again; refuse clearly rather than hand out memory that overlaps another block.
-      TORCH_CHECK(now.count(ptr) != 0,
-                  "glake: restoring a CUDA graph tree checkpoint that needs freed memory back "
-                  "is not supported; use torch.compile(mode='max-autotune-no-cudagraphs') or "
-                  "torch.cuda.graph for this model");
+    for (const auto& a : state->live) {
+      wanted.insert(a.ptr);
     }
     CheckpointDelta delta;
     for (void* ptr : live) {
@@ -616,6 +613,16 @@ class GlakeAllocator final : public CUDAAllocator {
         free_ptr(ptr);
         delta.ptrs_freed.push_back(ptr);
       }
+    }
+    const std::unordered_set<void*> still(live.begin(), live.end());
+    for (const auto& a : state->live) {
+      if (still.count(a.ptr) != 0) {
+        continue;
+      }
+      check(gmlake_n_malloc_at(device, a.ptr, a.size, a.stream, to_c(state->pool)),
+            "restoring a CUDA graph pool checkpoint");
+      delta.dataptrs_allocd.emplace_back(a.ptr, a.ptr, &raw_delete_fn,
+                                         c10::Device(c10::DeviceType::CUDA, device));
     }
     return delta;
   }

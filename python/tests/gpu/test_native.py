@@ -202,6 +202,37 @@ def test_graph_pool_segments_carry_the_graph_pool_id():
 
 
 @native
+def test_graph_tree_checkpoint_brings_freed_allocations_back():
+    # What CUDA graph trees (torch.compile mode="reduce-overhead") do when they switch paths.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.ones(256, device="cuda").mul_(2)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        small = torch.ones(256, device="cuda") * 2
+        large = torch.ones(8 * MIB, device="cuda") * 3
+    pool = graph.pool()
+    state = torch._C._cuda_getCheckpointState(0, pool)
+    ptrs = [small.data_ptr(), large.data_ptr()]
+    sizes = [small.untyped_storage().nbytes(), large.untyped_storage().nbytes()]
+    assert torch._C._cuda_checkPoolLiveAllocations(0, pool, set(ptrs))
+    del small, large
+    assert torch._C._cuda_checkPoolLiveAllocations(0, pool, set())
+    storages = [torch._C._construct_storage_from_data_pointer(p, torch.device("cuda", 0), n)
+                for p, n in zip(ptrs, sizes)]
+    torch._C._cuda_setCheckpointPoolState(0, state, [], [s._cdata for s in storages])
+    assert torch._C._cuda_checkPoolLiveAllocations(0, pool, set(ptrs))
+    graph.replay()
+    restored = torch.empty(0, device="cuda").set_(storages[1])
+    assert restored[:8 * MIB].eq(3).all()
+    del restored, storages  # their deleters now free through glake
+    assert torch._C._cuda_checkPoolLiveAllocations(0, pool, set())
+    del graph
+
+
+@native
 def test_raw_alloc_and_delete_are_counted():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -114,11 +114,11 @@ struct PoolState final : AllocatorState {
 // A bounded history of trace entries for one device (oldest dropped first).
 class TraceRing {
  public:
-  void insert(const TraceEntry& entry, size_t max_entries) {
+  void insert(TraceEntry entry, size_t max_entries) {
     if (max_entries == 0) {
       return;
     }
-    entries_.push_back(entry);
+    entries_.push_back(std::move(entry));
     while (entries_.size() > max_entries) {
       entries_.pop_front();
     }
@@ -232,13 +232,16 @@ class GlakeAllocator final : public CUDAAllocator {
       return;
     }
     const bool tracing = tracing_.load(std::memory_order_acquire);
-    size_t size = 0;
-    if (tracing || c10::memoryProfilingEnabled()) {
+    // While history is recorded the allocation's record has its size; otherwise ask glake.
+    LiveRecord rec;
+    const bool known = tracing && take_live(ptr, &rec);
+    if (!known && (tracing || c10::memoryProfilingEnabled())) {
       void* base = nullptr;
-      if (gmlake_n_base(ptr, &base, &size) != GMLAKE_N_OK) {
-        size = 0;
+      if (gmlake_n_base(ptr, &base, &rec.size) != GMLAKE_N_OK) {
+        rec.size = 0;
       }
     }
+    const size_t size = rec.size;
     int device = -1;
     int status = gmlake_n_free(ptr, -1, &device);
     if (status != GMLAKE_N_OK) {
@@ -247,7 +250,7 @@ class GlakeAllocator final : public CUDAAllocator {
       return;
     }
     if (tracing) {
-      before_free_record(device, ptr, size);
+      record_free(device, ptr, std::move(rec));
     }
     if (c10::memoryProfilingEnabled()) {
       report_to_profiler(static_cast<c10::DeviceIndex>(device), ptr, -static_cast<int64_t>(size));
@@ -889,14 +892,10 @@ class GlakeAllocator final : public CUDAAllocator {
   }
 
   std::shared_ptr<c10::GatheredContext> gather(RecordContext level) {
-    CreateContextFn recorder = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (record_when_ < level) {
-        return nullptr;
-      }
-      recorder = recorder_;
+    if (record_when_.load(std::memory_order_acquire) < level) {
+      return nullptr;
     }
+    CreateContextFn recorder = recorder_.load(std::memory_order_acquire);
     return recorder != nullptr ? recorder() : nullptr;
   }
 
@@ -917,17 +916,19 @@ class GlakeAllocator final : public CUDAAllocator {
            note);
   }
 
-  void before_free_record(int device, void* ptr, size_t size) {
-    LiveRecord rec;
-    rec.size = size;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = live_.find(ptr);
-      if (it != live_.end()) {
-        rec = std::move(it->second);
-        live_.erase(it);
-      }
+  // Takes the record of live allocation `ptr` kept while history is recorded.
+  bool take_live(void* ptr, LiveRecord* out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = live_.find(ptr);
+    if (it == live_.end()) {
+      return false;
     }
+    *out = std::move(it->second);
+    live_.erase(it);
+    return true;
+  }
+
+  void record_free(int device, void* ptr, LiveRecord rec) {
     auto context = gather(RecordContext::ALL);
     if (!context) {
       context = rec.context;
@@ -971,12 +972,16 @@ class GlakeAllocator final : public CUDAAllocator {
       }
       entry = std::make_unique<TraceEntry>(
           action, device, addr, size, stream, pool, c10::getApproximateTime(),
-          record_when_ >= RecordContext::ALLOC ? context : nullptr,
+          record_when_.load() >= RecordContext::ALLOC ? context : nullptr,
           compile_contexts_.empty() ? std::string("N/A") : compile_contexts_.back(), metadata);
       if (record_history_.load()) {
         auto index = static_cast<size_t>(device);
         if (traces_.size() <= index) {
           traces_.resize(index + 1);
+        }
+        if (trackers_.empty()) {
+          traces_[index].insert(std::move(*entry), max_entries_);
+          return;
         }
         traces_[index].insert(*entry, max_entries_);
       }
@@ -1061,8 +1066,8 @@ class GlakeAllocator final : public CUDAAllocator {
 
   std::atomic<bool> tracing_{false};
   std::atomic<bool> record_history_{false};
-  CreateContextFn recorder_ = nullptr;
-  RecordContext record_when_ = RecordContext::NEVER;
+  std::atomic<CreateContextFn> recorder_{nullptr};
+  std::atomic<RecordContext> record_when_{RecordContext::NEVER};
   size_t max_entries_ = 0;
   std::unordered_set<TraceEntry::Action> skip_;
   std::vector<TraceRing> traces_;

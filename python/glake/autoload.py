@@ -27,23 +27,33 @@ def _enable():
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Finds `torch` through the other finders and enables glake once its module has run."""
+    """Finds `torch` through the other finders and enables glake once its module has run. It
+    stays in place until torch actually runs: libraries probe with importlib.util.find_spec
+    ("is torch available?") long before they import it."""
+
+    def __init__(self):
+        self._finding = False
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "torch":
+        if fullname != "torch" or self._finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec("torch")
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None:
             return spec
-        loader = spec.loader
-        run_module = loader.exec_module
+        run_module = spec.loader.exec_module
+        finder = self
 
         def exec_module(module):
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
             run_module(module)
             _enable()
 
-        loader.exec_module = exec_module
+        spec.loader.exec_module = exec_module
         return spec
 
 

@@ -10,6 +10,7 @@ the environment (GLAKE_*, GMLake's names, GLAKE_NATIVE).
 
 import os
 import runpy
+import site
 import sys
 
 USAGE = "usage: python -m glake.run (SCRIPT | -m MODULE) [ARGS...]"
@@ -17,11 +18,16 @@ USAGE = "usage: python -m glake.run (SCRIPT | -m MODULE) [ARGS...]"
 
 def _prepare_environment():
     here = os.path.dirname(os.path.abspath(__file__))
-    boot = os.path.join(here, "_boot")
+    entries = [os.path.join(here, "_boot")]
+    # A source checkout must be findable by the children too; an installed package already is
+    # (its site-packages must not go before the standard library on PYTHONPATH).
     package_root = os.path.dirname(here)
+    installed = {os.path.realpath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
+    if os.path.realpath(package_root) not in installed:
+        entries.append(package_root)
     os.environ["GLAKE_ENABLE"] = "1"
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    for entry in (package_root, boot):
+    for entry in reversed(entries):
         if entry not in parts:
             parts.insert(0, entry)
     os.environ["PYTHONPATH"] = os.pathsep.join(parts)
@@ -43,7 +49,8 @@ def main(argv):
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        # As `python script.py`: the script's folder, not the current one, is first on the path.
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
     return 0
 

@@ -76,6 +76,16 @@ def test_glake_enable_with_the_boot_hook(sandbox):
     assert "enable called; torch loaded: True" in out
 
 
+def test_a_probe_for_torch_before_the_import_does_not_lose_the_hook(sandbox):
+    # Libraries ask "is torch installed?" with find_spec long before they import it.
+    (sandbox / "train.py").write_text(
+        "import importlib.util\nassert importlib.util.find_spec('torch')\n"
+        "print('probed', flush=True)\nimport torch\n")
+    code, out = run(sandbox, ["SCRIPT"], {"GLAKE_ENABLE": "1"}, boot=True)
+    assert code == 0, out
+    assert out.count("enable called; torch loaded: True") == 1
+
+
 def test_nothing_happens_without_glake_enable(sandbox):
     code, out = run(sandbox, ["SCRIPT"], boot=True)
     assert code == 0, out
@@ -111,6 +121,32 @@ def test_native_build_command_links_torch_and_libgmlake(tmp_path, monkeypatch):
     assert str(native.SOURCE) in cmd and str(lib.resolve()) in cmd
     assert f"-I{tmp_path / 'include'}" in cmd and "-I/cuda/include" in cmd
     assert f"-Wl,-rpath,{lib.parent.resolve()}" in cmd
+
+
+def test_native_cache_key_follows_the_library(tmp_path, monkeypatch):
+    (tmp_path / "glake.h").write_text("struct a;")
+    monkeypatch.setenv("GLAKE_INCLUDE", str(tmp_path))
+    lib = tmp_path / "libgmlake.so"
+    lib.write_text("one")
+    first = native._key(FakeTorch, ["c++"], str(lib))
+    lib.write_text("rebuilt")
+    assert native._key(FakeTorch, ["c++"], str(lib)) != first
+    (tmp_path / "glake.h").write_text("struct b;")
+    assert len({first, native._key(FakeTorch, ["c++"], str(lib))}) == 2
+
+
+def test_a_cache_that_cannot_be_written_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+    (tmp_path / "glake.h").write_text("")
+    monkeypatch.setenv("GLAKE_INCLUDE", str(tmp_path))
+    lib = tmp_path / "libgmlake.so"
+    lib.write_text("")
+    blocker = tmp_path / "cache-is-a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GLAKE_CACHE", str(blocker))
+    monkeypatch.setattr(native, "_cuda_includes", lambda torch: [])
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
+    with pytest.raises(native.Unavailable, match="building the native allocator failed"):
+        native.build(str(lib))
 
 
 def test_native_cache_key_follows_torch_and_the_command():

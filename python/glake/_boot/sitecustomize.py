@@ -10,9 +10,9 @@ try:
 except Exception as err:  # noqa: BLE001 - start-up must go on
     print(f"glake: start-up hook failed: {err}", file=sys.stderr)
 
-_here = os.path.dirname(os.path.abspath(__file__))
+_here = os.path.realpath(os.path.dirname(__file__))
 for _entry in sys.path:
-    if os.path.abspath(_entry or ".") == _here:
+    if os.path.realpath(_entry or ".") == _here:
         continue
     _path = os.path.join(_entry or ".", "sitecustomize.py")
     if os.path.isfile(_path):

@@ -134,13 +134,19 @@ def build_command(torch, library, output):
     return cmd
 
 
-def _key(torch, command):
-    """The cache key of a build: the torch build, the sources and the compiler command."""
+def _key(torch, command, library=None):
+    """The cache key of a build: the torch build, the sources, the compiler command, and the
+    libgmlake.so linked (glake.h's structs and the library itself: a rebuilt library with other
+    struct layouts must not meet an allocator built for the old ones)."""
     h = hashlib.sha256()
     for part in (torch.__version__, str(torch.version.cuda), sys.platform, *command):
         h.update(part.encode())
     for f in (SOURCE, ABI_HEADER):
         h.update(f.read_bytes())
+    if library is not None:
+        h.update((_glake_include(library) / "glake.h").read_bytes())
+        info = os.stat(library)
+        h.update(f"{info.st_size}:{info.st_mtime_ns}".encode())
     return f"torch-{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
 
 
@@ -149,13 +155,22 @@ def build(library, quiet=True):
     building it when the cache has none. Raises Unavailable with the reason."""
     import torch
 
-    if not torch.cuda.is_available() and not os.environ.get("GLAKE_NATIVE_BUILD_ANYWAY"):
-        raise Unavailable("CUDA is not available to this torch")
+    # No CUDA call here: the build needs no GPU, and initialising the driver this early would
+    # break programs that fork later.
+    if torch.version.cuda is None:
+        raise Unavailable("this torch is built without CUDA")
     command = build_command(torch, library, "OUTPUT")
-    folder = cache_dir() / _key(torch, command)
+    folder = cache_dir() / _key(torch, command, library)
     target = folder / LIBRARY_NAME
     if target.is_file():
         return target
+    try:
+        return _build_into(folder, target, command, quiet)
+    except OSError as err:  # a read-only cache, a compiler that cannot start
+        raise Unavailable(f"building the native allocator failed: {err}") from err
+
+
+def _build_into(folder, target, command, quiet):
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -163,17 +178,20 @@ def build(library, quiet=True):
             return target
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
         os.close(fd)
-        cmd = [tmp if part == "OUTPUT" else part for part in command]
-        if not quiet:
-            print(" ".join(cmd), file=sys.stderr)
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(tmp)
-            (folder / "build.log").write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
-            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-            raise Unavailable("building the native allocator failed (log: "
-                              f"{folder / 'build.log'}): " + " | ".join(tail))
-        os.replace(tmp, target)
+        try:
+            cmd = [tmp if part == "OUTPUT" else part for part in command]
+            if not quiet:
+                print(" ".join(cmd), file=sys.stderr)
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                (folder / "build.log").write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
+                tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+                raise Unavailable("building the native allocator failed (log: "
+                                  f"{folder / 'build.log'}): " + " | ".join(tail))
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 
@@ -184,7 +202,10 @@ def install(library):
     """Builds (or takes from the cache) and installs the native allocator as PyTorch's CUDA
     allocator. Returns the path of the built library. Raises Unavailable."""
     path = build(library)
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as err:  # built for another torch or library than the one loaded now
+        raise Unavailable(f"loading the native allocator failed: {err}") from err
     lib.glake_native_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     lib.glake_native_install.restype = ctypes.c_int
     error = ctypes.create_string_buffer(1024)

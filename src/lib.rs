@@ -12,6 +12,7 @@ pub mod ffi;
 pub mod pool;
 pub mod stats;
 pub mod stitch;
+pub mod swap;
 mod sync;
 pub mod transfer;
 

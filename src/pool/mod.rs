@@ -241,7 +241,7 @@ impl Pool {
     /// Drops one use of private pool `id`; at the last, its memory joins the shared pool
     /// (allocations still live return there when freed).
     pub fn release_private(&self, id: PrivatePoolId) -> Result<()> {
-        lock(&self.inner).release_private(id)
+        lock(&self.inner).release_private(&*self.device, id)
     }
 
     /// The live allocations of private pool `id`, by address (None when the pool is not

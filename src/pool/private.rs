@@ -17,6 +17,8 @@ pub(super) struct PrivatePool {
     tag: Tag,
     /// Uses taken (retains and routings begun) not yet matched by a release.
     uses: u32,
+    /// Routings to this pool begun and not yet ended (each also counts in `Inner::routing`).
+    routings: u32,
 }
 
 impl Inner {
@@ -72,8 +74,11 @@ impl Inner {
 
     /// Starts routing to private pool `id`, creating it or taking one more use of it.
     pub(super) fn begin_private(&mut self, id: PrivatePoolId) {
-        self.routing += 1;
         self.retain_private(id);
+        if let Some(pool) = self.private.get_mut(&id) {
+            pool.routings += 1;
+            self.routing += 1;
+        }
     }
 
     /// Creates private pool `id` or takes one more use of it, without routing to it.
@@ -84,7 +89,14 @@ impl Inner {
         }
         let tag = self.next_tag;
         self.next_tag += 1;
-        self.private.insert(id, PrivatePool { tag, uses: 1 });
+        self.private.insert(
+            id,
+            PrivatePool {
+                tag,
+                uses: 1,
+                routings: 0,
+            },
+        );
     }
 
     /// The uses of private pool `id`, 0 when it is not open.
@@ -110,13 +122,21 @@ impl Inner {
         device: &dyn crate::device::Device,
         id: PrivatePoolId,
     ) -> Result<()> {
-        if !self.private.contains_key(&id) || self.routing == 0 {
-            return Err(Error::new(
-                ErrorKind::InvalidState,
-                format!("no routing to private pool {id:?} to end"),
-            ));
+        match self.private.get_mut(&id) {
+            Some(pool) if pool.routings > 0 => pool.routings -= 1,
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidState,
+                    format!("no routing to private pool {id:?} to end"),
+                ))
+            }
         }
-        self.routing -= 1;
+        self.end_routings(device, 1)
+    }
+
+    /// Ends `count` routings; at the last, the frees deferred meanwhile record their events.
+    fn end_routings(&mut self, device: &dyn crate::device::Device, count: u32) -> Result<()> {
+        self.routing = self.routing.saturating_sub(count);
         if self.routing > 0 {
             return Ok(());
         }
@@ -129,8 +149,14 @@ impl Inner {
         first_error.map_or(Ok(()), Err)
     }
 
-    /// Drops one use of private pool `id`; at the last, its segments join the shared pool.
-    pub(super) fn release_private(&mut self, id: PrivatePoolId) -> Result<()> {
+    /// Drops one use of private pool `id`; at the last, its segments join the shared pool and
+    /// any routing to it still open ends (a caller that releases without ending must not hold
+    /// every other pool's frees and cache back for good).
+    pub(super) fn release_private(
+        &mut self,
+        device: &dyn crate::device::Device,
+        id: PrivatePoolId,
+    ) -> Result<()> {
         let Some(pool) = self.private.get_mut(&id) else {
             return Err(Error::new(
                 ErrorKind::InvalidState,
@@ -139,10 +165,13 @@ impl Inner {
         };
         pool.uses = pool.uses.saturating_sub(1);
         if pool.uses == 0 {
-            let tag = pool.tag;
+            let (tag, routings) = (pool.tag, pool.routings);
             self.private.remove(&id);
             self.map.retag(tag, SHARED);
             self.sync_split_stats();
+            if routings > 0 {
+                return self.end_routings(device, routings);
+            }
         }
         Ok(())
     }
@@ -188,6 +217,34 @@ mod tests {
     fn pool() -> Pool {
         let device = Arc::new(HostDevice::new(0, HostOptions::default()).expect("host device"));
         Pool::new(device, Config::default()).expect("pool")
+    }
+
+    #[test]
+    fn routings_are_counted_per_pool() {
+        let p = pool();
+        let (a, b) = ((1, 1), (2, 2));
+        p.retain_private(a);
+        p.begin_private(b);
+        // Pool a was never routed to: ending it must not end b's routing.
+        assert_eq!(
+            p.end_private(a).expect_err("a is not routed").kind(),
+            ErrorKind::InvalidState
+        );
+        // While b is routed, frees that need events wait and empty_cache holds back.
+        let shared = p.malloc(MIB, Stream::DEFAULT).expect("malloc");
+        p.free(shared).expect("free");
+        // Released without an end: b's routing ends with its last use, and the pool works
+        // normally again.
+        p.release_private(b).expect("release");
+        assert_eq!(p.private_use_count(b), 0);
+        p.empty_cache().expect("empty_cache");
+        assert_eq!(
+            p.stats().segment.all.current,
+            0,
+            "nothing is held back any more"
+        );
+        p.release_private(a).expect("release");
+        p.check_invariants().expect("invariants");
     }
 
     #[test]

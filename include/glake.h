@@ -216,6 +216,8 @@ typedef struct glake_stats {
   // Stitched blocks mapped now (in use or cached), and their bytes.
   struct glake_stat stitched_blocks;
   struct glake_stat stitched_mapped_bytes;
+  // Bytes of swappable allocations swapped out to host memory now.
+  struct glake_stat swapped_bytes;
 } glake_stats;
 
 // An opaque copy engine of one target device.
@@ -295,6 +297,27 @@ glake_status glake_malloc(struct glake_pool *pool, size_t size, glake_stream str
 
 // Frees an allocation; its memory is reused on its stream at once, elsewhere once safe.
 glake_status glake_free(struct glake_pool *pool, void *ptr);
+
+// Allocates `size` bytes (rounded up to the mapping granularity) for use on `stream`, in
+// memory of their own that `glake_swap_out` can give back to the device and `glake_swap_in`
+// bring back at the same address. Free it with `glake_free`, swapped out or not.
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_malloc_swappable(struct glake_pool *pool,
+                                    size_t size,
+                                    glake_stream stream,
+                                    void **out);
+
+// Swaps the swappable allocation at `ptr` out: waits for the work queued on its streams,
+// copies its bytes into host memory the pool keeps, and gives its device memory back; the
+// address stays reserved. GLAKE_STATUS_INVALID_STATE when it is already swapped out.
+glake_status glake_swap_out(struct glake_pool *pool, void *ptr);
+
+// Swaps the allocation at `ptr` back in at the same address. GLAKE_STATUS_OUT_OF_MEMORY when
+// the cap or the device is full (it stays swapped out, its bytes kept),
+// GLAKE_STATUS_INVALID_STATE when it is not swapped out.
+glake_status glake_swap_in(struct glake_pool *pool, void *ptr);
 
 // Marks the allocation at `ptr` as used on `stream` as well (like `Tensor.record_stream`).
 glake_status glake_record_stream(struct glake_pool *pool, void *ptr, glake_stream stream);

@@ -115,6 +115,8 @@ pub struct MemoryStats {
     /// Stitched blocks mapped now (in use or cached), and their bytes.
     pub stitched_blocks: Stat,
     pub stitched_mapped_bytes: Stat,
+    /// Bytes of swappable allocations swapped out to host memory now.
+    pub swapped_bytes: Stat,
 }
 
 impl MemoryStats {
@@ -125,6 +127,7 @@ impl MemoryStats {
         }
         self.stitched_blocks.reset_peak();
         self.stitched_mapped_bytes.reset_peak();
+        self.swapped_bytes.reset_peak();
     }
 
     /// Zeroes the running totals and the event counters.
@@ -134,6 +137,7 @@ impl MemoryStats {
         }
         self.stitched_blocks.reset_accumulated();
         self.stitched_mapped_bytes.reset_accumulated();
+        self.swapped_bytes.reset_accumulated();
         self.num_alloc_retries = 0;
         self.num_ooms = 0;
         self.num_sync_all_streams = 0;
@@ -221,6 +225,8 @@ impl MemoryStats {
                 "glake.stitched_mapped_bytes.peak",
                 self.stitched_mapped_bytes.peak,
             ),
+            ("glake.swapped_bytes.current", self.swapped_bytes.current),
+            ("glake.swapped_bytes.peak", self.swapped_bytes.peak),
         ];
         out.extend(counters.iter().map(|(k, v)| (k.to_string(), *v)));
         out

@@ -114,7 +114,7 @@ pub struct glake_config {
 const_assert_eq!(std::mem::size_of::<glake_config>(), 72);
 assert_eq_size!(Stat, [i64; 4]);
 assert_eq_size!(StatArray, [i64; 12]);
-const_assert_eq!(std::mem::size_of::<MemoryStats>(), (9 * 12 + 11 + 8) * 8);
+const_assert_eq!(std::mem::size_of::<MemoryStats>(), (9 * 12 + 11 + 12) * 8);
 
 impl glake_config {
     fn from_config(config: &Config) -> Self {
@@ -337,6 +337,59 @@ pub extern "C" fn glake_free(pool: *mut glake_pool, ptr: *mut c_void) -> glake_s
             return Err(Failure::null("ptr"));
         }
         pool.free(ptr as u64)?;
+        Ok(())
+    })
+}
+
+/// Allocates `size` bytes (rounded up to the mapping granularity) for use on `stream`, in
+/// memory of their own that `glake_swap_out` can give back to the device and `glake_swap_in`
+/// bring back at the same address. Free it with `glake_free`, swapped out or not.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_malloc_swappable(
+    pool: *mut glake_pool,
+    size: usize,
+    stream: glake_stream,
+    out: *mut *mut c_void,
+) -> glake_status {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let pool = handles::get(pool_id(pool))?;
+        let ptr = pool.malloc_swappable(size, stream_of(stream))?;
+        unsafe { write_out(out, "out", ptr as *mut c_void) }
+    })
+}
+
+/// Swaps the swappable allocation at `ptr` out: waits for the work queued on its streams,
+/// copies its bytes into host memory the pool keeps, and gives its device memory back; the
+/// address stays reserved. GLAKE_STATUS_INVALID_STATE when it is already swapped out.
+#[no_mangle]
+pub extern "C" fn glake_swap_out(pool: *mut glake_pool, ptr: *mut c_void) -> glake_status {
+    guard(|| {
+        let pool = handles::get(pool_id(pool))?;
+        if ptr.is_null() {
+            return Err(Failure::null("ptr"));
+        }
+        pool.swap_out(ptr as u64)?;
+        Ok(())
+    })
+}
+
+/// Swaps the allocation at `ptr` back in at the same address. GLAKE_STATUS_OUT_OF_MEMORY when
+/// the cap or the device is full (it stays swapped out, its bytes kept),
+/// GLAKE_STATUS_INVALID_STATE when it is not swapped out.
+#[no_mangle]
+pub extern "C" fn glake_swap_in(pool: *mut glake_pool, ptr: *mut c_void) -> glake_status {
+    guard(|| {
+        let pool = handles::get(pool_id(pool))?;
+        if ptr.is_null() {
+            return Err(Failure::null("ptr"));
+        }
+        pool.swap_in(ptr as u64)?;
         Ok(())
     })
 }

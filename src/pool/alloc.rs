@@ -11,7 +11,7 @@ use crate::device::{DevicePtr, Stream};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Refuses sizes no request may have: 0, and beyond any device.
-fn check_size(size: usize) -> Result<()> {
+pub(super) fn check_size(size: usize) -> Result<()> {
     if size == 0 {
         return Err(Error::invalid_argument("size 0 requested"));
     }
@@ -125,7 +125,7 @@ impl Inner {
     }
 
     /// Records the bytes asked for by the new allocation at `ptr`.
-    fn set_requested(&mut self, ptr: DevicePtr, requested: usize) {
+    pub(super) fn set_requested(&mut self, ptr: DevicePtr, requested: usize) {
         if let Some(live) = self.live.get_mut(&ptr) {
             live.requested = requested;
             self.stats.requested_bytes.add(live.pool, requested as i64);

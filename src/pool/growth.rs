@@ -35,25 +35,9 @@ impl Inner {
             self.config.chunk_divisor,
         );
         let sizes = blocks::chunk_sizes(size, self.granularity, limit);
-        let mut chunks: Vec<Chunk> = Vec::with_capacity(sizes.len());
-        let mut offset = 0;
-        for len in sizes {
-            match device.create_physical(len) {
-                Ok(handle) => chunks.push(Chunk {
-                    handle,
-                    offset,
-                    len,
-                }),
-                Err(err) => {
-                    self.bury(device, Zombie::handles(&chunks));
-                    if err.kind() == ErrorKind::OutOfMemory {
-                        return Ok(None);
-                    }
-                    return Err(err.context("creating physical memory"));
-                }
-            }
-            offset += len;
-        }
+        let Some(chunks) = self.create_chunks(device, &sizes)? else {
+            return Ok(None);
+        };
         let layout = blocks::handle_layout(&chunks);
         let va = match map_range(device, &layout, self.granularity, &self.access) {
             Ok(va) => va,
@@ -78,6 +62,36 @@ impl Inner {
         Ok(Some(block))
     }
 
+    /// Creates one physical chunk of each length in `sizes`, laid out one after another from
+    /// offset 0. None when the device is out of memory; on any failure the chunks created so
+    /// far are released (or kept as a zombie to retry).
+    pub(super) fn create_chunks(
+        &mut self,
+        device: &dyn crate::device::Device,
+        sizes: &[usize],
+    ) -> Result<Option<Vec<Chunk>>> {
+        let mut chunks: Vec<Chunk> = Vec::with_capacity(sizes.len());
+        let mut offset = 0;
+        for &len in sizes {
+            match device.create_physical(len) {
+                Ok(handle) => chunks.push(Chunk {
+                    handle,
+                    offset,
+                    len,
+                }),
+                Err(err) => {
+                    self.bury(device, Zombie::handles(&chunks));
+                    if err.kind() == ErrorKind::OutOfMemory {
+                        return Ok(None);
+                    }
+                    return Err(err.context("creating physical memory"));
+                }
+            }
+            offset += len;
+        }
+        Ok(Some(chunks))
+    }
+
     /// Grants device `peer` access to every range mapped now (segments and stitched ranges),
     /// and to every range mapped from now on.
     pub(super) fn grant_access(
@@ -94,6 +108,8 @@ impl Inner {
             .map
             .segments
             .iter()
+            // A swapped-out segment maps nothing; swapping in grants the access of that time.
+            .filter(|(_, s)| !s.chunks.is_empty())
             .map(|(_, s)| (s.va, s.size))
             .chain(self.stitch.blocks.iter().map(|(_, s)| (s.va, s.size)))
             .collect();
@@ -106,7 +122,7 @@ impl Inner {
 
     /// Releases one idle segment: it leaves the books at once, and its mappings, handles and
     /// range are torn down now or, where a driver call fails, retried later.
-    fn release_segment(
+    pub(super) fn release_segment(
         &mut self,
         device: &dyn crate::device::Device,
         segment: SegmentId,
@@ -122,9 +138,11 @@ impl Inner {
             pool: self.private_of_tag(removed.tag),
         });
         self.stats.segment.add(removed.pool, -1);
+        // A swapped-out segment holds no physical memory: only its chunks count.
+        let physical: usize = removed.chunks.iter().map(|c| c.len).sum();
         self.stats
             .reserved_bytes
-            .add(removed.pool, -(removed.size as i64));
+            .add(removed.pool, -(physical as i64));
         self.stats.num_device_free += removed.chunks.len() as i64;
         self.sync_split_stats();
         let zombie = Zombie {
@@ -149,7 +167,7 @@ impl Inner {
         }
     }
 
-    fn retry_zombies(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+    pub(super) fn retry_zombies(&mut self, device: &dyn crate::device::Device) -> Result<()> {
         let mut first_error = None;
         for mut zombie in std::mem::take(&mut self.zombies) {
             if let Err(err) = zombie.finish(device) {
@@ -214,7 +232,7 @@ pub(super) struct Zombie {
 }
 
 impl Zombie {
-    fn handles(chunks: &[Chunk]) -> Self {
+    pub(super) fn handles(chunks: &[Chunk]) -> Self {
         Zombie {
             unmaps: Vec::new(),
             handles: chunks.iter().map(|c| c.handle).collect(),
@@ -267,6 +285,28 @@ pub(super) fn map_range(
 ) -> std::result::Result<DevicePtr, (Error, Option<Zombie>)> {
     let size = handles.iter().map(|&(_, len)| len).sum();
     let va = device.reserve(size, align).map_err(|e| (e, None))?;
+    match map_at(device, va, handles, access) {
+        Ok(()) => Ok(va),
+        Err((err, mut zombie)) => {
+            zombie.reservation = Some((va, size));
+            match zombie.finish(device) {
+                Ok(()) => Err((err, None)),
+                Err(_) => Err((err, Some(zombie))),
+            }
+        }
+    }
+}
+
+/// Maps `handles` (each with its length) one after another from `va`, inside a range already
+/// reserved, and grants access to the whole of it in one call. On failure the mappings made
+/// are handed back, as a zombie not yet run; the handles and the range stay with the caller.
+pub(super) fn map_at(
+    device: &dyn crate::device::Device,
+    va: DevicePtr,
+    handles: &[(PhysHandle, usize)],
+    access: &[i32],
+) -> std::result::Result<(), (Error, Zombie)> {
+    let size = handles.iter().map(|&(_, len)| len).sum();
     let mut mapped = Vec::with_capacity(handles.len());
     let mut failure = None;
     for ((at, len), &(handle, _)) in mappings(va, handles).into_iter().zip(handles) {
@@ -280,20 +320,17 @@ pub(super) fn map_range(
         // One grant over the whole range. Its cost is per handle; granting parts from several
         // threads, or one handle per call, was measured slower on an H200.
         match device.set_access(va, size, access) {
-            Ok(()) => return Ok(va),
+            Ok(()) => return Ok(()),
             Err(err) => failure = Some(err.context("setting access")),
         }
     }
-    let mut zombie = Zombie {
+    let zombie = Zombie {
         unmaps: mapped,
         handles: Vec::new(),
-        reservation: Some((va, size)),
+        reservation: None,
     };
     let err = failure.unwrap_or_else(|| Error::internal("mapping failed without an error"));
-    match zombie.finish(device) {
-        Ok(()) => Err((err, None)),
-        Err(_) => Err((err, Some(zombie))),
-    }
+    Err((err, zombie))
 }
 
 /// Logs the failure of a clean-up step taken after an earlier failure (the first error is the

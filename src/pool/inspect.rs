@@ -119,7 +119,13 @@ impl Inner {
     /// Checks that the block map, the statistics and the stitched ranges agree.
     pub(super) fn check_invariants(&self) -> std::result::Result<(), String> {
         self.map.check()?;
-        let reserved: usize = self.map.segments.iter().map(|(_, s)| s.size).sum();
+        // Swapped-out segments keep their range but no chunks: physical memory is the chunks.
+        let reserved: usize = self
+            .map
+            .segments
+            .iter()
+            .flat_map(|(_, s)| s.chunks.iter().map(|c| c.len))
+            .sum();
         if reserved as i64 != self.stats.reserved_bytes.all.current {
             return Err(format!(
                 "segments hold {reserved} bytes, stats say {}",
@@ -141,6 +147,6 @@ impl Inner {
                 return Err(format!("stitched block {id} use flag out of step"));
             }
         }
-        Ok(())
+        self.check_swappable()
     }
 }

@@ -38,6 +38,7 @@ mod private;
 mod sizes;
 mod stitching;
 mod streams;
+mod swapping;
 
 use std::sync::Mutex;
 
@@ -54,6 +55,7 @@ use keymap::KeyMap;
 use private::PrivatePool;
 use stitching::StitchBlocks;
 use streams::PendingFree;
+use swapping::Swappable;
 
 pub use private::PrivatePoolId;
 pub use sizes::MIN_BLOCK;
@@ -98,6 +100,9 @@ struct Inner {
     routing: u32,
     /// Frees that need stream events, held back while a capture may be underway.
     deferred: Vec<Live>,
+    /// Swappable allocations by address (each alone in its segment), and their host copies
+    /// while swapped out.
+    swappable: KeyMap<DevicePtr, Swappable>,
 }
 
 /// A thread-safe caching allocator for one device.
@@ -153,6 +158,7 @@ impl Pool {
                 next_tag: SHARED + 1,
                 routing: 0,
                 deferred: Vec::new(),
+                swappable: KeyMap::default(),
             }),
         })
     }
@@ -211,6 +217,39 @@ impl Pool {
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
         lock(&self.inner).malloc_at_in(&*self.device, addr, size, stream, private)
+    }
+
+    /// Allocates `size` bytes (rounded up to the mapping granularity) for use on `stream`, in a
+    /// segment of their own: [`Pool::swap_out`] can then give the memory back to the device
+    /// and [`Pool::swap_in`] bring it back at the same address. Counted like any allocation;
+    /// never a stitch piece while live. Once freed its memory is ordinary cached memory.
+    pub fn malloc_swappable(&self, size: usize, stream: Stream) -> Result<DevicePtr> {
+        lock(&self.inner).malloc_swappable(&*self.device, size, stream)
+    }
+
+    /// Moves the swappable allocation at `ptr` to host memory the pool keeps: waits for the
+    /// work queued on its streams, copies its bytes out, unmaps and releases its physical
+    /// memory and keeps its address range reserved. Errors (nothing changes): not a swappable
+    /// allocation (`InvalidPointer` and the kinds [`Pool::free`] reports), already swapped out
+    /// or a private pool routed to (`InvalidState`), a failed wait or copy, or no host memory.
+    pub fn swap_out(&self, ptr: DevicePtr) -> Result<()> {
+        lock(&self.inner).swap_out(&*self.device, ptr)
+    }
+
+    /// Brings a swapped-out allocation back: creates physical memory under the cap (freeing
+    /// cached memory if needed), maps it at the same address with the same access, and copies
+    /// the bytes back on its stream. On any error (`OutOfMemory` when the cap or the device is
+    /// full) the allocation stays swapped out and its bytes stay on the host.
+    pub fn swap_in(&self, ptr: DevicePtr) -> Result<()> {
+        lock(&self.inner).swap_in(&*self.device, ptr)
+    }
+
+    /// Whether the swappable allocation at `ptr` is swapped out; None for any other pointer.
+    pub fn is_swapped(&self, ptr: DevicePtr) -> Option<bool> {
+        lock(&self.inner)
+            .swappable
+            .get(&ptr)
+            .map(|s| s.host.is_some())
     }
 
     /// Starts routing requests to private pool `id`, creating it or taking one more use of it.

@@ -33,6 +33,14 @@ impl Inner {
         device: &dyn crate::device::Device,
         ptr: DevicePtr,
     ) -> Result<()> {
+        if self.live.contains_key(&ptr) {
+            if let Some(entry) = self.swappable.remove(&ptr) {
+                if entry.host.is_some() {
+                    self.swappable.insert(ptr, entry);
+                    return self.free_swapped(device, ptr);
+                }
+            }
+        }
         let live = match self.live.remove(&ptr) {
             Some(live) => live,
             None => return Err(self.classify_unknown(ptr)),

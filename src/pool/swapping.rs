@@ -1,0 +1,344 @@
+//! Swappable allocations: each lives alone in a segment of its own, so its physical memory can
+//! go back to the device while its virtual range stays reserved (swap out: the bytes move to a
+//! host buffer the pool keeps), and come back mapped at the same address (swap in). A
+//! swapped-out segment has no chunks; its block stays allocated, so neither reuse, stitching
+//! nor `empty_cache` touches it.
+//!
+//! A failure before the bytes are safe on the host changes nothing; a failure tearing down the
+//! device memory afterwards leaves the allocation swapped out with its bytes on the host, the
+//! rest of the teardown kept as a zombie and retried (as for any released segment). Swapping in
+//! undoes what it created on any failure and stays swapped out.
+
+use super::alloc::check_size;
+use super::blocks::{self, BlockId, PoolKind, SHARED};
+use super::growth::{map_at, Zombie};
+use super::{Inner, Target};
+use crate::device::{align_up, DevicePtr, Stream};
+use crate::error::{Error, ErrorKind, Result};
+
+/// A swappable allocation: its host copy while swapped out.
+#[derive(Debug, Default)]
+pub(super) struct Swappable {
+    pub(super) host: Option<HostCopy>,
+}
+
+/// The bytes of a swapped-out allocation and the chunk lengths to create again.
+#[derive(Debug)]
+pub(super) struct HostCopy {
+    pub(super) bytes: Vec<u8>,
+    pub(super) layout: Vec<usize>,
+}
+
+/// What swapping needs to know of a swappable allocation.
+struct SwapInfo {
+    block: BlockId,
+    size: usize,
+    stream: Stream,
+    extra_streams: Vec<Stream>,
+}
+
+impl Inner {
+    pub(super) fn malloc_swappable(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+    ) -> Result<DevicePtr> {
+        check_size(size)?;
+        let rounded = align_up(size, self.granularity)?;
+        if rounded > self.total_memory {
+            self.stats.num_ooms += 1;
+            return Err(Error::out_of_memory(format!(
+                "request of {size} bytes is larger than the device's {} bytes",
+                self.total_memory
+            )));
+        }
+        if !self.pending.is_empty() {
+            self.process_pending(device)?;
+        }
+        let mut grown = self.grow(device, PoolKind::Large, rounded, SHARED)?;
+        if grown.is_none() {
+            self.stats.num_alloc_retries += 1;
+            self.release_cached(device)?;
+            grown = self.grow(device, PoolKind::Large, rounded, SHARED)?;
+        }
+        let Some(id) = grown else {
+            self.stats.num_ooms += 1;
+            return Err(Error::out_of_memory(format!(
+                "cannot allocate {size} swappable bytes on device {}: {} bytes reserved of a {} byte cap",
+                device.ordinal(),
+                self.reserved(),
+                self.cap.bytes()
+            )));
+        };
+        // The new segment is one free block of exactly `rounded` bytes: taken whole.
+        self.map.take_front(id, rounded, stream);
+        let ptr = self.map.blocks[id].addr;
+        self.register(ptr, Target::Block(id), rounded, stream, PoolKind::Large);
+        self.set_requested(ptr, size);
+        self.swappable.insert(ptr, Swappable::default());
+        Ok(ptr)
+    }
+
+    /// The swappable allocation at `ptr`, which must be swapped out (`swapped`) or resident.
+    fn swap_target(&self, ptr: DevicePtr, swapped: bool) -> Result<SwapInfo> {
+        let Some(live) = self.live.get(&ptr) else {
+            return Err(self.classify_unknown(ptr));
+        };
+        let Some(entry) = self.swappable.get(&ptr) else {
+            return Err(Error::new(
+                ErrorKind::InvalidPointer,
+                format!("{ptr:#x} is not a swappable allocation"),
+            ));
+        };
+        if entry.host.is_some() != swapped {
+            let state = if swapped { "resident" } else { "swapped out" };
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("{ptr:#x} is already {state}"),
+            ));
+        }
+        if self.routing > 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                "cannot swap while requests are routed to a private pool (a capture may be underway)",
+            ));
+        }
+        let Target::Block(block) = live.target else {
+            return Err(Error::internal("a swappable allocation is stitched"));
+        };
+        Ok(SwapInfo {
+            block,
+            size: live.size,
+            stream: live.stream,
+            extra_streams: live.extra_streams.clone(),
+        })
+    }
+
+    pub(super) fn swap_out(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        let t = self.swap_target(ptr, false)?;
+        for &stream in std::iter::once(&t.stream).chain(&t.extra_streams) {
+            device
+                .synchronize_stream(stream)
+                .map_err(|e| e.context("waiting for the work of a swappable allocation"))?;
+        }
+        let mut bytes = Vec::new();
+        bytes.try_reserve_exact(t.size).map_err(|_| {
+            Error::out_of_memory(format!("no host memory for {} swapped bytes", t.size))
+        })?;
+        bytes.resize(t.size, 0);
+        // SAFETY: `bytes` holds `t.size` bytes and lives until the copy is known complete (or
+        // is leaked below when that cannot be known).
+        unsafe { device.copy_to_host(bytes.as_mut_ptr(), ptr, t.size, t.stream) }
+            .map_err(|e| e.context("copying a swappable allocation to the host"))?;
+        if let Err(err) = wait_for_copy(device, t.stream) {
+            // The copy may still be writing into the buffer: it must never be freed.
+            log::error!("glake: a swap-out copy cannot be waited for; leaking its buffer");
+            std::mem::forget(bytes);
+            return Err(err.context("waiting for a swap-out copy"));
+        }
+        // The bytes are safe on the host: from here the allocation is swapped out whatever
+        // the teardown of its device memory does.
+        let segment = self.map.blocks[t.block].segment;
+        let s = &mut self.map.segments[segment];
+        let chunks = std::mem::take(&mut s.chunks);
+        let pool = s.pool;
+        let va = s.va;
+        let layout: Vec<usize> = chunks.iter().map(|c| c.len).collect();
+        self.stats.reserved_bytes.add(pool, -(t.size as i64));
+        self.stats.num_device_free += chunks.len() as i64;
+        self.stats.swapped_bytes.add(t.size as i64);
+        if let Some(entry) = self.swappable.get_mut(&ptr) {
+            entry.host = Some(HostCopy { bytes, layout });
+        }
+        let zombie = Zombie {
+            unmaps: chunks
+                .iter()
+                .map(|c| (va + c.offset as u64, c.len))
+                .collect(),
+            handles: chunks.iter().map(|c| c.handle).collect(),
+            reservation: None,
+        };
+        self.bury(device, zombie);
+        Ok(())
+    }
+
+    /// Whether a teardown still to be retried unmaps part of `[va, va+size)`.
+    fn unmap_pending(&self, va: DevicePtr, size: usize) -> bool {
+        let end = va + size as u64;
+        self.zombies
+            .iter()
+            .flat_map(|z| &z.unmaps)
+            .any(|&(at, len)| at < end && va < at + len as u64)
+    }
+
+    pub(super) fn swap_in(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        let t = self.swap_target(ptr, true)?;
+        if self.unmap_pending(ptr, t.size) {
+            // Its old mappings must be gone before new ones take the range.
+            let _ = self.retry_zombies(device);
+            if self.unmap_pending(ptr, t.size) {
+                return Err(Error::driver(format!(
+                    "the old mappings of {ptr:#x} could not be unmapped yet; swap in again later"
+                )));
+            }
+        }
+        if !self.fits_cap(t.size) {
+            self.release_cached(device)?;
+        }
+        let out_of_memory = |inner: &mut Self| {
+            inner.stats.num_ooms += 1;
+            Error::out_of_memory(format!(
+                "cannot swap in {} bytes on device {}: {} bytes reserved of a {} byte cap",
+                t.size,
+                device.ordinal(),
+                inner.reserved(),
+                inner.cap.bytes()
+            ))
+        };
+        if !self.fits_cap(t.size) {
+            return Err(out_of_memory(self));
+        }
+        let layout = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
+            Some(host) => host.layout.clone(),
+            None => return Err(Error::internal("swapped allocation without its host copy")),
+        };
+        let Some(chunks) = self.create_chunks(device, &layout)? else {
+            return Err(out_of_memory(self));
+        };
+        let handles = blocks::handle_layout(&chunks);
+        if let Err((err, mut zombie)) = map_at(device, ptr, &handles, &self.access) {
+            zombie.handles = chunks.iter().map(|c| c.handle).collect();
+            self.bury(device, zombie);
+            return Err(err.context("mapping swapped-in memory"));
+        }
+        let copied = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
+            // SAFETY: the host copy stays in place (the allocation stays swapped out) at least
+            // until the copy is known complete.
+            Some(host) => {
+                unsafe { device.copy_to_device(ptr, host.bytes.as_ptr(), t.size, t.stream) }
+                    .and_then(|()| wait_for_copy(device, t.stream))
+            }
+            None => Err(Error::internal("swapped allocation without its host copy")),
+        };
+        if let Err(err) = copied {
+            // Either the copy was never queued, or neither its stream nor the device can be
+            // waited for (the device is lost): nothing runs on the new memory any more.
+            let zombie = Zombie {
+                unmaps: super::growth::mappings(ptr, &handles),
+                handles: chunks.iter().map(|c| c.handle).collect(),
+                reservation: None,
+            };
+            self.bury(device, zombie);
+            return Err(err.context("copying a swapped allocation back"));
+        }
+        let segment = self.map.blocks[t.block].segment;
+        let pool = self.map.segments[segment].pool;
+        self.stats.reserved_bytes.add(pool, t.size as i64);
+        self.stats.num_device_alloc += chunks.len() as i64;
+        self.stats.swapped_bytes.add(-(t.size as i64));
+        self.map.segments[segment].chunks = chunks;
+        if let Some(entry) = self.swappable.get_mut(&ptr) {
+            entry.host = None;
+        }
+        Ok(())
+    }
+
+    /// Frees a swapped-out allocation: its host copy goes, and its range is released.
+    pub(super) fn free_swapped(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        let Some(live) = self.live.remove(&ptr) else {
+            return Err(self.classify_unknown(ptr));
+        };
+        self.swappable.remove(&ptr);
+        let Target::Block(id) = live.target else {
+            return Err(Error::internal("a swappable allocation is stitched"));
+        };
+        self.stats.allocation.add(live.pool, -1);
+        self.stats
+            .allocated_bytes
+            .add(live.pool, -(live.size as i64));
+        self.stats
+            .requested_bytes
+            .add(live.pool, -(live.requested as i64));
+        self.stats.swapped_bytes.add(-(live.size as i64));
+        let segment = self.map.blocks[id].segment;
+        // No device work can use it: swapping out waited for its streams.
+        self.finish_free(live, None);
+        self.release_segment(device, segment)
+    }
+
+    /// Checks the swappable allocations against the block map and the statistics.
+    pub(super) fn check_swappable(&self) -> std::result::Result<(), String> {
+        let mut swapped = 0usize;
+        for (&ptr, entry) in self.swappable.iter() {
+            let live = self
+                .live
+                .get(&ptr)
+                .ok_or(format!("swappable {ptr:#x} is not live"))?;
+            let Target::Block(id) = live.target else {
+                return Err(format!("swappable {ptr:#x} is stitched"));
+            };
+            let block = &self.map.blocks[id];
+            let segment = &self.map.segments[block.segment];
+            if block.addr != ptr || block.size != segment.size || live.size != segment.size {
+                return Err(format!("swappable {ptr:#x} does not fill its segment"));
+            }
+            match &entry.host {
+                Some(host) => {
+                    swapped += live.size;
+                    if !segment.chunks.is_empty()
+                        || host.bytes.len() != live.size
+                        || host.layout.iter().sum::<usize>() != live.size
+                    {
+                        return Err(format!("swapped {ptr:#x} out of step"));
+                    }
+                }
+                None => {
+                    if segment.chunks.iter().map(|c| c.len).sum::<usize>() != live.size {
+                        return Err(format!("resident swappable {ptr:#x} not backed"));
+                    }
+                }
+            }
+        }
+        if swapped as i64 != self.stats.swapped_bytes.current {
+            return Err(format!(
+                "{swapped} bytes swapped out, stats say {}",
+                self.stats.swapped_bytes.current
+            ));
+        }
+        let empty = self
+            .map
+            .segments
+            .iter()
+            .filter(|(_, s)| s.chunks.is_empty())
+            .count();
+        let held = self.swappable.values().filter(|e| e.host.is_some()).count();
+        if empty != held {
+            return Err(format!(
+                "{empty} segments without memory, {held} swapped out"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Waits for a copy queued on `stream`; when the stream cannot be waited for, the whole
+/// device is (a failed wait must not leave a copy running into memory about to go).
+fn wait_for_copy(device: &dyn crate::device::Device, stream: Stream) -> Result<()> {
+    device.synchronize_stream(stream).or_else(|err| {
+        log::warn!("glake: waiting for a swap copy failed, waiting for the device: {err}");
+        device.synchronize_device().map_err(|_| err)
+    })
+}

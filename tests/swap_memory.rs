@@ -1,0 +1,442 @@
+//! Swappable allocations on the host backend: swapping out gives the physical memory back and
+//! keeps the address; swapping in brings the same bytes back at the same address. Faults at
+//! each driver call of both directions leave a consistent pool that loses no byte and leaks no
+//! driver object.
+
+mod common;
+
+use std::ffi::c_void;
+use std::ptr::null_mut;
+use std::sync::Arc;
+
+use common::{has_pattern, host_device, write_pattern};
+use glake::config::Config;
+use glake::device::fault::FaultDevice;
+use glake::device::host::HostDevice;
+use glake::device::{CallKind, DevicePtr, SharedDevice, Stream};
+use glake::{ErrorKind, Pool};
+
+const MIB: usize = 1 << 20;
+const S: Stream = Stream::DEFAULT;
+
+fn setup(total: usize) -> (Arc<HostDevice>, SharedDevice, Pool) {
+    let host = host_device(total);
+    let device: SharedDevice = host.clone();
+    let pool = Pool::new(device.clone(), Config::default()).expect("pool");
+    (host, device, pool)
+}
+
+fn check(pool: &Pool) {
+    pool.check_invariants().expect("invariants");
+}
+
+#[test]
+fn swap_out_releases_memory_and_swap_in_restores_bytes_at_the_same_address() {
+    let (host, device, pool) = setup(256 * MIB);
+    let ptr = pool.malloc_swappable(5 * MIB + 3, S).expect("malloc");
+    let size = 6 * MIB;
+    assert_eq!(pool.allocation_of(ptr).expect("live").size, size);
+    assert_eq!(pool.is_swapped(ptr), Some(false));
+    write_pattern(&device, ptr, size, 7);
+    let before = pool.stats();
+    let created = host.created_bytes();
+    assert_eq!(before.reserved_bytes.all.current, size as i64);
+    assert_eq!(before.allocated_bytes.all.current, size as i64);
+
+    pool.swap_out(ptr).expect("swap out");
+    check(&pool);
+    assert_eq!(pool.is_swapped(ptr), Some(true));
+    let out = pool.stats();
+    assert_eq!(out.reserved_bytes.all.current, 0);
+    assert_eq!(out.swapped_bytes.current, size as i64);
+    assert_eq!(
+        out.allocated_bytes.all.current, size as i64,
+        "still allocated"
+    );
+    assert_eq!(
+        host.created_bytes(),
+        created - size,
+        "driver memory given back"
+    );
+    assert_eq!(
+        host.live_objects(),
+        (0, 0, 1),
+        "only the reservation is left"
+    );
+    // empty_cache leaves a swapped range alone.
+    pool.empty_cache().expect("empty_cache");
+    check(&pool);
+    assert_eq!(pool.is_swapped(ptr), Some(true));
+    assert_eq!(pool.allocation_of(ptr).expect("live").base, ptr);
+
+    pool.swap_in(ptr).expect("swap in");
+    check(&pool);
+    assert_eq!(pool.is_swapped(ptr), Some(false));
+    assert!(
+        has_pattern(&device, ptr, size, 7),
+        "same bytes at the same address"
+    );
+    let back = pool.stats();
+    assert_eq!(back.reserved_bytes.all.current, size as i64);
+    assert_eq!(back.swapped_bytes.current, 0);
+    assert_eq!(back.swapped_bytes.peak, size as i64);
+    assert_eq!(host.created_bytes(), created);
+
+    pool.free(ptr).expect("free");
+    check(&pool);
+    assert_eq!(pool.is_swapped(ptr), None);
+    pool.empty_cache().expect("empty_cache");
+    assert_eq!(host.live_objects(), (0, 0, 0));
+}
+
+#[test]
+fn several_allocations_in_different_orders() {
+    let (host, device, pool) = setup(256 * MIB);
+    let sizes = [2 * MIB, 8 * MIB, 4 * MIB, 10 * MIB];
+    let ptrs: Vec<DevicePtr> = sizes
+        .iter()
+        .map(|&s| pool.malloc_swappable(s, S).expect("malloc"))
+        .collect();
+    let plain = pool.malloc(3 * MIB, S).expect("plain malloc");
+    write_pattern(&device, plain, 3 * MIB, 100);
+    for (i, (&p, &s)) in ptrs.iter().zip(&sizes).enumerate() {
+        write_pattern(&device, p, s, i as u64);
+    }
+    let total: usize = sizes.iter().sum();
+    for &i in &[2usize, 0, 3, 1] {
+        pool.swap_out(ptrs[i]).expect("swap out");
+        check(&pool);
+    }
+    assert_eq!(pool.stats().swapped_bytes.current, total as i64);
+    // New memory may come between the swapped ranges; it never takes their addresses.
+    let other = pool.malloc(total, S).expect("malloc while swapped");
+    for &p in &ptrs {
+        assert!(other + total as u64 <= p || p + 2 * MIB as u64 <= other);
+    }
+    pool.free(other).expect("free");
+    pool.empty_cache().expect("empty_cache");
+    for &i in &[1usize, 3, 0] {
+        pool.swap_in(ptrs[i]).expect("swap in");
+        check(&pool);
+        assert!(has_pattern(&device, ptrs[i], sizes[i], i as u64));
+    }
+    // Out again and in again, in another order.
+    pool.swap_out(ptrs[3]).expect("swap out");
+    pool.swap_in(ptrs[2]).expect("swap in");
+    pool.swap_in(ptrs[3]).expect("swap in");
+    check(&pool);
+    for (i, (&p, &s)) in ptrs.iter().zip(&sizes).enumerate() {
+        assert!(has_pattern(&device, p, s, i as u64), "allocation {i}");
+    }
+    assert!(has_pattern(&device, plain, 3 * MIB, 100));
+    assert_eq!(pool.stats().swapped_bytes.current, 0);
+    for p in ptrs.into_iter().chain([plain]) {
+        pool.free(p).expect("free");
+    }
+    check(&pool);
+    pool.empty_cache().expect("empty_cache");
+    assert_eq!(host.live_objects(), (0, 0, 0));
+}
+
+#[test]
+fn the_cap_stops_a_swap_in_until_memory_is_freed() {
+    let (host, device, pool) = setup(256 * MIB);
+    pool.set_memory_limit(8 * MIB).expect("limit");
+    let a = pool.malloc_swappable(4 * MIB, S).expect("a");
+    let b = pool.malloc_swappable(4 * MIB, S).expect("b");
+    write_pattern(&device, a, 4 * MIB, 1);
+    write_pattern(&device, b, 4 * MIB, 2);
+    pool.swap_out(a).expect("swap out");
+    let c = pool
+        .malloc(4 * MIB, S)
+        .expect("the freed memory serves others");
+    let ooms = pool.stats().num_ooms;
+    let err = pool.swap_in(a).expect_err("cap is full");
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    assert_eq!(pool.stats().num_ooms, ooms + 1);
+    assert_eq!(pool.is_swapped(a), Some(true), "stays swapped out");
+    check(&pool);
+    pool.free(c).expect("free c");
+    // The freed block is cached; swapping in releases the cache to make room.
+    pool.swap_in(a).expect("swap in after freeing");
+    check(&pool);
+    assert!(has_pattern(&device, a, 4 * MIB, 1));
+    assert!(has_pattern(&device, b, 4 * MIB, 2));
+    assert!(host.created_bytes() <= 8 * MIB);
+    pool.free(a).expect("free");
+    pool.free(b).expect("free");
+}
+
+#[test]
+fn free_while_swapped_and_misuse_errors() {
+    let (host, _device, pool) = setup(256 * MIB);
+    let a = pool.malloc_swappable(MIB, S).expect("a");
+    let plain = pool.malloc(4 * MIB, S).expect("plain");
+    let kind = |r: glake::Result<()>| r.expect_err("must fail").kind();
+
+    assert_eq!(
+        kind(pool.swap_in(a)),
+        ErrorKind::InvalidState,
+        "not swapped"
+    );
+    pool.swap_out(a).expect("swap out");
+    let stats = pool.stats();
+    assert_eq!(kind(pool.swap_out(a)), ErrorKind::InvalidState, "twice");
+    assert_eq!(pool.stats(), stats, "a refused call changes nothing");
+    assert_eq!(kind(pool.swap_out(plain)), ErrorKind::InvalidPointer);
+    assert_eq!(kind(pool.swap_in(plain)), ErrorKind::InvalidPointer);
+    assert_eq!(kind(pool.swap_out(0x1234_5000)), ErrorKind::InvalidPointer);
+    assert_eq!(kind(pool.swap_out(0)), ErrorKind::NullPointer);
+    assert_eq!(kind(pool.swap_out(a + 512)), ErrorKind::InvalidPointer);
+    check(&pool);
+
+    pool.free(a).expect("free while swapped");
+    check(&pool);
+    assert_eq!(kind(pool.swap_in(a)), ErrorKind::InvalidPointer);
+    assert_eq!(kind(pool.free(a)), ErrorKind::InvalidPointer);
+    let stats = pool.stats();
+    assert_eq!(stats.swapped_bytes.current, 0);
+    assert_eq!(stats.allocated_bytes.all.current, 4 * MIB as i64);
+    assert_eq!(stats.allocation.all.current, 1);
+    pool.free(plain).expect("free");
+    pool.empty_cache().expect("empty_cache");
+    assert_eq!(host.live_objects(), (0, 0, 0));
+
+    // A resident swappable allocation freed becomes ordinary cached memory.
+    let b = pool.malloc_swappable(2 * MIB, S).expect("b");
+    pool.free(b).expect("free");
+    assert_eq!(pool.malloc(2 * MIB, S).expect("reuse"), b);
+    // Dropping the pool with a swapped allocation releases everything.
+    let c = pool.malloc_swappable(2 * MIB, S).expect("c");
+    pool.swap_out(c).expect("swap out");
+    drop(pool);
+    assert_eq!(host.live_objects(), (0, 0, 0));
+}
+
+/// One run of a swap direction with the `n`-th call of `kind` failing.
+fn fault_run(kind: CallKind, n: u64, swap_in: bool) -> bool {
+    let host = host_device(256 * MIB);
+    let raw: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(raw.clone()));
+    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    let size = 6 * MIB;
+    let a = pool.malloc_swappable(size, S).expect("a");
+    let b = pool.malloc_swappable(2 * MIB, S).expect("b");
+    write_pattern(&raw, a, size, 11);
+    write_pattern(&raw, b, 2 * MIB, 12);
+    if swap_in {
+        pool.swap_out(a).expect("swap out");
+    }
+    let before = fault.injected();
+    fault.fail_nth(kind, n);
+    let result = if swap_in {
+        pool.swap_in(a)
+    } else {
+        pool.swap_out(a)
+    };
+    let fired = fault.injected() > before;
+    fault.clear();
+    let what = format!(
+        "{kind:?} #{n} of swap_{}",
+        if swap_in { "in" } else { "out" }
+    );
+    pool.check_invariants()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    // A call either did what it was asked or reports an error and changed nothing, except
+    // that a swap out whose bytes are safe on the host completes (the teardown left is
+    // retried later).
+    let swapped = pool.is_swapped(a) == Some(true);
+    if swap_in {
+        assert_eq!(result.is_err(), swapped, "{what}: {result:?}");
+    } else if !swapped {
+        assert!(
+            result.is_err(),
+            "{what}: a swap out that did not happen is reported"
+        );
+    }
+    if pool.is_swapped(a) == Some(true) {
+        pool.swap_in(a)
+            .unwrap_or_else(|e| panic!("{what}: swap in after the fault: {e}"));
+    }
+    pool.check_invariants()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(has_pattern(&raw, a, size, 11), "{what}: bytes lost");
+    assert!(
+        has_pattern(&raw, b, 2 * MIB, 12),
+        "{what}: neighbour harmed"
+    );
+    // And the allocation still swaps cleanly.
+    pool.swap_out(a).unwrap_or_else(|e| panic!("{what}: {e}"));
+    pool.swap_in(a).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(has_pattern(&raw, a, size, 11), "{what}: bytes lost");
+    pool.free(a).expect("free");
+    pool.free(b).expect("free");
+    pool.empty_cache().expect("empty_cache");
+    pool.check_invariants()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(pool.stats().reserved_bytes.all.current, 0, "{what}");
+    drop(pool);
+    assert_eq!(
+        host.live_objects(),
+        (0, 0, 0),
+        "{what}: driver objects leaked"
+    );
+    assert_eq!(host.created_bytes(), 0, "{what}");
+    fired
+}
+
+/// Calls of each kind that one swap makes, counted on a clean run.
+fn calls_of_swap(swap_in: bool) -> Vec<(CallKind, u64)> {
+    let host = host_device(256 * MIB);
+    let fault = Arc::new(FaultDevice::new(host as SharedDevice));
+    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    let a = pool.malloc_swappable(6 * MIB, S).expect("a");
+    if swap_in {
+        pool.swap_out(a).expect("swap out");
+    }
+    let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
+    if swap_in {
+        pool.swap_in(a).expect("swap in");
+    } else {
+        pool.swap_out(a).expect("swap out");
+    }
+    CallKind::ALL
+        .iter()
+        .zip(before)
+        .map(|(&k, b)| (k, fault.calls(k) - b))
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+#[test]
+fn a_fault_at_each_driver_call_of_a_swap_leaves_a_consistent_pool() {
+    for swap_in in [false, true] {
+        let calls = calls_of_swap(swap_in);
+        let kinds: Vec<CallKind> = calls.iter().map(|&(k, _)| k).collect();
+        let expected: &[CallKind] = if swap_in {
+            &[
+                CallKind::CreatePhysical,
+                CallKind::Map,
+                CallKind::SetAccess,
+                CallKind::SynchronizeStream,
+                CallKind::Copy,
+            ]
+        } else {
+            &[
+                CallKind::ReleasePhysical,
+                CallKind::Unmap,
+                CallKind::SynchronizeStream,
+                CallKind::Copy,
+            ]
+        };
+        for kind in expected {
+            assert!(
+                kinds.contains(kind),
+                "swap_in={swap_in}: no {kind:?} in {calls:?}"
+            );
+        }
+        for (kind, count) in calls {
+            for n in 1..=count {
+                assert!(fault_run(kind, n, swap_in), "{kind:?} #{n} did not fire");
+            }
+        }
+    }
+}
+
+#[test]
+fn out_of_memory_from_the_driver_keeps_the_allocation_swapped() {
+    let host = host_device(256 * MIB);
+    let raw: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(raw.clone()));
+    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    let a = pool.malloc_swappable(6 * MIB, S).expect("a");
+    write_pattern(&raw, a, 6 * MIB, 3);
+    pool.swap_out(a).expect("swap out");
+    fault.fail_nth_with(CallKind::CreatePhysical, 2, ErrorKind::OutOfMemory);
+    let err = pool.swap_in(a).expect_err("driver out of memory");
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    assert_eq!(pool.is_swapped(a), Some(true));
+    check(&pool);
+    assert_eq!(
+        host.live_objects(),
+        (0, 0, 1),
+        "the chunk created is released"
+    );
+    pool.swap_in(a).expect("swap in");
+    assert!(has_pattern(&raw, a, 6 * MIB, 3));
+    pool.free(a).expect("free");
+}
+
+#[test]
+fn c_api_round_trip() {
+    use glake::ffi::*;
+    use glake_status::*;
+
+    let mut config = std::mem::MaybeUninit::<glake_config>::zeroed();
+    assert_eq!(
+        unsafe { glake_config_default(config.as_mut_ptr()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let mut config = unsafe { config.assume_init() };
+    config.backend = glake_backend::GLAKE_BACKEND_HOST as u32;
+    let mut pool = null_mut();
+    assert_eq!(
+        unsafe { glake_pool_create(&config, &mut pool) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let mut ptr: *mut c_void = null_mut();
+    assert_eq!(
+        unsafe { glake_malloc_swappable(pool, 3 * MIB, null_mut(), &mut ptr) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(
+        unsafe { glake_malloc_swappable(pool, MIB, null_mut(), null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    unsafe {
+        assert_eq!(
+            glake_copy_to_device(pool, ptr, data.as_ptr().cast(), data.len(), null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+        assert_eq!(
+            glake_stream_synchronize(pool, null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+    }
+    assert_eq!(glake_swap_out(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_swap_out(pool, ptr), GLAKE_STATUS_INVALID_STATE);
+    let mut stats = std::mem::MaybeUninit::<glake::stats::MemoryStats>::zeroed();
+    assert_eq!(
+        unsafe { glake_get_stats(pool, stats.as_mut_ptr()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let stats = unsafe { stats.assume_init() };
+    assert_eq!(stats.swapped_bytes.current, 4 * MIB as i64);
+    assert_eq!(stats.reserved_bytes.all.current, 0);
+    assert_eq!(glake_swap_in(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_swap_in(pool, ptr), GLAKE_STATUS_INVALID_STATE);
+    assert_eq!(glake_swap_in(pool, null_mut()), GLAKE_STATUS_NULL_POINTER);
+    let mut back = vec![0u8; data.len()];
+    unsafe {
+        assert_eq!(
+            glake_copy_to_host(pool, back.as_mut_ptr().cast(), ptr, back.len(), null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+        assert_eq!(
+            glake_stream_synchronize(pool, null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+    }
+    assert_eq!(back, data);
+    let mut plain: *mut c_void = null_mut();
+    assert_eq!(
+        unsafe { glake_malloc(pool, MIB, null_mut(), &mut plain) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(glake_swap_out(pool, plain), GLAKE_STATUS_INVALID_POINTER);
+    assert_eq!(glake_swap_out(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_free(pool, plain), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+}

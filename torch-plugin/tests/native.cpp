@@ -4,10 +4,14 @@
 #include "gmlake_native.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -606,6 +610,352 @@ static void malloc_at() {
   CHECK(gmlake_n_pool_release(0, id) == GMLAKE_N_OK);
 }
 
+// A bounded random soak of the whole ABI: valid and hostile calls mixed, from a seeded
+// xorshift generator, against a model of what is live (address -> size as gmlake_n_base
+// reports it, and its pool). After every call: the status is a documented one, calls
+// documented to fail on bad input return GMLAKE_N_INVALID, live allocations never overlap and
+// the allocated bytes equal the model's sum; every few calls each open pool's live list
+// matches the model. GLAKE_SOAK_OPS sets the calls per seed (default 3000, 3 seeds; raise it
+// for a long run, e.g. GLAKE_SOAK_OPS=1000000 cargo test --test native soak).
+struct Rng {
+  uint64_t s;
+  uint64_t next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return s;
+  }
+  uint64_t below(uint64_t n) { return next() % n; }
+  bool chance(uint64_t percent) { return below(100) < percent; }
+};
+
+struct SoakPool {
+  gmlake_n_pool_id id;
+  int uses = 0;    // retains and begins not yet released
+  int routes = 0;  // begins not yet ended
+  int generation = 0;
+};
+
+struct Live {
+  size_t size;
+  int pool;  // index into the pools, -1 for the shared pool
+  int generation;
+};
+
+static bool documented(int status) { return status >= GMLAKE_N_OK && status <= GMLAKE_N_FAILED; }
+
+static void soak_seed(uint64_t seed, long ops) {
+  Rng rng{seed * 0x9E3779B97F4A7C15ull + 1};
+  std::vector<SoakPool> pools{{{11, 1}}, {{11, 2}}, {{12, 0}}};
+  const gmlake_n_pool_id unknown{99, 99};
+  std::map<uint64_t, Live> model;
+  std::vector<uint64_t> freed;  // addresses freed earlier, for hostile frees and malloc_at
+  void* const streams[] = {nullptr, reinterpret_cast<void*>(0x10), reinterpret_cast<void*>(0x7),
+                           reinterpret_cast<void*>(0xdeadbeefull)};
+  const int before = failures;
+
+  auto random_size = [&]() -> size_t {
+    switch (rng.below(8)) {
+      case 0: return 1;
+      case 1: return 1 + 2 * rng.below(512);  // odd, small
+      case 2: return 1 + rng.below(1 << 20);
+      case 3: return 1 + rng.below(4 * MiB);
+      case 4: return MiB * (1 + rng.below(4));
+      case 5: return 512 * (1 + rng.below(2048));
+      default: return 1 + rng.below(64 << 10);
+    }
+  };
+  // -1 for the shared pool, an index into `pools`, or -2 for a pool never opened.
+  auto random_pool = [&]() -> int {
+    int pool = static_cast<int>(rng.below(pools.size() + 2)) - 1;
+    return pool == static_cast<int>(pools.size()) ? -2 : pool;
+  };
+  auto random_live = [&]() -> std::map<uint64_t, Live>::iterator {
+    auto it = model.begin();
+    std::advance(it, static_cast<long>(rng.below(model.size())));
+    return it;
+  };
+  auto add = [&](void* p, int pool) {
+    void* base = nullptr;
+    size_t size = 0;
+    CHECK(gmlake_n_base(p, &base, &size) == GMLAKE_N_OK);
+    CHECK(base == p && size > 0);
+    int generation = pool >= 0 ? pools[static_cast<size_t>(pool)].generation : 0;
+    CHECK(model.count(addr(p)) == 0);
+    model[addr(p)] = Live{size, pool, generation};
+  };
+  auto check_model = [&](long op) {
+    const int was = failures;
+    uint64_t sum = 0;
+    uint64_t end = 0;
+    for (const auto& [at, live] : model) {
+      CHECK(at >= end);  // no overlap with the one before
+      end = at + live.size;
+      sum += live.size;
+    }
+    glake_stats now = stats(0);
+    CHECK(static_cast<uint64_t>(now.allocated_bytes.all.current) == sum);
+    CHECK(static_cast<uint64_t>(now.allocation.all.current) == model.size());
+    if (failures != was) std::fprintf(stderr, "seed %llu op %ld\n", (unsigned long long)seed, op);
+  };
+  auto check_pools = [&]() {
+    for (size_t i = 0; i < pools.size(); ++i) {
+      std::vector<uint64_t> got;
+      int status = live(pools[i].id, &got);
+      if (pools[i].uses == 0) {
+        CHECK(status == GMLAKE_N_INVALID);
+        continue;
+      }
+      CHECK(status == GMLAKE_N_OK);
+      std::vector<uint64_t> want;
+      for (const auto& [at, l] : model) {
+        if (l.pool == static_cast<int>(i) && l.generation == pools[i].generation) want.push_back(at);
+      }
+      std::sort(got.begin(), got.end());
+      CHECK(got == want);
+      int count = -1;
+      CHECK(gmlake_n_pool_use_count(0, pools[i].id, &count) == GMLAKE_N_OK);
+      CHECK(count == pools[i].uses);
+    }
+  };
+
+  for (long op = 0; op < ops; ++op) {
+    const uint64_t kind = rng.below(100);
+    int status = GMLAKE_N_OK;
+    if (kind < 30) {  // malloc, mostly valid
+      int pool = model.size() > 96 ? -2 : random_pool();
+      size_t size = random_size();
+      if (rng.chance(3)) size = 0;
+      if (rng.chance(3)) size = size_t{1} << 62;
+      gmlake_n_pool_id id = pool >= 0 ? pools[static_cast<size_t>(pool)].id
+                                      : (pool == -1 ? SHARED : unknown);
+      void* p = reinterpret_cast<void*>(0x1);
+      uint32_t pieces = 7;
+      status = gmlake_n_malloc(0, size, streams[rng.below(4)], id, &p, rng.chance(50) ? &pieces : nullptr);
+      CHECK(documented(status));
+      bool closed = pool >= 0 && pools[static_cast<size_t>(pool)].uses == 0;
+      if (size == 0 || pool == -2 || closed) {
+        CHECK(status == GMLAKE_N_INVALID);
+      } else if (size == size_t{1} << 62) {
+        CHECK(status == GMLAKE_N_OUT_OF_MEMORY || status == GMLAKE_N_INVALID);
+      } else {
+        CHECK(status == GMLAKE_N_OK || status == GMLAKE_N_OUT_OF_MEMORY);
+      }
+      if (status == GMLAKE_N_OK) {
+        CHECK(p != nullptr);
+        if (p != nullptr) add(p, pool);
+      }
+    } else if (kind < 55) {  // free: live, freed, interior, random, NULL
+      uint64_t which = rng.below(10);
+      int device = -7;
+      if (which < 6 && !model.empty()) {
+        auto it = random_live();
+        uint64_t at = it->first;
+        status = gmlake_n_free(reinterpret_cast<void*>(at), rng.chance(50) ? 0 : -1, &device);
+        CHECK(status == GMLAKE_N_OK);
+        CHECK(device == 0);
+        model.erase(it);
+        freed.push_back(at);
+        if (freed.size() > 256) freed.erase(freed.begin());
+      } else {
+        uint64_t at = 0;
+        if (which == 6 && !freed.empty()) at = freed[rng.below(freed.size())];
+        if (which == 7 && !model.empty()) {
+          auto it = random_live();
+          at = it->first + 1 + rng.below(it->second.size > 1 ? it->second.size - 1 : 1);
+          if (it->second.size == 1) at = it->first + 1;
+        }
+        if (which == 8) at = rng.next() | 1;
+        if (model.count(at) == 0) {
+          status = gmlake_n_free(reinterpret_cast<void*>(at), 0, &device);
+          CHECK(status == GMLAKE_N_INVALID);
+          CHECK(device == -7);
+        }
+      }
+    } else if (kind < 60) {  // record_stream with odd streams, on live and bad pointers
+      // Live memory gets only the default stream, the one stream the host backend knows.
+      // KNOWN ISSUE: recording any other stream (0x10, 0xdeadbeef, a random pointer) on live
+      // memory returns GMLAKE_N_OK, and the later free then returns GMLAKE_N_INVALID
+      // ("recording a stream event for a free: unknown stream") after synchronizing and
+      // freeing anyway; a pool_end that releases such a held-back free fails the same way.
+      // Odd streams are exercised on pointers that are not live, which must be refused.
+      void* stream = streams[rng.below(4)];
+      if (!model.empty() && rng.chance(70)) {
+        status = gmlake_n_record_stream(reinterpret_cast<void*>(random_live()->first), nullptr);
+        CHECK(status == GMLAKE_N_OK);
+      } else {
+        uint64_t at = rng.chance(50) || freed.empty() ? (rng.next() | 1) : freed[rng.below(freed.size())];
+        if (model.count(at) == 0) {
+          status = gmlake_n_record_stream(reinterpret_cast<void*>(at),
+                                          rng.chance(50) ? stream : reinterpret_cast<void*>(rng.next()));
+          CHECK(status == GMLAKE_N_INVALID);
+        }
+      }
+    } else if (kind < 72) {  // private pools: retain, begin, end, release in random order
+      size_t i = rng.below(pools.size() + 1);
+      bool known = i < pools.size();
+      gmlake_n_pool_id id = known ? pools[i].id : (rng.chance(50) ? unknown : SHARED);
+      switch (rng.below(5)) {
+        case 0:
+          status = gmlake_n_pool_retain(0, id);
+          if (known) {
+            CHECK(status == GMLAKE_N_OK);
+            ++pools[i].uses;
+          } else if (same(id, SHARED)) {
+            CHECK(status == GMLAKE_N_INVALID);
+          } else if (status == GMLAKE_N_OK) {  // an unknown pool opened: close it again
+            CHECK(gmlake_n_pool_release(0, id) == GMLAKE_N_OK);
+          }
+          break;
+        case 1:
+          if (known && pools[i].routes >= 4) break;
+          status = gmlake_n_pool_begin(0, id);
+          if (known) {
+            CHECK(status == GMLAKE_N_OK);
+            ++pools[i].uses;
+            ++pools[i].routes;
+          } else if (same(id, SHARED)) {
+            CHECK(status == GMLAKE_N_INVALID);
+          } else if (status == GMLAKE_N_OK) {
+            CHECK(gmlake_n_pool_end(0, id) == GMLAKE_N_OK);
+            CHECK(gmlake_n_pool_release(0, id) == GMLAKE_N_OK);
+          }
+          break;
+        case 2:
+          status = gmlake_n_pool_end(0, id);
+          if (known && pools[i].routes > 0 && pools[i].uses > 0) {
+            CHECK(status == GMLAKE_N_OK);
+            --pools[i].routes;
+          } else {
+            CHECK(status == GMLAKE_N_INVALID);
+          }
+          break;
+        case 3:
+          status = gmlake_n_pool_release(0, id);
+          if (known && pools[i].uses > 0) {
+            CHECK(status == GMLAKE_N_OK);
+            if (--pools[i].uses == 0) {  // the last use: its allocations join the shared pool
+              pools[i].routes = 0;
+              ++pools[i].generation;
+            }
+          } else {
+            CHECK(status == GMLAKE_N_INVALID);
+          }
+          break;
+        default: {
+          int count = -1;
+          status = gmlake_n_pool_use_count(0, id, rng.chance(10) ? nullptr : &count);
+          if (status == GMLAKE_N_OK && known) CHECK(count == pools[i].uses);
+          if (status == GMLAKE_N_OK && !known) CHECK(count == 0);
+          break;
+        }
+      }
+      CHECK(documented(status));
+    } else if (kind < 78) {  // malloc_at of random ranges
+      int pool = random_pool();
+      gmlake_n_pool_id id = pool >= 0 ? pools[static_cast<size_t>(pool)].id
+                                      : (pool == -1 ? SHARED : unknown);
+      uint64_t at = 0;
+      size_t size = random_size();
+      switch (rng.below(4)) {
+        case 0: if (!freed.empty()) at = freed[rng.below(freed.size())]; break;
+        case 1: if (!model.empty()) at = random_live()->first; break;
+        case 2: if (!freed.empty()) at = freed[rng.below(freed.size())] + 512 * rng.below(64); break;
+        default: at = rng.next(); break;
+      }
+      if (rng.chance(5)) size = 0;
+      status = gmlake_n_malloc_at(0, reinterpret_cast<void*>(at), size, streams[rng.below(4)], id);
+      CHECK(documented(status));
+      bool closed = pool >= 0 && pools[static_cast<size_t>(pool)].uses == 0;
+      if (pool == -2 || closed || size == 0 || model.count(at) != 0) {
+        CHECK(status == GMLAKE_N_INVALID);
+      } else {
+        CHECK(status == GMLAKE_N_OK || status == GMLAKE_N_INVALID ||
+              status == GMLAKE_N_OUT_OF_MEMORY);
+      }
+      if (status == GMLAKE_N_OK) add(reinterpret_cast<void*>(at), pool);
+    } else if (kind < 81) {
+      Snapshot snap = snapshot(0);
+      for (const auto& s : snap.segments) {
+        bool ours = same(s.info.pool, SHARED);
+        for (const auto& p : pools) ours = ours || same(s.info.pool, p.id);
+        CHECK(ours);
+        uint64_t sum = 0;
+        for (const auto& b : s.blocks) sum += b.size;
+        CHECK(sum == s.info.total_size);
+      }
+    } else if (kind < 84) {
+      glake_stats s;
+      status = gmlake_n_stats(rng.chance(80) ? 0 : static_cast<int>(rng.below(1000)) - 500, &s);
+      CHECK(documented(status));
+    } else if (kind < 87) {
+      status = gmlake_n_empty_cache(rng.chance(80) ? 0 : -1);
+      CHECK(status == GMLAKE_N_OK);
+    } else if (kind < 92) {  // memory fractions in and out of [0, 1]
+      const double values[] = {1.0, 0.5, 0.9, 0.0, -0.5, 1.5, std::nan(""), 1e300, -0.0, 1.0};
+      double f = values[rng.below(10)];
+      status = gmlake_n_set_memory_fraction(0, f);
+      if (f >= 0.0 && f <= 1.0) {
+        CHECK(status == GMLAKE_N_OK);
+      } else {
+        CHECK(status == GMLAKE_N_INVALID);
+      }
+      double got = -1;
+      CHECK(gmlake_n_memory_fraction(0, &got) == GMLAKE_N_OK);
+      if (status == GMLAKE_N_OK) CHECK(got == f);
+      if (rng.chance(50)) CHECK(gmlake_n_set_memory_fraction(0, 1.0) == GMLAKE_N_OK);
+    } else if (kind < 96) {  // events with recording on and off
+      gmlake_n_record_events(static_cast<int>(rng.below(2)));
+      for (const auto& e : take()) {
+        CHECK(e.kind == GMLAKE_N_SEGMENT_ALLOC || e.kind == GMLAKE_N_SEGMENT_FREE);
+        CHECK(e.device == 0);
+      }
+    } else {  // base of live, interior and bad pointers
+      void* base = nullptr;
+      size_t size = 0;
+      if (!model.empty()) {
+        auto it = random_live();
+        status = gmlake_n_base(reinterpret_cast<void*>(it->first + rng.below(it->second.size)),
+                               &base, &size);
+        CHECK(status == GMLAKE_N_OK);
+        CHECK(addr(base) == it->first && size == it->second.size);
+      }
+      uint64_t at = rng.next() | 1;
+      auto after = model.upper_bound(at);
+      bool inside = after != model.begin() && at < std::prev(after)->first + std::prev(after)->second.size;
+      if (!inside) CHECK(gmlake_n_base(reinterpret_cast<void*>(at), &base, &size) == GMLAKE_N_INVALID);
+    }
+    check_model(op);
+    if (op % 50 == 0) check_pools();
+    if (failures - before > 20) break;  // enough to go on
+  }
+  check_pools();
+
+  // Everything back: allocations freed, pools closed, the cache emptied.
+  gmlake_n_record_events(0);
+  take();
+  for (const auto& [at, l] : model) CHECK(gmlake_n_free(reinterpret_cast<void*>(at), -1, nullptr) == GMLAKE_N_OK);
+  model.clear();
+  for (auto& p : pools) {
+    for (; p.routes > 0; --p.routes) CHECK(gmlake_n_pool_end(0, p.id) == GMLAKE_N_OK);
+    for (; p.uses > 0; --p.uses) CHECK(gmlake_n_pool_release(0, p.id) == GMLAKE_N_OK);
+  }
+  CHECK(gmlake_n_set_memory_fraction(0, 1.0) == GMLAKE_N_OK);
+  CHECK(gmlake_n_empty_cache(0) == GMLAKE_N_OK);
+  glake_stats end = stats(0);
+  CHECK(end.allocated_bytes.all.current == 0);
+  CHECK(end.allocation.all.current == 0);
+  CHECK(end.segment.all.current == 0);
+  CHECK(end.reserved_bytes.all.current == 0);
+  CHECK(snapshot(0).segments.empty());
+}
+
+static void soak() {
+  long ops = 3000;
+  if (const char* text = std::getenv("GLAKE_SOAK_OPS")) ops = std::atol(text);
+  for (uint64_t seed = 1; seed <= 3; ++seed) soak_seed(seed, ops);
+}
+
 int main(int argc, char** argv) {
   const struct {
     const char* name;
@@ -619,6 +969,7 @@ int main(int argc, char** argv) {
       {"stats_match_snapshot", stats_match_snapshot},
       {"stitched", stitched},
       {"malloc_at", malloc_at},
+      {"soak", soak},
   };
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s SCENARIO\n", argv[0]);

@@ -61,3 +61,10 @@ fn stitched_allocations_report_their_pieces() {
 fn malloc_at_restores_freed_allocations_of_a_graph_pool() {
     scenario("malloc_at");
 }
+
+/// A seeded random soak of the whole ABI, valid and hostile calls mixed (3 seeds x 3000 calls;
+/// GLAKE_SOAK_OPS=N sets the calls per seed for a long run).
+#[test]
+fn random_calls_keep_the_model_and_never_crash() {
+    scenario("soak");
+}

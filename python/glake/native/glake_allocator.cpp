@@ -2,7 +2,7 @@
 // (c10::cuda::CUDACachingAllocator::CUDAAllocator), so that every tool PyTorch builds on that
 // interface works: typed out-of-memory errors, memory history and snapshots, memory pools,
 // CUDA graph pools, observers, statistics. Compiled against the installed torch (the interface
-// is not ABI-stable across versions) by glake/torch/_native.py, and linked to libgmlake.so,
+// is not ABI-stable across versions) by glake/native/__init__.py, and linked to libgmlake.so,
 // which holds the pools (gmlake_native.h). What PyTorch keeps per allocation for its tools
 // (stacks, history, pool routing by stream filter) lives here; the memory lives in glake.
 #include <c10/core/Allocator.h>
@@ -93,6 +93,29 @@ struct SegmentCopy {
   gmlake_n_segment segment;
   std::vector<gmlake_n_block> blocks;
 };
+
+// What a callback from libgmlake gathers. libgmlake is Rust: no exception may pass through it,
+// so callbacks catch everything and the caller raises the failure once the call returned.
+template <typename T>
+struct Collect {
+  std::vector<T> items;
+  bool failed = false;
+  void add(T item) noexcept {
+    try {
+      items.push_back(std::move(item));
+    } catch (...) {
+      failed = true;
+    }
+  }
+};
+
+// Reports a failure where nothing may be thrown (deleters, destructors).
+void warn_quietly(const char* what, const char* detail) noexcept {
+  try {
+    TORCH_WARN("glake: ", what, ": ", detail);
+  } catch (...) {
+  }
+}
 
 // One routing of requests into a private pool (a graph capture or a MemPool context).
 struct Route {
@@ -215,8 +238,13 @@ class GlakeAllocator final : public CUDAAllocator {
     }
     check(status, "allocation");
     if (tracing) {
-      take_segment_events(context);
-      after_malloc(device, ptr, size, stream, pool, stitched, std::move(context));
+      // The memory is the caller's now: a failure to record it is reported, not thrown.
+      try {
+        take_segment_events(context);
+        after_malloc(device, ptr, size, stream, pool, stitched, std::move(context));
+      } catch (const std::exception& e) {
+        warn_quietly("recording memory history failed", e.what());
+      }
     }
     if (c10::memoryProfilingEnabled()) {
       report_to_profiler(device, ptr, static_cast<int64_t>(size));
@@ -250,7 +278,13 @@ class GlakeAllocator final : public CUDAAllocator {
       return;
     }
     if (tracing) {
-      record_free(device, ptr, std::move(rec));
+      try {
+        record_free(device, ptr, std::move(rec));
+      } catch (const std::exception& e) {
+        warn_quietly("recording memory history failed", e.what());
+      } catch (...) {
+        warn_quietly("recording memory history failed", "unknown error");
+      }
     }
     if (c10::memoryProfilingEnabled()) {
       report_to_profiler(static_cast<c10::DeviceIndex>(device), ptr, -static_cast<int64_t>(size));
@@ -285,12 +319,32 @@ class GlakeAllocator final : public CUDAAllocator {
     auto context = tracing ? gather(RecordContext::ALL) : nullptr;
     check(gmlake_n_empty_cache(-1), "empty_cache");
     if (tracing) {
-      take_segment_events(context);
+      try {
+        take_segment_events(context);
+      } catch (const std::exception& e) {
+        warn_quietly("recording memory history failed", e.what());
+      }
     }
   }
 
+  // The largest block a caller (cuDNN sizing its workspace) may ask for without waiting: as in
+  // PyTorch, the device's free memory when the caller has no estimate (within glake's cap),
+  // and at least the largest cached free block.
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
-    size_t largest = 0;
+    if (largest_block == nullptr) {
+      return;
+    }
+    size_t largest = *largest_block;
+    if (largest == 0) {
+      size_t free = 0;
+      size_t total = 0;
+      c10::cuda::CUDAGuard guard(device);
+      if (cudaMemGetInfo(&free, &total) == cudaSuccess) {
+        largest = std::min(free, allowance(device, total));
+      } else {
+        (void)cudaGetLastError();
+      }
+    }
     for (const auto& c : snapshot_device(device)) {
       for (const auto& b : c.blocks) {
         if (b.state == GMLAKE_N_BLOCK_FREE) {
@@ -298,9 +352,7 @@ class GlakeAllocator final : public CUDAAllocator {
         }
       }
     }
-    if (largest_block != nullptr) {
-      *largest_block = largest;
-    }
+    *largest_block = largest;
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
@@ -396,7 +448,7 @@ class GlakeAllocator final : public CUDAAllocator {
           }
           result.device_traces.push_back(std::move(entries));
         }
-        result.external_annotations = annotations_;
+        result.external_annotations.assign(annotations_.begin(), annotations_.end());
         for (auto& a : result.external_annotations) {
           a.time_.t_ = to_unix(a.time_.approx_t_) / 1000;
         }
@@ -425,20 +477,22 @@ class GlakeAllocator final : public CUDAAllocator {
                      const std::vector<std::string>& skip_actions) override {
     TORCH_CHECK(when == RecordContext::NEVER || context_recorder != nullptr,
                 "glake: recording stacks needs a context recorder");
+    std::unordered_set<TraceEntry::Action> skip;  // parsed first: a bad name changes nothing
+    for (const auto& name : skip_actions) {
+      skip.insert(c10::CachingDeviceAllocator::parseTraceEntryAction(name));
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       record_history_.store(enabled);
       recorder_ = enabled ? context_recorder : nullptr;
       record_when_ = enabled ? when : RecordContext::NEVER;
       max_entries_ = max_entries;
-      skip_.clear();
-      for (const auto& name : skip_actions) {
-        skip_.insert(c10::CachingDeviceAllocator::parseTraceEntryAction(name));
-      }
+      skip_ = std::move(skip);
       if (!enabled || clear_history) {
         for (auto& ring : traces_) {
           ring.clear();
         }
+        annotations_.clear();
       }
       if (!enabled) {
         live_.clear();
@@ -459,6 +513,9 @@ class GlakeAllocator final : public CUDAAllocator {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     annotations_.push_back(std::move(entry));
+    while (annotations_.size() > max_entries_) {  // bounded like the history
+      annotations_.pop_front();
+    }
   }
 
   void pushCompileContext(std::string& md) override {
@@ -565,13 +622,11 @@ class GlakeAllocator final : public CUDAAllocator {
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
                                 const std::unordered_set<void*>& expected) override {
-    std::unordered_set<void*> live;
-    if (gmlake_n_pool_live(device, to_c(mempool_id), &live, [](void* ctx, uint64_t address) {
-          static_cast<std::unordered_set<void*>*>(ctx)->insert(reinterpret_cast<void*>(address));
-        }) != GMLAKE_N_OK) {
+    std::vector<void*> found;
+    if (!pool_live(device, mempool_id, &found)) {
       return expected.empty();
     }
-    return live == expected;
+    return std::unordered_set<void*>(found.begin(), found.end()) == expected;
   }
 
   std::shared_ptr<AllocatorState> getCheckpointState(c10::DeviceIndex device,
@@ -600,12 +655,8 @@ class GlakeAllocator final : public CUDAAllocator {
     auto* state = dynamic_cast<PoolState*>(pps.get());
     TORCH_CHECK(state != nullptr, "glake: not a glake graph pool checkpoint");
     std::vector<void*> live;
-    check(gmlake_n_pool_live(device, to_c(state->pool), &live,
-                             [](void* ctx, uint64_t address) {
-                               static_cast<std::vector<void*>*>(ctx)->push_back(
-                                   reinterpret_cast<void*>(address));
-                             }),
-          "reading a graph pool");
+    TORCH_CHECK(pool_live(device, state->pool, &live), "glake: reading a graph pool failed: ",
+                last_error());
     std::unordered_set<void*> wanted;
     for (const auto& a : state->live) {
       wanted.insert(a.ptr);
@@ -716,7 +767,33 @@ class GlakeAllocator final : public CUDAAllocator {
     return count;
   }
 
+  // The live allocations of private pool `id`; false when the pool is not open.
+  bool pool_live(c10::DeviceIndex device, MempoolId_t id, std::vector<void*>* out) {
+    Collect<void*> found;
+    const int status = gmlake_n_pool_live(device, to_c(id), &found, [](void* ctx, uint64_t a) {
+      static_cast<Collect<void*>*>(ctx)->add(reinterpret_cast<void*>(a));
+    });
+    TORCH_CHECK(!found.failed, "glake: out of host memory listing a pool's allocations");
+    *out = std::move(found.items);
+    return status == GMLAKE_N_OK;
+  }
+
+  // Bytes `device`'s pool may still create under its memory fraction (of `total`).
+  size_t allowance(c10::DeviceIndex device, size_t total) {
+    double fraction = 1.0;
+    glake_stats stats{};
+    if (gmlake_n_device_used(device) != 1 ||
+        gmlake_n_memory_fraction(device, &fraction) != GMLAKE_N_OK ||
+        gmlake_n_stats(device, &stats) != GMLAKE_N_OK) {
+      return total;
+    }
+    const auto cap = static_cast<size_t>(fraction * static_cast<double>(total));
+    const auto reserved = static_cast<size_t>(std::max<int64_t>(stats.reserved_bytes.all.current, 0));
+    return cap > reserved ? cap - reserved : 0;
+  }
+
   std::vector<Route>& routes_of(c10::DeviceIndex device) {
+    TORCH_CHECK(device >= 0, "glake: invalid device index ", static_cast<int>(device));
     auto index = static_cast<size_t>(device);
     if (routes_.size() <= index) {
       routes_.resize(index + 1);
@@ -882,11 +959,8 @@ class GlakeAllocator final : public CUDAAllocator {
 
   // Tracing (history or trackers) is on: contexts are gathered, segment events collected.
   void update_tracing() {
-    bool on = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      on = record_history_.load() || !trackers_.empty();
-    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool on = record_history_.load() || !trackers_.empty();
     tracing_.store(on, std::memory_order_release);
     gmlake_n_record_events(on ? 1 : 0);
   }
@@ -943,17 +1017,17 @@ class GlakeAllocator final : public CUDAAllocator {
 
   // Turns the segments this thread's last call created or released into trace entries.
   void take_segment_events(const std::shared_ptr<c10::GatheredContext>& context) {
-    struct Sink {
-      GlakeAllocator* self;
-      const std::shared_ptr<c10::GatheredContext>* context;
-    } sink{this, &context};
-    gmlake_n_take_events(&sink, [](void* ctx, const gmlake_n_event* e) {
-      auto* s = static_cast<Sink*>(ctx);
-      auto action =
-          e->kind == GMLAKE_N_SEGMENT_ALLOC ? TraceEntry::SEGMENT_ALLOC : TraceEntry::SEGMENT_FREE;
-      s->self->record(action, static_cast<c10::DeviceIndex>(e->device), e->address, e->size,
-                      nullptr, from_c(e->pool), *s->context);
+    Collect<gmlake_n_event> events;
+    gmlake_n_take_events(&events, [](void* ctx, const gmlake_n_event* e) {
+      static_cast<Collect<gmlake_n_event>*>(ctx)->add(*e);
     });
+    TORCH_CHECK(!events.failed, "glake: out of host memory recording segment events");
+    for (const auto& e : events.items) {
+      auto action =
+          e.kind == GMLAKE_N_SEGMENT_ALLOC ? TraceEntry::SEGMENT_ALLOC : TraceEntry::SEGMENT_FREE;
+      record(action, static_cast<c10::DeviceIndex>(e.device), e.address, e.size, nullptr,
+             from_c(e.pool), context);
+    }
   }
 
   void record(TraceEntry::Action action, c10::DeviceIndex device, size_t addr, size_t size,
@@ -998,19 +1072,24 @@ class GlakeAllocator final : public CUDAAllocator {
   // One device's segments and blocks, copied out of glake (its callbacks run under the pool's
   // lock, so nothing else happens inside them).
   std::vector<SegmentCopy> snapshot_device(c10::DeviceIndex device) {
-    std::vector<SegmentCopy> copies;
+    Collect<SegmentCopy> copies;
     if (gmlake_n_device_used(device) != 1) {
-      return copies;
+      return {};
     }
     check(gmlake_n_snapshot(
               device, &copies,
               [](void* ctx, const gmlake_n_segment* s, const gmlake_n_block* b, size_t n) {
-                static_cast<std::vector<SegmentCopy>*>(ctx)->push_back(
-                    SegmentCopy{*s, std::vector<gmlake_n_block>(b, b + n)});
+                auto* out = static_cast<Collect<SegmentCopy>*>(ctx);
+                try {
+                  out->add(SegmentCopy{*s, std::vector<gmlake_n_block>(b, b + n)});
+                } catch (...) {
+                  out->failed = true;
+                }
               },
               [](void*, const gmlake_n_stitched*) {}),
           "taking a snapshot");
-    return copies;
+    TORCH_CHECK(!copies.failed, "glake: out of host memory taking a snapshot");
+    return std::move(copies.items);
   }
 
   // PyTorch's view of a segment; blocks get the stacks recorded when they were allocated.
@@ -1053,7 +1132,7 @@ class GlakeAllocator final : public CUDAAllocator {
 
   std::mutex mutex_;
   int device_count_ = 0;
-  bool initialized_ = false;
+  std::atomic<bool> initialized_{false};
   bool force_uncached_ = false;
   std::atomic<bool> enabled_{true};
   std::atomic<int> routings_{0};
@@ -1071,7 +1150,7 @@ class GlakeAllocator final : public CUDAAllocator {
   size_t max_entries_ = 0;
   std::unordered_set<TraceEntry::Action> skip_;
   std::vector<TraceRing> traces_;
-  std::vector<AnnotationEntry> annotations_;
+  std::deque<AnnotationEntry> annotations_;
   std::unordered_map<void*, LiveRecord> live_;
   std::vector<std::string> compile_contexts_;
   std::string user_metadata_;

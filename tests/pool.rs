@@ -366,6 +366,15 @@ fn bad_inputs_are_errors_with_messages() {
         p.record_stream(0x1000, Stream(1)).unwrap_err().kind(),
         ErrorKind::InvalidPointer
     );
+    // A stream the backend does not know is refused when recorded, and the free stays clean
+    // (the host backend knows its streams; CUDA cannot check a raw handle).
+    if !common::backend_is_cuda() {
+        let live = p.malloc(MIB, Stream::DEFAULT).unwrap();
+        let unknown = p.record_stream(live, Stream(0xdead_beef)).unwrap_err();
+        assert_eq!(unknown.kind(), ErrorKind::InvalidArgument);
+        assert!(unknown.message().contains("unknown stream"), "{unknown}");
+        p.free(live).unwrap();
+    }
     p.check_invariants().unwrap();
 }
 

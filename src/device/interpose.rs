@@ -166,6 +166,9 @@ impl<I: Interposer> Device for Interposed<I> {
             self.inner.copy_device(dst, src, len, stream)
         })
     }
+    fn knows_stream(&self, stream: Stream) -> bool {
+        self.inner.knows_stream(stream)
+    }
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
         self.inner.exchange_capture_mode(mode)
     }

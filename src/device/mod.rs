@@ -197,6 +197,12 @@ pub trait Device: Send + Sync {
     fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: usize, stream: Stream)
         -> Result<()>;
 
+    /// Whether `stream` is one of this backend's streams, where the backend can tell: the host
+    /// backend knows its streams; CUDA cannot check a raw handle cheaply or safely and says yes.
+    fn knows_stream(&self, _stream: Stream) -> bool {
+        true
+    }
+
     /// Sets the calling thread's capture mode and returns the previous one. Backends without
     /// stream capture keep nothing.
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {

@@ -302,7 +302,8 @@ impl Pool {
     /// Records that `stream` uses the allocation at `ptr`: its memory is not reused before the
     /// work queued on `stream` by the time of the free has completed.
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
-        lock(&self.inner).record_stream(ptr, stream)
+        let known = self.device.knows_stream(stream);
+        lock(&self.inner).record_stream(ptr, stream, known)
     }
 
     /// Returns unused physical memory to the driver, after waiting for the streams that may

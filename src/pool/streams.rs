@@ -17,11 +17,24 @@ pub(super) struct PendingFree {
 
 impl Inner {
     /// Adds `stream` to the streams that use the allocation at `ptr`.
-    pub(super) fn record_stream(&mut self, ptr: DevicePtr, stream: Stream) -> Result<()> {
+    /// `known`: whether the backend knows `stream` (an unknown one is refused now rather than
+    /// failing the free later).
+    pub(super) fn record_stream(
+        &mut self,
+        ptr: DevicePtr,
+        stream: Stream,
+        known: bool,
+    ) -> Result<()> {
         let live = match self.live.get_mut(&ptr) {
             Some(live) => live,
             None => return Err(self.classify_unknown(ptr)),
         };
+        if !known {
+            return Err(Error::invalid_argument(format!(
+                "record_stream: unknown stream {:#x}",
+                stream.0
+            )));
+        }
         if stream != live.stream && !live.extra_streams.contains(&stream) {
             live.extra_streams.push(stream);
         }

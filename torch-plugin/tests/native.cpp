@@ -774,15 +774,13 @@ static void soak_seed(uint64_t seed, long ops) {
       }
     } else if (kind < 60) {  // record_stream with odd streams, on live and bad pointers
       // Live memory gets only the default stream, the one stream the host backend knows.
-      // KNOWN ISSUE: recording any other stream (0x10, 0xdeadbeef, a random pointer) on live
-      // memory returns GMLAKE_N_OK, and the later free then returns GMLAKE_N_INVALID
-      // ("recording a stream event for a free: unknown stream") after synchronizing and
-      // freeing anyway; a pool_end that releases such a held-back free fails the same way.
-      // Odd streams are exercised on pointers that are not live, which must be refused.
+      // Streams the device does not know are refused at once (status 2), on live memory and
+      // elsewhere; the default stream on live memory is accepted.
       void* stream = streams[rng.below(4)];
       if (!model.empty() && rng.chance(70)) {
-        status = gmlake_n_record_stream(reinterpret_cast<void*>(random_live()->first), nullptr);
-        CHECK(status == GMLAKE_N_OK);
+        void* live = reinterpret_cast<void*>(random_live()->first);
+        status = gmlake_n_record_stream(live, stream);
+        CHECK(status == (stream == nullptr ? GMLAKE_N_OK : GMLAKE_N_INVALID));
       } else {
         uint64_t at = rng.chance(50) || freed.empty() ? (rng.next() | 1) : freed[rng.below(freed.size())];
         if (model.count(at) == 0) {

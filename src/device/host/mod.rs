@@ -178,6 +178,10 @@ impl Device for HostDevice {
         self.remove_stream(stream)
     }
 
+    fn knows_stream(&self, stream: Stream) -> bool {
+        self.has_stream(stream)
+    }
+
     fn create_event(&self) -> Result<Event> {
         self.add_event()
     }

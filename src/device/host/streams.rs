@@ -204,6 +204,11 @@ impl HostDevice {
         self.enqueue(stream, Op::Host(f))
     }
 
+    /// [`Device::knows_stream`](crate::device::Device::knows_stream).
+    pub(super) fn has_stream(&self, stream: Stream) -> bool {
+        lock(&self.streams).contains_key(&stream.0)
+    }
+
     /// [`Device::create_stream`](crate::device::Device::create_stream).
     pub(super) fn add_stream(&self) -> Result<Stream> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);

@@ -8,6 +8,7 @@ use static_assertions::{assert_eq_size, const_assert_eq};
 use super::{glake_status, guard, handles, Failure};
 use crate::config::{host_options_from_env, Config, DefragLevel};
 use crate::device::{self, BackendChoice, BackendKind, Stream};
+use crate::pool::Pool;
 use crate::stats::{MemoryStats, Stat, StatArray};
 
 /// Opaque pool handle.
@@ -331,12 +332,22 @@ pub unsafe extern "C" fn glake_malloc(
 /// Frees an allocation; its memory is reused on its stream at once, elsewhere once safe.
 #[no_mangle]
 pub extern "C" fn glake_free(pool: *mut glake_pool, ptr: *mut c_void) -> glake_status {
+    on_allocation(pool, ptr, Pool::free)
+}
+
+/// Runs `op` on the allocation at `ptr` of `pool`: the shared checks of the calls that take
+/// a pool and an allocation.
+fn on_allocation(
+    pool: *mut glake_pool,
+    ptr: *mut c_void,
+    op: impl FnOnce(&Pool, u64) -> crate::Result<()>,
+) -> glake_status {
     guard(|| {
         let pool = handles::get(pool_id(pool))?;
         if ptr.is_null() {
             return Err(Failure::null("ptr"));
         }
-        pool.free(ptr as u64)?;
+        op(&pool, ptr as u64)?;
         Ok(())
     })
 }
@@ -369,14 +380,7 @@ pub unsafe extern "C" fn glake_malloc_swappable(
 /// address stays reserved. GLAKE_STATUS_INVALID_STATE when it is already swapped out.
 #[no_mangle]
 pub extern "C" fn glake_swap_out(pool: *mut glake_pool, ptr: *mut c_void) -> glake_status {
-    guard(|| {
-        let pool = handles::get(pool_id(pool))?;
-        if ptr.is_null() {
-            return Err(Failure::null("ptr"));
-        }
-        pool.swap_out(ptr as u64)?;
-        Ok(())
-    })
+    on_allocation(pool, ptr, Pool::swap_out)
 }
 
 /// Swaps the allocation at `ptr` back in at the same address. GLAKE_STATUS_OUT_OF_MEMORY when
@@ -384,14 +388,7 @@ pub extern "C" fn glake_swap_out(pool: *mut glake_pool, ptr: *mut c_void) -> gla
 /// GLAKE_STATUS_INVALID_STATE when it is not swapped out.
 #[no_mangle]
 pub extern "C" fn glake_swap_in(pool: *mut glake_pool, ptr: *mut c_void) -> glake_status {
-    guard(|| {
-        let pool = handles::get(pool_id(pool))?;
-        if ptr.is_null() {
-            return Err(Failure::null("ptr"));
-        }
-        pool.swap_in(ptr as u64)?;
-        Ok(())
-    })
+    on_allocation(pool, ptr, Pool::swap_in)
 }
 
 /// Marks the allocation at `ptr` as used on `stream` as well (like `Tensor.record_stream`).

@@ -38,6 +38,26 @@ impl Inner {
         check_size(size)?;
         let pool = sizes::pool_of(size, self.config.small_limit);
         let rounded = sizes::round(size, pool, self.granularity)?;
+        self.admit(device, size, rounded)?;
+        let ptr = match pool {
+            PoolKind::Small => self.malloc_small(device, rounded, stream, tag)?,
+            PoolKind::Large => self.malloc_large(device, rounded, stream, tag)?,
+        };
+        let Some(ptr) = ptr else {
+            return Err(self.no_memory(device, size));
+        };
+        self.set_requested(ptr, size);
+        Ok(ptr)
+    }
+
+    /// Checks a request of `size` bytes (`rounded` as the pool hands it out) against the
+    /// device, and finishes the frees whose events have completed, before any search.
+    pub(super) fn admit(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        rounded: usize,
+    ) -> Result<()> {
         if rounded > self.total_memory {
             self.stats.num_ooms += 1;
             return Err(Error::out_of_memory(format!(
@@ -48,25 +68,19 @@ impl Inner {
         if !self.pending.is_empty() {
             self.process_pending(device)?;
         }
-        let ptr = match pool {
-            PoolKind::Small => self.malloc_small(device, rounded, stream, tag)?,
-            PoolKind::Large => self.malloc_large(device, rounded, stream, tag)?,
-        };
-        let ptr = match ptr {
-            Some(ptr) => ptr,
-            None => {
-                self.stats.num_ooms += 1;
-                return Err(Error::out_of_memory(format!(
-                    "cannot allocate {size} bytes on device {}: {} bytes reserved of a {} byte cap, {} allocated",
-                    device.ordinal(),
-                    self.reserved(),
-                    self.cap.bytes(),
-                    self.stats.allocated_bytes.all.current
-                )));
-            }
-        };
-        self.set_requested(ptr, size);
-        Ok(ptr)
+        Ok(())
+    }
+
+    /// The error of a request of `size` bytes that found no memory, counted as out of memory.
+    pub(super) fn no_memory(&mut self, device: &dyn crate::device::Device, size: usize) -> Error {
+        self.stats.num_ooms += 1;
+        Error::out_of_memory(format!(
+            "cannot allocate {size} bytes on device {}: {} bytes reserved of a {} byte cap, {} allocated",
+            device.ordinal(),
+            self.reserved(),
+            self.cap.bytes(),
+            self.stats.allocated_bytes.all.current
+        ))
     }
 
     /// Allocates exactly `[addr, addr+size)` again for use on `stream`, from the segments of

@@ -41,22 +41,10 @@ impl Inner {
         Ok(())
     }
 
-    pub(super) fn free(
-        &mut self,
-        device: &dyn crate::device::Device,
-        ptr: DevicePtr,
-    ) -> Result<()> {
-        if self.live.contains_key(&ptr) {
-            if let Some(entry) = self.swappable.remove(&ptr) {
-                if entry.host.is_some() {
-                    self.swappable.insert(ptr, entry);
-                    return self.free_swapped(device, ptr);
-                }
-            }
-        }
-        let live = match self.live.remove(&ptr) {
-            Some(live) => live,
-            None => return Err(self.classify_unknown(ptr)),
+    /// Takes the live allocation at `ptr` off the books: what every free does first.
+    pub(super) fn unregister(&mut self, ptr: DevicePtr) -> Result<Live> {
+        let Some(live) = self.live.remove(&ptr) else {
+            return Err(self.classify_unknown(ptr));
         };
         self.stats.allocation.add(live.pool, -1);
         self.stats
@@ -65,6 +53,25 @@ impl Inner {
         self.stats
             .requested_bytes
             .add(live.pool, -(live.requested as i64));
+        Ok(live)
+    }
+
+    pub(super) fn free(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        // Swappable allocations are rare: the common free pays one emptiness check for them.
+        if !self.swappable.is_empty() {
+            if self.swappable.get(&ptr).is_some_and(|e| e.host.is_some()) {
+                return self.free_swapped(device, ptr);
+            }
+            if self.live.contains_key(&ptr) {
+                // Resident: freed like any allocation, its memory joins the cache.
+                self.swappable.remove(&ptr);
+            }
+        }
+        let live = self.unregister(ptr)?;
         if live.extra_streams.is_empty() {
             let stream = live.stream;
             self.finish_free(live, Some(stream));

@@ -46,16 +46,7 @@ impl Inner {
     ) -> Result<DevicePtr> {
         check_size(size)?;
         let rounded = align_up(size, self.granularity)?;
-        if rounded > self.total_memory {
-            self.stats.num_ooms += 1;
-            return Err(Error::out_of_memory(format!(
-                "request of {size} bytes is larger than the device's {} bytes",
-                self.total_memory
-            )));
-        }
-        if !self.pending.is_empty() {
-            self.process_pending(device)?;
-        }
+        self.admit(device, size, rounded)?;
         let mut grown = self.grow(device, PoolKind::Large, rounded, SHARED)?;
         if grown.is_none() {
             self.stats.num_alloc_retries += 1;
@@ -63,13 +54,7 @@ impl Inner {
             grown = self.grow(device, PoolKind::Large, rounded, SHARED)?;
         }
         let Some(id) = grown else {
-            self.stats.num_ooms += 1;
-            return Err(Error::out_of_memory(format!(
-                "cannot allocate {size} swappable bytes on device {}: {} bytes reserved of a {} byte cap",
-                device.ordinal(),
-                self.reserved(),
-                self.cap.bytes()
-            )));
+            return Err(self.no_memory(device, size));
         };
         // The new segment is one free block of exactly `rounded` bytes: taken whole.
         self.map.take_front(id, rounded, stream);
@@ -258,20 +243,11 @@ impl Inner {
         device: &dyn crate::device::Device,
         ptr: DevicePtr,
     ) -> Result<()> {
-        let Some(live) = self.live.remove(&ptr) else {
-            return Err(self.classify_unknown(ptr));
-        };
+        let live = self.unregister(ptr)?;
         self.swappable.remove(&ptr);
         let Target::Block(id) = live.target else {
             return Err(Error::internal("a swappable allocation is stitched"));
         };
-        self.stats.allocation.add(live.pool, -1);
-        self.stats
-            .allocated_bytes
-            .add(live.pool, -(live.size as i64));
-        self.stats
-            .requested_bytes
-            .add(live.pool, -(live.requested as i64));
         self.stats.swapped_bytes.add(-(live.size as i64));
         let segment = self.map.blocks[id].segment;
         // No device work can use it: swapping out waited for its streams.

@@ -260,10 +260,11 @@ class GlakeAllocator final : public CUDAAllocator {
       return;
     }
     const bool tracing = tracing_.load(std::memory_order_acquire);
+    const bool profiling = c10::memoryProfilingEnabled();
     // While history is recorded the allocation's record has its size; otherwise ask glake.
     LiveRecord rec;
     const bool known = tracing && take_live(ptr, &rec);
-    if (!known && (tracing || c10::memoryProfilingEnabled())) {
+    if (!known && (tracing || profiling)) {
       void* base = nullptr;
       if (gmlake_n_base(ptr, &base, &rec.size) != GMLAKE_N_OK) {
         rec.size = 0;
@@ -286,7 +287,7 @@ class GlakeAllocator final : public CUDAAllocator {
         warn_quietly("recording memory history failed", "unknown error");
       }
     }
-    if (c10::memoryProfilingEnabled()) {
+    if (profiling) {
       report_to_profiler(static_cast<c10::DeviceIndex>(device), ptr, -static_cast<int64_t>(size));
     }
   }

@@ -458,6 +458,7 @@ fn relays_carry_bytes_and_are_measured() {
     );
     let buffer = DeviceBuffer::new(&device, 32 * MIB, &[]).unwrap();
     for kind in [HostMemory::Pageable, HostMemory::Pinned] {
+        let before = engine.stats().relay_bytes;
         round_trip(
             &engine,
             buffer.va(),
@@ -467,6 +468,11 @@ fn relays_carry_bytes_and_are_measured() {
             1,
             Completion::Blocking,
             3,
+        );
+        // The data is right, and part of it went through the peer.
+        assert!(
+            engine.stats().relay_bytes > before,
+            "{kind:?}: no byte relayed"
         );
     }
 }

@@ -319,12 +319,26 @@ pub unsafe extern "C" fn glake_malloc(
     stream: glake_stream,
     out: *mut *mut c_void,
 ) -> glake_status {
+    // SAFETY: `out` is forwarded under this function's contract.
+    unsafe { allocate_into(pool, out, |p| p.malloc(size, stream_of(stream))) }
+}
+
+/// Runs allocation `op` on `pool` and writes its pointer to `*out`: the shared checks of the
+/// calls that allocate.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write.
+unsafe fn allocate_into(
+    pool: *mut glake_pool,
+    out: *mut *mut c_void,
+    op: impl FnOnce(&Pool) -> crate::Result<u64>,
+) -> glake_status {
     guard(|| {
         if out.is_null() {
             return Err(Failure::null("out"));
         }
         let pool = handles::get(pool_id(pool))?;
-        let ptr = pool.malloc(size, stream_of(stream))?;
+        let ptr = op(&pool)?;
         unsafe { write_out(out, "out", ptr as *mut c_void) }
     })
 }
@@ -365,14 +379,8 @@ pub unsafe extern "C" fn glake_malloc_swappable(
     stream: glake_stream,
     out: *mut *mut c_void,
 ) -> glake_status {
-    guard(|| {
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let pool = handles::get(pool_id(pool))?;
-        let ptr = pool.malloc_swappable(size, stream_of(stream))?;
-        unsafe { write_out(out, "out", ptr as *mut c_void) }
-    })
+    // SAFETY: `out` is forwarded under this function's contract.
+    unsafe { allocate_into(pool, out, |p| p.malloc_swappable(size, stream_of(stream))) }
 }
 
 /// Swaps the swappable allocation at `ptr` out: waits for the work queued on its streams,

@@ -8,6 +8,7 @@
 //! once the call returns with the error.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -31,6 +32,8 @@ pub struct LaneSpec {
     pub cpus: Option<Vec<usize>>,
     /// Wait for a slot by polling its event and yielding the CPU, rather than in the driver.
     pub yield_waits: bool,
+    /// A relay lane's count of the bytes it carries (the engine's statistics).
+    pub relayed: Option<Arc<AtomicU64>>,
 }
 
 enum Message {
@@ -140,6 +143,7 @@ struct Lane {
     slots: Vec<Slot>,
     next: usize,
     yield_waits: bool,
+    relayed: Option<Arc<AtomicU64>>,
     _relay_buffer: Option<DeviceBuffer>,
 }
 
@@ -163,6 +167,7 @@ impl Lane {
             slots: Vec::with_capacity(slots),
             next: 0,
             yield_waits: spec.yield_waits,
+            relayed: spec.relayed.clone(),
             _relay_buffer: None,
         };
         if let Some(peer) = &spec.peer {
@@ -331,6 +336,9 @@ impl Lane {
             }
         };
         self.slots[slot].pending = Some(pending);
+        if let Some(relayed) = &self.relayed {
+            relayed.fetch_add(len as u64, Ordering::Relaxed);
+        }
         Ok(())
     }
 

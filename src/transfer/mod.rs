@@ -55,6 +55,8 @@ pub struct TransferStats {
     pub driver_copies: u64,
     /// Bytes that went through the engine's lanes.
     pub engine_bytes: u64,
+    /// Of those, bytes that relay lanes carried (through a peer's link).
+    pub relay_bytes: u64,
 }
 
 /// The counters behind [`TransferStats`], updated without a lock on every copy.
@@ -64,6 +66,8 @@ struct Counters {
     bytes: AtomicU64,
     driver_copies: AtomicU64,
     engine_bytes: AtomicU64,
+    /// Shared with the relay lanes, which count the chunks they carry.
+    relay_bytes: Arc<AtomicU64>,
 }
 
 impl Counters {
@@ -85,6 +89,7 @@ impl Counters {
             bytes: self.bytes.load(Ordering::Relaxed),
             driver_copies: self.driver_copies.load(Ordering::Relaxed),
             engine_bytes: self.engine_bytes.load(Ordering::Relaxed),
+            relay_bytes: self.relay_bytes.load(Ordering::Relaxed),
         }
     }
 }
@@ -209,6 +214,7 @@ impl Engine {
             gbps: 0.0,
         }];
         let mut lanes = vec![Vec::new()];
+        let stats = Counters::default();
         let target_cpus = topology::cpus_near(&target);
         for i in 0..config.lanes {
             let spec = LaneSpec {
@@ -218,6 +224,7 @@ impl Engine {
                 chunk: config.chunk,
                 cpus: target_cpus.clone(),
                 yield_waits: config.yield_waits,
+                relayed: None,
             };
             lanes[0].push(LaneHandle::spawn(
                 spec,
@@ -235,6 +242,7 @@ impl Engine {
                     chunk: config.chunk,
                     cpus: cpus.clone(),
                     yield_waits: config.yield_waits,
+                    relayed: Some(stats.relay_bytes.clone()),
                 };
                 path_lanes.push(LaneHandle::spawn(
                     spec,
@@ -254,7 +262,7 @@ impl Engine {
             lanes,
             events,
             dispatch: Mutex::new(()),
-            stats: Counters::default(),
+            stats,
         };
         if engine.config.measure && engine.paths.len() > 1 {
             engine.measure()?;

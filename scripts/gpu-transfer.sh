@@ -11,6 +11,8 @@ mkdir -p "$out"
   nvidia-smi --query-gpu=index,name,memory.total,pci.bus_id --format=csv,noheader
   nvidia-smi topo -m
   echo "cpus: $(nproc)"
+  lscpu 2>/dev/null | grep -E "Model name|Socket|NUMA node|L3"
+  ldd --version 2>/dev/null | head -1
 } > "$out/transfer-topology.txt" 2>&1
 sed 's/^/gpu: /' "$out/transfer-topology.txt" | head -3
 ./gpu-bundle/glake-copy-bench --backend cuda --json "$out/transfer.jsonl" "$@" \

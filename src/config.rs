@@ -341,6 +341,8 @@ pub struct TransferConfig {
     /// of in the driver's wait (which may spin on a core the host copies need). Measured on an
     /// H200 the two were alike, so the driver's wait stays the default.
     pub yield_waits: bool,
+    /// How lanes copy host memory into and out of staging buffers.
+    pub host_copy: crate::transfer::HostCopy,
     pub policy: crate::transfer::Policy,
 }
 
@@ -362,6 +364,7 @@ impl Default for TransferConfig {
             measure: true,
             max_staging: 512 * MIB,
             yield_waits: false,
+            host_copy: crate::transfer::HostCopy::Plain,
             policy: crate::transfer::Policy::default(),
         }
     }
@@ -402,6 +405,9 @@ const COPY_STAGING: Var = Var {
 };
 const COPY_YIELD: Var = Var {
     names: &["GLAKE_COPY_YIELD"],
+};
+const COPY_STREAMING: Var = Var {
+    names: &["GLAKE_COPY_STREAMING"],
 };
 const COPY_MIN_RELAY: Var = Var {
     names: &["GLAKE_COPY_MIN_RELAY"],
@@ -453,6 +459,14 @@ impl TransferConfig {
             match parse_bool(&value) {
                 Some(on) => self.yield_waits = on,
                 None => warn_bad_value(name, &value, &(self.yield_waits as u8).to_string()),
+            }
+        }
+        if let Some((name, value)) = COPY_STREAMING.lookup() {
+            let current = (self.host_copy == crate::transfer::HostCopy::Streaming) as u8;
+            match parse_bool(&value) {
+                Some(true) => self.host_copy = crate::transfer::HostCopy::Streaming,
+                Some(false) => self.host_copy = crate::transfer::HostCopy::Plain,
+                None => warn_bad_value(name, &value, &current.to_string()),
             }
         }
         self.min_chunk = self.min_chunk.min(self.chunk);

@@ -13,7 +13,7 @@ use glake::device::fault::FaultDevice;
 use glake::device::host::{HostDevice, HostOptions};
 use glake::device::{CallKind, DevicePtr, HostMemory, SharedDevice, Stream};
 use glake::transfer::staging::{DeviceBuffer, PinnedBuffer};
-use glake::transfer::{Completion, CopyPiece, Direction, Engine, Policy, Route};
+use glake::transfer::{Completion, CopyPiece, Direction, Engine, HostCopy, Policy, Route};
 use glake::{Config, Pool, TransferConfig};
 
 const KIB: usize = 1 << 10;
@@ -35,6 +35,7 @@ fn config() -> TransferConfig {
         measure: false,
         max_staging: 64 * MIB,
         yield_waits: true,
+        host_copy: HostCopy::Streaming,
         policy: Policy {
             min_pageable: 64 * KIB,
             min_pageable_d2h: 64 * KIB,

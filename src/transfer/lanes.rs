@@ -13,6 +13,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use super::hostcopy::HostCopy;
 use super::job::Job;
 use super::plan::{Chunk, Direction};
 use super::staging::{DeviceBuffer, PinnedBuffer};
@@ -32,6 +33,7 @@ pub struct LaneSpec {
     pub cpus: Option<Vec<usize>>,
     /// Wait for a slot by polling its event and yielding the CPU, rather than in the driver.
     pub yield_waits: bool,
+    pub host_copy: HostCopy,
     /// A relay lane's count of the bytes it carries (the engine's statistics).
     pub relayed: Option<Arc<AtomicU64>>,
 }
@@ -143,6 +145,7 @@ struct Lane {
     slots: Vec<Slot>,
     next: usize,
     yield_waits: bool,
+    host_copy: HostCopy,
     relayed: Option<Arc<AtomicU64>>,
     _relay_buffer: Option<DeviceBuffer>,
 }
@@ -167,6 +170,7 @@ impl Lane {
             slots: Vec::with_capacity(slots),
             next: 0,
             yield_waits: spec.yield_waits,
+            host_copy: spec.host_copy,
             relayed: spec.relayed.clone(),
             _relay_buffer: None,
         };
@@ -291,7 +295,8 @@ impl Lane {
             // SAFETY: the chunk landed in the slot's buffer (len <= its size); `dst` lies inside
             // the caller's destination, valid for the whole copy.
             unsafe {
-                std::ptr::copy_nonoverlapping(self.slots[slot].host.ptr(), dst as *mut u8, len)
+                self.host_copy
+                    .copy(dst as *mut u8, self.slots[slot].host.ptr(), len)
             };
         }
         self.slots[slot].pending = None;
@@ -319,7 +324,7 @@ impl Lane {
                 let src = if staged {
                     // SAFETY: `host_at` lies inside the caller's source, valid for the whole
                     // copy; the slot's buffer holds at least `len` bytes and is idle.
-                    unsafe { std::ptr::copy_nonoverlapping(host_at as *const u8, buffer, len) };
+                    unsafe { self.host_copy.copy(buffer, host_at as *const u8, len) };
                     buffer as *const u8
                 } else {
                     host_at as *const u8

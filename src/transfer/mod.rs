@@ -5,6 +5,7 @@
 //!
 //! - [`plan`]: routing policy and chunking, on sizes only (no device calls).
 //! - [`lanes`]: the worker threads and their staging slots.
+//! - [`hostcopy`]: how lanes copy host memory (streaming stores).
 //! - [`staging`]: pinned host buffers and relay buffers on peers, made once.
 //! - [`topology`]: NUMA nodes and CPU binding.
 //! - [`job`]: one copy as the lanes see it.
@@ -16,6 +17,7 @@
 //! earlier, and the caller keeps that memory unchanged (or unread) until the stream gets there.
 //! Blocking copies return when the data has arrived.
 
+pub mod hostcopy;
 pub mod job;
 pub mod lanes;
 pub mod plan;
@@ -31,6 +33,7 @@ use crate::config::TransferConfig;
 use crate::device::{DevicePtr, Event, HostMemory, SharedDevice, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use crate::sync::lock;
+pub use hostcopy::HostCopy;
 use job::Job;
 use lanes::{LaneHandle, LaneSpec};
 pub use plan::{Direction, Path, Policy, Route};
@@ -224,6 +227,7 @@ impl Engine {
                 chunk: config.chunk,
                 cpus: target_cpus.clone(),
                 yield_waits: config.yield_waits,
+                host_copy: config.host_copy,
                 relayed: None,
             };
             lanes[0].push(LaneHandle::spawn(
@@ -242,6 +246,7 @@ impl Engine {
                     chunk: config.chunk,
                     cpus: cpus.clone(),
                     yield_waits: config.yield_waits,
+                    host_copy: config.host_copy,
                     relayed: Some(stats.relay_bytes.clone()),
                 };
                 path_lanes.push(LaneHandle::spawn(

@@ -3,8 +3,10 @@
 //! process, taking turns rep by rep so that drifts of the machine fall on all alike.
 //!
 //! usage: glake-copy-bench [--backend auto|cuda|host] [--device N] [--sizes 4K,1M,...]
-//!                         [--reps N] [--peers N] [--json FILE]
-//! Lanes, chunk and thresholds come from the GLAKE_COPY_* variables.
+//!                         [--reps N] [--peers N] [--json FILE] [--also VAR=VAL,...]...
+//! Lanes, chunk and thresholds come from the GLAKE_COPY_* variables. Each `--also` adds engines
+//! made with those GLAKE_COPY_* variables changed, timed in the same turns as the others (an
+//! A/B of a setting on one machine start).
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -24,10 +26,12 @@ struct Args {
     reps: usize,
     peers: usize,
     json: Option<String>,
+    /// Extra engine variants: the GLAKE_COPY_* settings each changes.
+    also: Vec<Vec<(String, String)>>,
 }
 
 const USAGE: &str = "usage: glake-copy-bench [--backend auto|cuda|host] [--device N] \
-[--sizes 4K,64K,1M,...] [--reps N] [--peers N] [--json FILE]";
+[--sizes 4K,64K,1M,...] [--reps N] [--peers N] [--json FILE] [--also VAR=VAL,...]...";
 
 fn parse() -> Result<Args, String> {
     let mut args = Args {
@@ -37,6 +41,7 @@ fn parse() -> Result<Args, String> {
         reps: 5,
         peers: usize::MAX,
         json: None,
+        also: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -64,6 +69,18 @@ fn parse() -> Result<Args, String> {
             "--reps" => args.reps = value()?.parse().map_err(|e| format!("--reps: {e}"))?,
             "--peers" => args.peers = value()?.parse().map_err(|e| format!("--peers: {e}"))?,
             "--json" => args.json = Some(value()?),
+            "--also" => {
+                let settings = value()?
+                    .split(',')
+                    .map(|pair| match pair.split_once('=') {
+                        Some((var, val)) if var.starts_with("GLAKE_COPY_") => {
+                            Ok((var.to_string(), val.to_string()))
+                        }
+                        _ => Err(format!("--also takes GLAKE_COPY_*=VALUE pairs, not {pair}")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                args.also.push(settings);
+            }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
@@ -106,9 +123,38 @@ fn run(args: &Args) -> Result<(), String> {
     let peers = device::open_peers(&target, args.peers, host_options_from_env());
     let config = TransferConfig::from_env();
     let started = Instant::now();
-    let mut engines = vec![Engine::new(target.clone(), Vec::new(), config.clone()).map_err(err)?];
-    if !peers.is_empty() {
-        engines.push(Engine::new(target.clone(), peers.clone(), config.clone()).map_err(err)?);
+    // Each variant's configuration is read with its settings in the environment, before any
+    // engine starts a thread; the base settings come back afterwards.
+    let mut variants = vec![(String::new(), config.clone())];
+    for settings in &args.also {
+        let saved: Vec<(String, Option<String>)> = settings
+            .iter()
+            .map(|(var, _)| (var.clone(), std::env::var(var).ok()))
+            .collect();
+        for (var, val) in settings {
+            std::env::set_var(var, val);
+        }
+        let label: Vec<String> = settings.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        variants.push((
+            format!(" [{}]", label.join(",")),
+            TransferConfig::from_env(),
+        ));
+        for (var, old) in saved {
+            match old {
+                Some(v) => std::env::set_var(&var, v),
+                None => std::env::remove_var(&var),
+            }
+        }
+    }
+    let mut engines = Vec::new();
+    let mut labels = Vec::new();
+    for (label, variant) in &variants {
+        engines.push(Engine::new(target.clone(), Vec::new(), variant.clone()).map_err(err)?);
+        labels.push(label.clone());
+        if !peers.is_empty() {
+            engines.push(Engine::new(target.clone(), peers.clone(), variant.clone()).map_err(err)?);
+            labels.push(label.clone());
+        }
     }
     eprintln!(
         "{} backend, device {} of {count}; engines ready in {:.0} ms; lanes {} (relay {}), chunk {}, slots {}",
@@ -139,11 +185,11 @@ fn run(args: &Args) -> Result<(), String> {
         pinned: PinnedBuffer::new(&target, largest).map_err(err)?,
     };
     let names: Vec<String> = std::iter::once("driver".to_string())
-        .chain(engines.iter().map(|e| {
+        .chain(engines.iter().zip(&labels).map(|(e, label)| {
             if e.paths().len() > 1 {
-                format!("glake +{} peers", e.paths().len() - 1)
+                format!("glake +{} peers{label}", e.paths().len() - 1)
             } else {
-                "glake".to_string()
+                format!("glake{label}")
             }
         }))
         .collect();

@@ -54,7 +54,7 @@ echo "== Python package: wheel with libgmlake.so, host tests"
 rm -rf build/wheel
 python3 -m pip wheel -q --no-deps --no-build-isolation -w build/wheel ./python
 wheel_list=$(python3 -m zipfile -l build/wheel/glake-*-py3-none-*.whl)
-for f in glake/libgmlake.so glake/native/glake_allocator.cpp glake/native/glake.h glake/_boot/sitecustomize.py glake-autoload.pth; do
+for f in glake/libgmlake.so glake/native/glake_allocator.cpp glake/native/own_allocator_pools.h glake/native/glake.h glake/_boot/sitecustomize.py glake-autoload.pth; do
   grep -q "$f" <<<"$wheel_list" || { echo "the wheel lacks $f" >&2; exit 1; }
 done
 GLAKE_LIBRARY="$PWD/target/release/libgmlake.so" python3 -m pytest -q python/tests/test_package.py python/tests/test_launch.py

@@ -337,6 +337,35 @@ fn memory_fraction_caps_growth_and_oom_is_an_error() {
     p.free(p.malloc(4 * MIB, Stream::DEFAULT).unwrap()).unwrap();
 }
 
+/// Memory a pool's own allocator made counts against the cap with the pool's: growth stops
+/// where both together reach it, counting in frees cached memory first, and a count past the
+/// cap is an out-of-memory error that counts nothing.
+#[test]
+fn outside_memory_shares_the_cap() {
+    let device = common::device();
+    let p = budget_pool(&device, Config::default(), 64 * MIB);
+    p.count_outside(40 * MIB).unwrap();
+    assert_eq!(p.outside_bytes(), 40 * MIB);
+    let a = p.malloc(20 * MIB, Stream::DEFAULT).unwrap();
+    let err = p.malloc(20 * MIB, Stream::DEFAULT).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    let err = p.count_outside(8 * MIB).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    assert!(err.message().contains("own allocator"), "{err}");
+    assert_eq!(p.outside_bytes(), 40 * MIB);
+    // Freed memory is cached; counting more outside memory returns it to the driver.
+    p.free(a).unwrap();
+    assert!(p.stats().reserved_bytes.all.current > 0);
+    p.count_outside(20 * MIB).unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+    let err = p.uncount_outside(61 * MIB).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(p.outside_bytes(), 60 * MIB);
+    p.uncount_outside(60 * MIB).unwrap();
+    p.free(p.malloc(40 * MIB, Stream::DEFAULT).unwrap())
+        .unwrap();
+}
+
 #[test]
 fn bad_inputs_are_errors_with_messages() {
     let device = common::device();

@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 impl Inner {
     /// Whether `bytes` more physical memory fits under the cap.
     pub(super) fn fits_cap(&self, bytes: usize) -> bool {
-        self.cap.fits(self.reserved(), bytes)
+        self.cap.fits(self.capped_bytes(), bytes)
     }
 
     /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`] and

@@ -34,6 +34,7 @@ mod alloc;
 mod growth;
 mod inspect;
 mod keymap;
+mod outside;
 mod private;
 mod sizes;
 mod stitching;
@@ -103,6 +104,8 @@ struct Inner {
     /// Swappable allocations by address (each alone in its segment), and their host copies
     /// while swapped out.
     swappable: KeyMap<DevicePtr, Swappable>,
+    /// Bytes made by pools' own allocators outside this pool, bounded by its cap too.
+    outside: usize,
 }
 
 /// A thread-safe caching allocator for one device.
@@ -159,6 +162,7 @@ impl Pool {
                 routing: 0,
                 deferred: Vec::new(),
                 swappable: KeyMap::default(),
+                outside: 0,
             }),
         })
     }

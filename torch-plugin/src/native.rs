@@ -297,6 +297,20 @@ pub extern "C" fn gmlake_n_empty_cache(device: c_int) -> c_int {
     n_status(guarded(|| empty_caches((device != -1).then_some(device))))
 }
 
+/// Counts `bytes` that a memory pool's own allocator is about to make on `device` against the
+/// device's cap (its pool's cached memory goes back to the driver first when they do not fit).
+/// GMLAKE_N_OUT_OF_MEMORY, with nothing counted, when they still do not.
+#[no_mangle]
+pub extern "C" fn gmlake_n_count_outside(device: c_int, bytes: usize) -> c_int {
+    n_status(guarded(|| devices::pool(device)?.count_outside(bytes)))
+}
+
+/// Takes `bytes` counted by `gmlake_n_count_outside` off `device`'s books again.
+#[no_mangle]
+pub extern "C" fn gmlake_n_uncount_outside(device: c_int, bytes: usize) -> c_int {
+    n_status(guarded(|| devices::pool(device)?.uncount_outside(bytes)))
+}
+
 /// Caps `device`'s pool at `fraction` of the device's memory.
 #[no_mangle]
 pub extern "C" fn gmlake_n_set_memory_fraction(device: c_int, fraction: f64) -> c_int {

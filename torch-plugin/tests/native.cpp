@@ -249,6 +249,29 @@ static void out_of_memory() {
   CHECK(fraction == 1.0);
 }
 
+// Memory of pools' own allocators counts against the cap with glake's: counting frees cached
+// memory first, a count past the cap is out of memory and counts nothing, and uncounting more
+// than is counted is refused.
+static void outside_memory() {
+  CHECK(gmlake_n_set_memory_fraction(0, 1.0 / 64) == GMLAKE_N_OK);  // 16 MiB of 1 GiB
+  CHECK(gmlake_n_count_outside(0, 10 * MiB) == GMLAKE_N_OK);
+  void* p = nullptr;
+  CHECK(gmlake_n_malloc(0, 8 * MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_OUT_OF_MEMORY);
+  void* small = alloc(4 * MiB);
+  release(small);
+  CHECK(stats(0).reserved_bytes.all.current > 0);
+  CHECK(gmlake_n_count_outside(0, 6 * MiB) == GMLAKE_N_OK);  // the cache makes room
+  CHECK(stats(0).reserved_bytes.all.current == 0);
+  CHECK(gmlake_n_count_outside(0, 1 * MiB) == GMLAKE_N_OUT_OF_MEMORY);
+  CHECK(error_has("own allocator"));
+  CHECK(gmlake_n_uncount_outside(0, 17 * MiB) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_uncount_outside(0, 16 * MiB) == GMLAKE_N_OK);
+  void* whole = alloc(16 * MiB);
+  release(whole);
+  CHECK(gmlake_n_count_outside(99, 1) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_set_memory_fraction(0, 1.0) == GMLAKE_N_OK);
+}
+
 // Stray, interior, NULL and freed pointers are GMLAKE_N_INVALID, and nothing is lost.
 static void invalid_pointers() {
   void* p = alloc(8 * MiB);
@@ -961,6 +984,7 @@ int main(int argc, char** argv) {
   } scenarios[] = {
       {"round_trip", round_trip},
       {"out_of_memory", out_of_memory},
+      {"outside_memory", outside_memory},
       {"invalid_pointers", invalid_pointers},
       {"private_pools", private_pools},
       {"segment_events", segment_events},

@@ -33,6 +33,11 @@ fn out_of_memory_is_its_own_status_with_a_message() {
 }
 
 #[test]
+fn outside_memory_shares_the_cap() {
+    scenario("outside_memory");
+}
+
+#[test]
 fn invalid_pointers_are_refused_and_nothing_is_lost() {
     scenario("invalid_pointers");
 }

@@ -22,6 +22,8 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCE = HERE / "glake_allocator.cpp"
 ABI_HEADER = HERE / "gmlake_native.h"
+# Headers of the allocator's own parts, included by SOURCE.
+PARTS = (HERE / "own_allocator_pools.h",)
 LIBRARY_NAME = "libglake_torch.so"
 
 
@@ -141,7 +143,7 @@ def _key(torch, command, library=None):
     h = hashlib.sha256()
     for part in (torch.__version__, str(torch.version.cuda), sys.platform, *command):
         h.update(part.encode())
-    for f in (SOURCE, ABI_HEADER):
+    for f in (SOURCE, ABI_HEADER, *PARTS):
         h.update(f.read_bytes())
     if library is not None:
         h.update((_glake_include(library) / "glake.h").read_bytes())

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "gmlake_native.h"
+#include "own_allocator_pools.h"
 
 namespace glake_native {
 namespace {
@@ -207,8 +208,14 @@ class GlakeAllocator final : public CUDAAllocator {
     if (routings_.load(std::memory_order_acquire) > 0) {
       pool = route_of(device, stream);
       if (auto other = pool_allocator(pool)) {
-        void* ptr = other->raw_alloc_with_stream(size, stream);
-        remember_foreign(ptr, std::move(other));
+        bool full = false;
+        void* ptr = own_pools_.malloc(device, pool, other, size, stream, &full);
+        if (full) {
+          auto context = tracing_.load(std::memory_order_acquire)
+                             ? gather(RecordContext::STATE)
+                             : nullptr;
+          out_of_memory(device, size, stream, pool, context);
+        }
         return ptr;
       }
     }
@@ -257,6 +264,9 @@ class GlakeAllocator final : public CUDAAllocator {
       return;
     }
     if (special_count_.load(std::memory_order_acquire) > 0 && free_special(ptr)) {
+      return;
+    }
+    if (own_pools_.any() && own_pools_.free(ptr)) {
       return;
     }
     const bool tracing = tracing_.load(std::memory_order_acquire);
@@ -313,8 +323,10 @@ class GlakeAllocator final : public CUDAAllocator {
     // the next empty_cache() returns them; until then nothing is pool-only. PyTorch calls this
     // from MemPool's destructor, so it does nothing and never throws.
     if (mempool_id != kNoPool) {
+      own_pools_.release_idle_of(mempool_id);
       return;
     }
+    own_pools_.release_idle_of_released();
     // Segments of pools still in use stay; every other unused segment goes to the driver.
     const bool tracing = tracing_.load(std::memory_order_acquire);
     auto context = tracing ? gather(RecordContext::ALL) : nullptr;
@@ -372,6 +384,9 @@ class GlakeAllocator final : public CUDAAllocator {
       return;
     }
     if (special_count_.load(std::memory_order_acquire) > 0 && is_special(ptr.get())) {
+      return;
+    }
+    if (own_pools_.any() && own_pools_.record_stream(ptr.get(), stream.stream())) {
       return;
     }
     check(gmlake_n_record_stream(ptr.get(), stream.stream()), "record_stream");
@@ -586,9 +601,12 @@ class GlakeAllocator final : public CUDAAllocator {
     }
     int uses = 0;
     if (gmlake_n_pool_use_count(device, to_c(mempool_id), &uses) == GMLAKE_N_OK && uses == 0) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      pool_allocators_.erase(mempool_id);
-      oom_pools_.erase(mempool_id);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        pool_allocators_.erase(mempool_id);
+        oom_pools_.erase(mempool_id);
+      }
+      own_pools_.forget(mempool_id);
     }
   }
 
@@ -889,7 +907,13 @@ class GlakeAllocator final : public CUDAAllocator {
       }
     }
     for (const auto& id : pools) {
-      if (gmlake_n_malloc(device, size, stream, to_c(id), ptr, nullptr) == GMLAKE_N_OK) {
+      if (auto other = pool_allocator(id)) {
+        bool full = false;
+        *ptr = own_pools_.malloc(device, id, other, size, stream, &full);
+        if (!full) {
+          return GMLAKE_N_OK;
+        }
+      } else if (gmlake_n_malloc(device, size, stream, to_c(id), ptr, nullptr) == GMLAKE_N_OK) {
         return GMLAKE_N_OK;
       }
     }
@@ -1143,6 +1167,7 @@ class GlakeAllocator final : public CUDAAllocator {
   std::unordered_map<MempoolId_t, c10::DeviceIndex, c10::MempoolIdHash> oom_pools_;
   std::unordered_map<void*, std::shared_ptr<CUDAAllocator>> special_;
   std::atomic<size_t> special_count_{0};
+  OwnAllocatorPools own_pools_;
 
   std::atomic<bool> tracing_{false};
   std::atomic<bool> record_history_{false};

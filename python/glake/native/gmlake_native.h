@@ -89,6 +89,12 @@ int gmlake_n_record_stream(void *ptr, void *stream);
 /* Returns the unused cached memory of `device` (-1: every device) to the driver. */
 int gmlake_n_empty_cache(int device);
 int gmlake_n_set_memory_fraction(int device, double fraction);
+/* Counts `bytes` a memory pool's own allocator is about to make on `device` against the
+ * device's cap, as PyTorch does (cached memory goes back to the driver first when they do not
+ * fit); GMLAKE_N_OUT_OF_MEMORY, with nothing counted, when they still do not. Uncounted when
+ * that memory goes back to its allocator. */
+int gmlake_n_count_outside(int device, size_t bytes);
+int gmlake_n_uncount_outside(int device, size_t bytes);
 int gmlake_n_memory_fraction(int device, double *out);
 /* Statistics of `device`; all zero for a device not used yet. */
 int gmlake_n_stats(int device, glake_stats *out);

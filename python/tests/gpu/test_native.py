@@ -153,6 +153,95 @@ def test_mempool_routes_counts_and_snapshots():
     torch.cuda.empty_cache()
 
 
+# A MemPool's own allocator, as users bring one (cudaMallocManaged, NCCL buffers): plain
+# driver memory, counting what it makes and frees.
+OWN_ALLOCATOR_C = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+typedef int (*alloc_fn)(unsigned long long *, size_t);
+typedef int (*free_fn)(unsigned long long);
+static alloc_fn cu_alloc;
+static free_fn cu_free;
+int made = 0, freed = 0;
+static void load(void) {
+  if (!cu_alloc) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    cu_alloc = (alloc_fn)dlsym(h, "cuMemAlloc_v2");
+    cu_free = (free_fn)dlsym(h, "cuMemFree_v2");
+  }
+}
+void *own_alloc(size_t size, int device, void *stream) {
+  unsigned long long p = 0;
+  load();
+  if (cu_alloc(&p, size) != 0) return 0;
+  made++;
+  return (void *)p;
+}
+void own_free(void *ptr, size_t size, int device, void *stream) {
+  load();
+  cu_free((unsigned long long)ptr);
+  freed++;
+}
+"""
+
+
+@native
+def test_mempools_with_their_own_allocator_cache_and_share_the_memory_fraction(tmp_path):
+    import ctypes
+    import subprocess
+
+    source = tmp_path / "own_allocator.c"
+    source.write_text(OWN_ALLOCATOR_C)
+    library = tmp_path / "libown_allocator.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source), "-ldl"],
+                   check=True)
+    counts = ctypes.CDLL(str(library))
+    made = lambda: ctypes.c_int.in_dll(counts, "made").value  # noqa: E731
+    freed = lambda: ctypes.c_int.in_dll(counts, "freed").value  # noqa: E731
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(str(library), "own_alloc", "own_free")
+    kept = torch.cuda.MemPool(allocator.allocator())
+    lender = torch.cuda.MemPool(allocator.allocator(), use_on_oom=True)
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    before = torch.cuda.get_per_process_memory_fraction()
+    torch.cuda.set_per_process_memory_fraction((80 * MIB + torch.cuda.memory_reserved()) / total)
+    try:
+        with torch.cuda.use_mem_pool(kept):
+            a = _alloc_here(40 * MIB)
+        with torch.cuda.use_mem_pool(lender):
+            b = _alloc_here(40 * MIB)
+        b_ptr = b.data_ptr()
+        assert made() == 2
+        # The pools' memory counts against the fraction with glake's own.
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            _alloc_here(40 * MIB)
+        del a, b
+        assert freed() == 0, "freed blocks stay cached in their pools"
+        # The shared pool is full; the pool lent on out-of-memory serves from its cache.
+        c = _alloc_here(30 * MIB)
+        assert c.data_ptr() == b_ptr
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            _alloc_here(30 * MIB)  # the other pool's cache is its own
+        del c
+        with torch.cuda.use_mem_pool(lender):
+            e = _alloc_here(20 * MIB)
+        assert e.data_ptr() == b_ptr and made() == 2
+        del e
+    finally:
+        del kept, lender
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(before)
+    assert freed() == 2, "a released pool hands its blocks back to their allocator"
+    # Their bytes are off the books: the whole budget is glake's again.
+    torch.cuda.set_per_process_memory_fraction((80 * MIB + torch.cuda.memory_reserved()) / total)
+    try:
+        x = _alloc_here(70 * MIB)
+        del x
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(before)
+
+
 @native
 def test_mempools_used_from_several_threads_stay_apart():
     pools = [torch.cuda.MemPool() for _ in range(3)]

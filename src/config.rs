@@ -341,8 +341,10 @@ pub struct TransferConfig {
     /// of in the driver's wait (which may spin on a core the host copies need). Measured on an
     /// H200 the two were alike, so the driver's wait stays the default.
     pub yield_waits: bool,
-    /// How lanes copy host memory into and out of staging buffers.
-    pub host_copy: crate::transfer::HostCopy,
+    /// How lanes copy pageable host memory into staging buffers (host-to-device copies).
+    pub fill_copy: crate::transfer::HostCopy,
+    /// How lanes copy staging buffers out to pageable host memory (device-to-host copies).
+    pub drain_copy: crate::transfer::HostCopy,
     pub policy: crate::transfer::Policy,
 }
 
@@ -364,7 +366,8 @@ impl Default for TransferConfig {
             measure: true,
             max_staging: 512 * MIB,
             yield_waits: false,
-            host_copy: crate::transfer::HostCopy::Plain,
+            fill_copy: crate::transfer::HostCopy::Plain,
+            drain_copy: crate::transfer::HostCopy::Plain,
             policy: crate::transfer::Policy::default(),
         }
     }
@@ -462,11 +465,16 @@ impl TransferConfig {
             }
         }
         if let Some((name, value)) = COPY_STREAMING.lookup() {
-            let current = (self.host_copy == crate::transfer::HostCopy::Streaming) as u8;
-            match parse_bool(&value) {
-                Some(true) => self.host_copy = crate::transfer::HostCopy::Streaming,
-                Some(false) => self.host_copy = crate::transfer::HostCopy::Plain,
-                None => warn_bad_value(name, &value, &current.to_string()),
+            use crate::transfer::HostCopy::{Plain, Streaming};
+            let both = |on: bool| if on { Streaming } else { Plain };
+            match (
+                value.trim().to_ascii_lowercase().as_str(),
+                parse_bool(&value),
+            ) {
+                ("h2d", _) => (self.fill_copy, self.drain_copy) = (Streaming, Plain),
+                ("d2h", _) => (self.fill_copy, self.drain_copy) = (Plain, Streaming),
+                (_, Some(on)) => (self.fill_copy, self.drain_copy) = (both(on), both(on)),
+                _ => warn_bad_value(name, &value, "the default"),
             }
         }
         self.min_chunk = self.min_chunk.min(self.chunk);

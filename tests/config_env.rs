@@ -3,6 +3,8 @@
 
 use glake::config::{host_options_from_env, Config, DefragLevel};
 use glake::device::host::HostOptions;
+use glake::transfer::HostCopy;
+use glake::TransferConfig;
 
 const ALL_NAMES: &[&str] = &[
     "GLAKE_STITCH",
@@ -22,6 +24,7 @@ const ALL_NAMES: &[&str] = &[
     "GLAKE_MEMORY_LIMIT",
     "GLAKE_HOST_MEMORY",
     "GLAKE_HOST_DEVICES",
+    "GLAKE_COPY_STREAMING",
 ];
 
 fn clear() {
@@ -100,5 +103,23 @@ fn environment_names_and_aliases() {
     let host = host_options_from_env();
     assert_eq!(host.total_memory, HostOptions::default().total_memory);
     assert_eq!(host.device_count, 1);
+    clear();
+
+    // How the copy engine's lanes copy host memory, per direction.
+    let copies = || {
+        let c = TransferConfig::from_env();
+        (c.fill_copy, c.drain_copy)
+    };
+    let default = copies();
+    for (value, expected) in [
+        ("1", (HostCopy::Streaming, HostCopy::Streaming)),
+        ("off", (HostCopy::Plain, HostCopy::Plain)),
+        ("h2d", (HostCopy::Streaming, HostCopy::Plain)),
+        ("D2H", (HostCopy::Plain, HostCopy::Streaming)),
+        ("sometimes", default),
+    ] {
+        set("GLAKE_COPY_STREAMING", value);
+        assert_eq!(copies(), expected, "GLAKE_COPY_STREAMING={value}");
+    }
     clear();
 }

@@ -35,7 +35,8 @@ fn config() -> TransferConfig {
         measure: false,
         max_staging: 64 * MIB,
         yield_waits: true,
-        host_copy: HostCopy::Streaming,
+        fill_copy: HostCopy::Streaming,
+        drain_copy: HostCopy::Streaming,
         policy: Policy {
             min_pageable: 64 * KIB,
             min_pageable_d2h: 64 * KIB,

@@ -33,7 +33,9 @@ pub struct LaneSpec {
     pub cpus: Option<Vec<usize>>,
     /// Wait for a slot by polling its event and yielding the CPU, rather than in the driver.
     pub yield_waits: bool,
-    pub host_copy: HostCopy,
+    /// How pageable sources are copied into staging, and staging out to pageable destinations.
+    pub fill_copy: HostCopy,
+    pub drain_copy: HostCopy,
     /// A relay lane's count of the bytes it carries (the engine's statistics).
     pub relayed: Option<Arc<AtomicU64>>,
 }
@@ -145,7 +147,8 @@ struct Lane {
     slots: Vec<Slot>,
     next: usize,
     yield_waits: bool,
-    host_copy: HostCopy,
+    fill_copy: HostCopy,
+    drain_copy: HostCopy,
     relayed: Option<Arc<AtomicU64>>,
     _relay_buffer: Option<DeviceBuffer>,
 }
@@ -170,7 +173,8 @@ impl Lane {
             slots: Vec::with_capacity(slots),
             next: 0,
             yield_waits: spec.yield_waits,
-            host_copy: spec.host_copy,
+            fill_copy: spec.fill_copy,
+            drain_copy: spec.drain_copy,
             relayed: spec.relayed.clone(),
             _relay_buffer: None,
         };
@@ -295,7 +299,7 @@ impl Lane {
             // SAFETY: the chunk landed in the slot's buffer (len <= its size); `dst` lies inside
             // the caller's destination, valid for the whole copy.
             unsafe {
-                self.host_copy
+                self.drain_copy
                     .copy(dst as *mut u8, self.slots[slot].host.ptr(), len)
             };
         }
@@ -324,7 +328,7 @@ impl Lane {
                 let src = if staged {
                     // SAFETY: `host_at` lies inside the caller's source, valid for the whole
                     // copy; the slot's buffer holds at least `len` bytes and is idle.
-                    unsafe { self.host_copy.copy(buffer, host_at as *const u8, len) };
+                    unsafe { self.fill_copy.copy(buffer, host_at as *const u8, len) };
                     buffer as *const u8
                 } else {
                     host_at as *const u8

@@ -227,7 +227,8 @@ impl Engine {
                 chunk: config.chunk,
                 cpus: target_cpus.clone(),
                 yield_waits: config.yield_waits,
-                host_copy: config.host_copy,
+                fill_copy: config.fill_copy,
+                drain_copy: config.drain_copy,
                 relayed: None,
             };
             lanes[0].push(LaneHandle::spawn(
@@ -246,7 +247,8 @@ impl Engine {
                     chunk: config.chunk,
                     cpus: cpus.clone(),
                     yield_waits: config.yield_waits,
-                    host_copy: config.host_copy,
+                    fill_copy: config.fill_copy,
+                    drain_copy: config.drain_copy,
                     relayed: Some(stats.relay_bytes.clone()),
                 };
                 path_lanes.push(LaneHandle::spawn(

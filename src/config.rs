@@ -366,11 +366,18 @@ impl Default for TransferConfig {
             measure: true,
             max_staging: 512 * MIB,
             yield_waits: false,
-            fill_copy: crate::transfer::HostCopy::Plain,
-            drain_copy: crate::transfer::HostCopy::Plain,
+            fill_copy: crate::transfer::HostCopy::Streaming,
+            drain_copy: default_drain_copy(),
             policy: crate::transfer::Policy::default(),
         }
     }
+}
+
+/// Device-to-host copies stream their stores once the whole copy is larger than the CPU's
+/// last-level cache (32 MiB where the system does not say): see [`crate::transfer::HostCopy`].
+fn default_drain_copy() -> crate::transfer::HostCopy {
+    let cache = crate::transfer::topology::last_level_cache().unwrap_or(32 * MIB);
+    crate::transfer::HostCopy::StreamingAbove(cache)
 }
 
 const COPY_LANES: Var = Var {
@@ -471,6 +478,9 @@ impl TransferConfig {
                 value.trim().to_ascii_lowercase().as_str(),
                 parse_bool(&value),
             ) {
+                ("auto", _) => {
+                    (self.fill_copy, self.drain_copy) = (Streaming, default_drain_copy())
+                }
                 ("h2d", _) => (self.fill_copy, self.drain_copy) = (Streaming, Plain),
                 ("d2h", _) => (self.fill_copy, self.drain_copy) = (Plain, Streaming),
                 (_, Some(on)) => (self.fill_copy, self.drain_copy) = (both(on), both(on)),

@@ -117,6 +117,7 @@ fn environment_names_and_aliases() {
         ("h2d", (HostCopy::Streaming, HostCopy::Plain)),
         ("D2H", (HostCopy::Plain, HostCopy::Streaming)),
         ("sometimes", default),
+        ("auto", default),
     ] {
         set("GLAKE_COPY_STREAMING", value);
         assert_eq!(copies(), expected, "GLAKE_COPY_STREAMING={value}");

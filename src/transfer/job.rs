@@ -17,6 +17,8 @@ pub struct Job {
     /// device side (on the target device). The cursor holds their lengths.
     pub pieces: Vec<(usize, DevicePtr)>,
     pub cursor: Cursor,
+    /// Bytes of the whole copy (every piece).
+    pub len: usize,
     /// Recorded on the caller's stream: device work of the copy waits for it.
     pub start: Event,
     /// One event per lane taking part, recorded after its last piece of work.
@@ -38,6 +40,7 @@ impl Job {
     ) -> Self {
         let lanes = finals.len();
         Job {
+            len: cursor.len(),
             direction,
             host,
             pieces,

@@ -128,7 +128,7 @@ fn ends_on_peer(relayed: bool, direction: Direction) -> bool {
 struct Pending {
     on_peer: bool,
     event: Event,
-    drain: Option<(usize, usize)>,
+    drain: Option<(usize, usize, HostCopy)>,
 }
 
 struct Slot {
@@ -295,13 +295,10 @@ impl Lane {
         } else {
             device.synchronize_event(pending.event)?;
         }
-        if let Some((dst, len)) = pending.drain {
+        if let Some((dst, len, how)) = pending.drain {
             // SAFETY: the chunk landed in the slot's buffer (len <= its size); `dst` lies inside
             // the caller's destination, valid for the whole copy.
-            unsafe {
-                self.drain_copy
-                    .copy(dst as *mut u8, self.slots[slot].host.ptr(), len)
-            };
+            unsafe { how.copy(dst as *mut u8, self.slots[slot].host.ptr(), len) };
         }
         self.slots[slot].pending = None;
         Ok(())
@@ -328,7 +325,11 @@ impl Lane {
                 let src = if staged {
                     // SAFETY: `host_at` lies inside the caller's source, valid for the whole
                     // copy; the slot's buffer holds at least `len` bytes and is idle.
-                    unsafe { self.fill_copy.copy(buffer, host_at as *const u8, len) };
+                    unsafe {
+                        self.fill_copy
+                            .for_copy(job.len)
+                            .copy(buffer, host_at as *const u8, len)
+                    };
                     buffer as *const u8
                 } else {
                     host_at as *const u8
@@ -339,7 +340,7 @@ impl Lane {
                 let dst = if staged { buffer } else { host_at as *mut u8 };
                 let mut pending = self.to_host(slot, dst, device_at, len)?;
                 if staged {
-                    pending.drain = Some((host_at, len));
+                    pending.drain = Some((host_at, len, self.drain_copy.for_copy(job.len)));
                 }
                 pending
             }

@@ -163,6 +163,16 @@ impl Cursor {
         }
     }
 
+    /// Bytes of all pieces together.
+    pub fn len(&self) -> usize {
+        self.lens.iter().sum()
+    }
+
+    /// Whether there is nothing to copy.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Number of chunks in all.
     pub fn count(&self) -> usize {
         self.firsts.last().copied().unwrap_or(0)

@@ -12,6 +12,44 @@ pub fn node_cpus(node: u32) -> Option<Vec<usize>> {
     (!cpus.is_empty()).then_some(cpus)
 }
 
+/// Bytes of the CPU's last-level cache (of CPU 0, from sysfs), when the system says.
+pub fn last_level_cache() -> Option<usize> {
+    let mut best: Option<(u32, usize)> = None;
+    for index in 0..16 {
+        let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{index}");
+        let Ok(level) = std::fs::read_to_string(format!("{dir}/level")) else {
+            continue;
+        };
+        let Ok(size) = std::fs::read_to_string(format!("{dir}/size")) else {
+            continue;
+        };
+        if let (Ok(level), Some(size)) = (level.trim().parse::<u32>(), parse_cache_size(&size)) {
+            if best.is_none_or(|(l, _)| level > l) {
+                best = Some((level, size));
+            }
+        }
+    }
+    best.map(|(_, size)| size)
+}
+
+/// Parses a sysfs cache size such as `48K`, `2048K` or `300M`.
+pub fn parse_cache_size(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let (digits, unit) = match text.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => text.split_at(i),
+        None => (text, ""),
+    };
+    let n: usize = digits.parse().ok()?;
+    let shift = match unit {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        _ => return None,
+    };
+    n.checked_mul(1 << shift)
+}
+
 /// Parses a kernel CPU list such as `0-3,8,10-11`.
 pub fn parse_cpu_list(text: &str) -> Option<Vec<usize>> {
     let mut cpus = Vec::new();
@@ -63,6 +101,19 @@ mod tests {
         assert_eq!(parse_cpu_list(""), Some(vec![]));
         assert_eq!(parse_cpu_list("3-1"), None);
         assert_eq!(parse_cpu_list("x"), None);
+    }
+
+    #[test]
+    fn cache_sizes() {
+        assert_eq!(parse_cache_size("300M\n"), Some(300 << 20));
+        assert_eq!(parse_cache_size("2048K"), Some(2 << 20));
+        assert_eq!(parse_cache_size("512"), Some(512));
+        assert_eq!(parse_cache_size("1T"), None);
+        assert_eq!(parse_cache_size("K"), None);
+        // The machine's own, when it says: a plausible size.
+        if let Some(bytes) = last_level_cache() {
+            assert!((64 << 10..=64 << 30).contains(&bytes), "{bytes}");
+        }
     }
 
     #[test]

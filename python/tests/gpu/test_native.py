@@ -223,10 +223,12 @@ def test_mempools_with_their_own_allocator_cache_and_share_the_memory_fraction(t
         with pytest.raises(torch.cuda.OutOfMemoryError):
             _alloc_here(30 * MIB)  # the other pool's cache is its own
         del c
+        # Segments split: two halves of the 40 MiB one, and no new memory.
         with torch.cuda.use_mem_pool(lender):
             e = _alloc_here(20 * MIB)
-        assert e.data_ptr() == b_ptr and made() == 2
-        del e
+            f = _alloc_here(20 * MIB)
+        assert e.data_ptr() == b_ptr and f.data_ptr() == b_ptr + 20 * MIB and made() == 2
+        del e, f
     finally:
         del kept, lender
         torch.cuda.empty_cache()

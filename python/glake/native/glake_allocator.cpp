@@ -427,6 +427,19 @@ class GlakeAllocator final : public CUDAAllocator {
     out.num_sync_all_streams = s.num_sync_all_streams;
     out.num_device_alloc = s.num_device_alloc;
     out.num_device_free = s.num_device_free;
+    // Memory pools' own allocators' segments are reserved memory too, as PyTorch counts them.
+    if (own_pools_.any()) {
+      using c10::CachingAllocator::StatType;
+      const auto [count, bytes] = own_pools_.reserved_on(device);
+      for (auto type : {StatType::AGGREGATE, StatType::LARGE_POOL}) {
+        auto& reserved = out.reserved_bytes[static_cast<size_t>(type)];
+        reserved.current += static_cast<int64_t>(bytes);
+        reserved.peak = std::max(reserved.peak, reserved.current);
+        auto& segments = out.segment[static_cast<size_t>(type)];
+        segments.current += static_cast<int64_t>(count);
+        segments.peak = std::max(segments.peak, segments.current);
+      }
+    }
     return out;
   }
 

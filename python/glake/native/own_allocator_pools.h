@@ -89,6 +89,21 @@ class OwnAllocatorPools {
   // Whether any segment exists: a free of glake's own memory need not look further when not.
   bool any() const { return count_.load(std::memory_order_acquire) > 0; }
 
+  // Segments on `device` and their bytes: PyTorch counts them as reserved memory, so that
+  // budgets computed from memory_reserved() hold them.
+  std::pair<size_t, size_t> reserved_on(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t count = 0;
+    size_t bytes = 0;
+    for (const auto& [at, seg] : segments_) {
+      if (seg.device == device) {
+        count += 1;
+        bytes += seg.size;
+      }
+    }
+    return {count, bytes};
+  }
+
   // Frees `ptr` if it is memory of such a pool: back to its pool's cache, joined with free
   // neighbours, or (the pool being gone) its segment back to its allocator once wholly free.
   // Streams recorded on it delay its reuse until their work queued by now ends. false when

@@ -212,6 +212,8 @@ def test_mempools_with_their_own_allocator_cache_and_share_the_memory_fraction(t
             b = _alloc_here(40 * MIB)
         b_ptr = b.data_ptr()
         assert made() == 2
+        # Reserved memory holds the pools' segments, as PyTorch counts them.
+        assert torch.cuda.memory_reserved() >= 80 * MIB
         # The pools' memory counts against the fraction with glake's own.
         with pytest.raises(torch.cuda.OutOfMemoryError):
             _alloc_here(40 * MIB)

@@ -303,6 +303,17 @@ impl Pool {
         lock(&self.inner).free(&*self.device, ptr)
     }
 
+    /// Frees `ptr` if it is an allocation of this pool (Ok(true)); Ok(false), with nothing
+    /// changed and no error made, when it is not. For callers that look for a pointer's pool
+    /// among several.
+    pub fn free_if_owned(&self, ptr: DevicePtr) -> Result<bool> {
+        let mut inner = lock(&self.inner);
+        if !inner.live.contains_key(&ptr) && !inner.swappable.contains_key(&ptr) {
+            return Ok(false);
+        }
+        inner.free(&*self.device, ptr).map(|()| true)
+    }
+
     /// Records that `stream` uses the allocation at `ptr`: its memory is not reused before the
     /// work queued on `stream` by the time of the free has completed.
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {

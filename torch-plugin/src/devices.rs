@@ -41,7 +41,9 @@ fn backend() -> BackendChoice {
 
 /// The pool of `device`, if it exists.
 pub fn existing(device: i32) -> Option<&'static Arc<Pool>> {
-    index(device).ok().and_then(|i| POOLS[i].get())
+    // No error is built for a device out of range: frees ask with -1 (any device).
+    let i = usize::try_from(device).ok()?;
+    POOLS.get(i).and_then(|p| p.get())
 }
 
 /// Every pool that exists, with its device ordinal.

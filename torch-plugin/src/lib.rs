@@ -124,20 +124,29 @@ fn release(ptr: *mut c_void, device: c_int) -> glake::Result<c_int> {
     if addr == 0 {
         return Err(Error::new(ErrorKind::NullPointer, "pointer is NULL"));
     }
-    match devices::existing(device).map(|p| p.free(addr)) {
-        Some(Err(err)) if err.kind() != ErrorKind::InvalidPointer => Err(err),
-        Some(Ok(())) => Ok(device),
-        // Not this device's: PyTorch passes the allocation's device, so this is a stray
-        // pointer, unless another pool knows it.
-        _ => devices::all()
-            .find_map(|(d, p)| p.free(addr).ok().map(|()| d))
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::InvalidPointer,
-                    format!("{addr:#x} was not allocated by glake"),
-                )
-            }),
+    // The pool of `device` first (PyTorch's pluggable interface passes the allocation's
+    // device), then every pool (the native allocator's deleter knows no device: -1). Pools
+    // that do not own the pointer say so without building an error.
+    if let Some(pool) = devices::existing(device) {
+        if pool.free_if_owned(addr)? {
+            return Ok(device);
+        }
     }
+    for (d, pool) in devices::all() {
+        if d != device && pool.free_if_owned(addr)? {
+            return Ok(d);
+        }
+    }
+    // No pool owns it: the hinted (or first) pool says whether it is a double free, on this
+    // error path only.
+    let explain = devices::existing(device).or_else(|| devices::all().next().map(|(_, p)| p));
+    Err(match explain.map(|p| p.free(addr)) {
+        Some(Err(err)) if err.kind() != ErrorKind::InvalidPointer => err,
+        _ => Error::new(
+            ErrorKind::InvalidPointer,
+            format!("{addr:#x} was not allocated by glake"),
+        ),
+    })
 }
 
 /// Allocates `size` bytes on `device` for use on `stream`; throws on failure (never NULL for

@@ -1,14 +1,17 @@
-//! SmartSwap planning core, free of any device: an iteration profile, a simulator of memory and
-//! copy queues, and a planner choosing per tensor Keep, Swap or Recompute to fit a memory target.
+//! SmartSwap planning core, free of any device: an iteration profile and the recorder that
+//! builds it from hook and pool events, a simulator of memory and copy queues, and a planner
+//! choosing per tensor Keep, Swap or Recompute to fit a memory target.
 //!
 //! Kept device-free so plans can be reasoned about and tested exactly before any executor exists.
 
 pub mod plan;
 pub mod profile;
+pub mod recorder;
 pub mod simulate;
 
 pub use plan::{plan, Planned, Preference};
 pub use profile::{Op, Phase, Profile, Recompute, Tensor, TensorKind};
+pub use recorder::{signature, Recorder};
 pub use simulate::{simulate, Choice, MemPoint, SimConfig, SimResult};
 
 use std::fmt;

@@ -1,8 +1,8 @@
 //! SmartSwap core on hand-built iterations whose numbers are worked out by hand.
 
 use glake::swap::{
-    plan, simulate, Choice, MemPoint, Op, Phase, Preference, Profile, Recompute, SimConfig,
-    SwapError, Tensor, TensorKind,
+    plan, simulate, Choice, MemPoint, Op, Phase, Preference, Profile, Recompute, Recorder,
+    SimConfig, SwapError, Tensor, TensorKind,
 };
 
 const B: usize = 1_000_000;
@@ -428,4 +428,55 @@ fn invalid_profiles_plans_and_configs_are_rejected() {
         simulate(&good, &keep_all(&good), &cfg(0, AMPLE, 1)),
         Err(SwapError::InvalidConfig(_))
     ));
+}
+
+/// A training step as the hooks and the pool report it (8 layers, each saving a 16 MB
+/// activation for its backward op), recorded into a profile, then planned to 60% of its peak:
+/// the plan swaps activations, meets the target and costs a bounded stall at these speeds.
+#[test]
+fn a_recorded_step_is_planned_under_a_cap() {
+    const LAYERS: usize = 8;
+    const ACT: usize = 16 * B;
+    let mut r = Recorder::default();
+    r.allocated(0xF000_0000, 50 * B); // weights, from before the step
+    r.begin_iteration();
+    r.set_phase(Phase::Forward);
+    for layer in 0..LAYERS {
+        let at = r.begin_op(&format!("fwd{layer}")).unwrap();
+        r.tensor(0xF000_0000, 50 * B).unwrap();
+        r.allocated(0x1000_0000 + layer as u64 * 0x100_0000, ACT);
+        r.end_op().unwrap();
+        r.set_op_time(at, 1_000_000).unwrap();
+    }
+    r.set_phase(Phase::Backward);
+    for layer in (0..LAYERS).rev() {
+        let ptr = 0x1000_0000 + layer as u64 * 0x100_0000;
+        let at = r.begin_op(&format!("bwd{layer}")).unwrap();
+        r.tensor(ptr, ACT).unwrap();
+        r.freed(ptr);
+        r.end_op().unwrap();
+        r.set_op_time(at, 2_000_000).unwrap();
+    }
+    let profile = r.end_iteration().unwrap();
+    assert_eq!(profile.ops.len(), 2 * LAYERS);
+    assert_eq!(profile.base_bytes, 50 * B);
+    assert_eq!(profile.tensors.len(), LAYERS);
+    let peak = profile.baseline_peak();
+    assert_eq!(peak, 50 * B + LAYERS * ACT);
+    let target = peak * 6 / 10;
+    // 25 GB/s each way: 0.64 ms per activation against 1-2 ms ops.
+    let speeds = cfg(25_000_000_000, 25_000_000_000, 2);
+    let planned = plan(&profile, target, &speeds, Preference::Performance).unwrap();
+    assert!(planned.result.peak_bytes <= target, "{:?}", planned.result);
+    assert!(planned
+        .choices
+        .iter()
+        .any(|c| matches!(c, Choice::Swap { .. })));
+    // The step may stall for copies, but not by more than the copies themselves take.
+    let copies_ns = (2 * LAYERS * ACT) as u64 * 1_000_000_000 / 25_000_000_000;
+    assert!(
+        planned.result.step_ns <= profile.compute_ns() + copies_ns,
+        "{:?}",
+        planned.result
+    );
 }

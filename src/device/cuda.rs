@@ -579,6 +579,30 @@ impl Device for CudaDevice {
         Ok(Event(event as usize as u64))
     }
 
+    fn create_timed_event(&self) -> Result<Event> {
+        let _guard = self.enter()?;
+        let mut event: sys::CUevent = ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check(
+            unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) },
+            "cuEventCreate",
+        )?;
+        Ok(Event(event as usize as u64))
+    }
+
+    fn elapsed_ns(&self, start: Event, end: Event) -> Result<u64> {
+        let _guard = self.enter()?;
+        let mut ms: f32 = 0.0;
+        // SAFETY: valid out-pointer; the driver validates the event handles (and refuses
+        // events made without timing or not yet complete).
+        check(
+            unsafe { sys::cuEventElapsedTime_v2(&mut ms, to_event(start), to_event(end)) },
+            "cuEventElapsedTime",
+        )?;
+        // `as` saturates: a negative span (end completed first) becomes 0.
+        Ok((f64::from(ms) * 1e6) as u64)
+    }
+
     fn destroy_event(&self, event: Event) -> Result<()> {
         let _guard = self.enter()?;
         // SAFETY: the caller passes an event from `create_event`; the driver validates it.

@@ -98,6 +98,14 @@ impl<I: Interposer> Device for Interposed<I> {
         self.hook
             .around(CallKind::CreateEvent, || self.inner.create_event())
     }
+    fn create_timed_event(&self) -> Result<Event> {
+        self.hook
+            .around(CallKind::CreateEvent, || self.inner.create_timed_event())
+    }
+    fn elapsed_ns(&self, start: Event, end: Event) -> Result<u64> {
+        self.hook
+            .around(CallKind::QueryEvent, || self.inner.elapsed_ns(start, end))
+    }
     fn destroy_event(&self, event: Event) -> Result<()> {
         self.hook
             .around(CallKind::DestroyEvent, || self.inner.destroy_event(event))

@@ -160,6 +160,12 @@ pub trait Device: Send + Sync {
     fn create_stream(&self) -> Result<Stream>;
     fn destroy_stream(&self, stream: Stream) -> Result<()>;
     fn create_event(&self) -> Result<Event>;
+    /// An event that also keeps when its work completed, for timing device work (the
+    /// profiler's op times); costlier to record than a plain event, so made only for that.
+    fn create_timed_event(&self) -> Result<Event>;
+    /// Nanoseconds from the completion of `start` to that of `end`, both timed events whose
+    /// last records have completed (an error otherwise); 0 when `end` completed first.
+    fn elapsed_ns(&self, start: Event, end: Event) -> Result<u64>;
     fn destroy_event(&self, event: Event) -> Result<()>;
     fn record_event(&self, event: Event, stream: Stream) -> Result<()>;
     /// True once all work captured by the event's last record has completed.

@@ -186,6 +186,14 @@ impl Device for HostDevice {
         self.add_event()
     }
 
+    fn create_timed_event(&self) -> Result<Event> {
+        self.add_timed_event()
+    }
+
+    fn elapsed_ns(&self, start: Event, end: Event) -> Result<u64> {
+        self.events_elapsed_ns(start, end)
+    }
+
     fn destroy_event(&self, event: Event) -> Result<()> {
         self.remove_event(event)
     }

@@ -5,6 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use super::{lock, HostDevice};
 use crate::device::{Event, Stream};
@@ -67,6 +68,9 @@ impl HostStream {
 struct EventState {
     recorded: u64,
     completed: u64,
+    /// Timed events keep when their last completion happened.
+    timed: bool,
+    completed_at: Option<Instant>,
 }
 
 /// Every event of the process's host devices (a stream may wait for another device's event,
@@ -88,6 +92,9 @@ impl Events {
         let mut states = lock(&self.states);
         if let Some(state) = states.get_mut(&event) {
             state.completed = state.completed.max(generation);
+            if state.timed {
+                state.completed_at = Some(Instant::now());
+            }
         }
         self.changed.notify_all();
     }
@@ -238,11 +245,48 @@ impl HostDevice {
 
     /// [`Device::create_event`](crate::device::Device::create_event).
     pub(super) fn add_event(&self) -> Result<Event> {
+        self.add_event_state(EventState::default())
+    }
+
+    /// [`Device::create_timed_event`](crate::device::Device::create_timed_event).
+    pub(super) fn add_timed_event(&self) -> Result<Event> {
+        self.add_event_state(EventState {
+            timed: true,
+            ..EventState::default()
+        })
+    }
+
+    fn add_event_state(&self, state: EventState) -> Result<Event> {
         // Unique in the process: events are shared by all host devices.
         static NEXT_EVENT: AtomicU64 = AtomicU64::new(1);
         let id = NEXT_EVENT.fetch_add(1, Ordering::Relaxed);
-        lock(&self.events.states).insert(id, EventState::default());
+        lock(&self.events.states).insert(id, state);
         Ok(Event(id))
+    }
+
+    /// [`Device::elapsed_ns`](crate::device::Device::elapsed_ns).
+    pub(super) fn events_elapsed_ns(&self, start: Event, end: Event) -> Result<u64> {
+        let states = lock(&self.events.states);
+        let at = |event: Event| -> Result<Instant> {
+            let state = states
+                .get(&event.0)
+                .ok_or_else(|| Error::invalid_argument(format!("unknown event {}", event.0)))?;
+            if !state.timed {
+                return Err(Error::invalid_argument(format!(
+                    "event {} was made without timing",
+                    event.0
+                )));
+            }
+            match state.completed_at {
+                Some(t) if state.recorded > 0 && state.completed >= state.recorded => Ok(t),
+                _ => Err(Error::new(
+                    ErrorKind::InvalidState,
+                    format!("event {} has not completed", event.0),
+                )),
+            }
+        };
+        let (start, end) = (at(start)?, at(end)?);
+        Ok(u64::try_from(end.saturating_duration_since(start).as_nanos()).unwrap_or(u64::MAX))
     }
 
     /// [`Device::destroy_event`](crate::device::Device::destroy_event).

@@ -10,6 +10,7 @@ pub mod device;
 pub mod error;
 pub mod ffi;
 pub mod pool;
+pub mod smartswap;
 pub mod stats;
 pub mod stitch;
 pub mod swap;

@@ -108,3 +108,52 @@ fn ops_whose_timing_fails_keep_no_time() {
     drop(profiler);
     device.destroy_stream(stream).unwrap();
 }
+
+/// Attached to a pool, the profiler learns tensors' lives from the pool's own allocations and
+/// frees: memory from before the iteration is base memory, memory made inside it is tracked;
+/// a detached or dropped profiler hears nothing more.
+#[test]
+fn an_attached_pool_reports_tensor_lives() {
+    use glake::device::Stream;
+    use glake::smartswap::attach;
+    use glake::{Config, Pool};
+    use std::sync::{Arc, Mutex};
+
+    let device = common::device();
+    let pool = Pool::new(device.clone(), Config::default()).unwrap();
+    let profiler = Arc::new(Mutex::new(Profiler::new(device.clone())));
+    attach(&pool, &profiler);
+    let s = Stream::DEFAULT;
+    let weights = pool.malloc(8 * MIB, s).unwrap(); // before the iteration
+    let mut p = profiler.lock().unwrap();
+    p.begin_iteration();
+    p.set_phase(Phase::Forward);
+    drop(p);
+    let hook = |f: &dyn Fn(&mut Profiler)| f(&mut profiler.lock().unwrap());
+    hook(&|p| {
+        p.begin_op("layer", s).unwrap();
+        p.tensor(weights, 8 * MIB).unwrap();
+    });
+    let act = pool.malloc(3 * MIB, s).unwrap();
+    hook(&|p| {
+        p.tensor(act, 3 * MIB).unwrap();
+        p.end_op().unwrap();
+        p.set_phase(Phase::Backward);
+        p.begin_op("layer_grad", s).unwrap();
+        p.tensor(act, 3 * MIB).unwrap();
+    });
+    pool.free(act).unwrap();
+    hook(&|p| p.end_op().unwrap());
+    let profile = profiler.lock().unwrap().end_iteration().unwrap();
+    assert_eq!(profile.base_bytes, 8 * MIB);
+    assert_eq!(profile.tensors.len(), 1);
+    let t = &profile.tensors[0];
+    assert!(t.bytes >= 3 * MIB, "{t:?}");
+    assert_eq!((t.produced_at, t.freed_after), (0, 1));
+    assert_eq!(t.uses, vec![0, 1]);
+    // Dropped: the pool's later allocations go nowhere, and nothing breaks.
+    drop(profiler);
+    pool.free(pool.malloc(MIB, s).unwrap()).unwrap();
+    pool.set_observer(None);
+    pool.free(weights).unwrap();
+}

@@ -171,6 +171,7 @@ impl Inner {
         self.stats.active.add(pool, 1);
         self.stats.active_bytes.add(pool, size as i64);
         self.sync_split_stats();
+        self.observe(super::AllocationEvent::Allocated { ptr, bytes: size });
     }
 
     /// Brings the inactive-split statistics of both pools in step with the block map (one

@@ -34,6 +34,8 @@ mod alloc;
 mod growth;
 mod inspect;
 mod keymap;
+mod observe;
+pub use observe::{AllocationEvent, AllocationObserver};
 mod outside;
 mod private;
 mod sizes;
@@ -106,6 +108,8 @@ struct Inner {
     swappable: KeyMap<DevicePtr, Swappable>,
     /// Bytes made by pools' own allocators outside this pool, bounded by its cap too.
     outside: usize,
+    /// Told of every allocation and free (SmartSwap's profiler).
+    observer: Option<observe::AllocationObserver>,
 }
 
 /// A thread-safe caching allocator for one device.
@@ -163,6 +167,7 @@ impl Pool {
                 deferred: Vec::new(),
                 swappable: KeyMap::default(),
                 outside: 0,
+                observer: None,
             }),
         })
     }

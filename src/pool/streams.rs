@@ -53,6 +53,7 @@ impl Inner {
         self.stats
             .requested_bytes
             .add(live.pool, -(live.requested as i64));
+        self.observe(super::AllocationEvent::Freed { ptr });
         Ok(live)
     }
 

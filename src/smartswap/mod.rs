@@ -6,4 +6,4 @@
 
 pub mod profiler;
 
-pub use profiler::Profiler;
+pub use profiler::{attach, Profiler};

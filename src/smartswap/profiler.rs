@@ -2,9 +2,13 @@
 //! events recorded on the op's stream when it begins and ends (read once the iteration is
 //! over, so the hooks never wait for the device).
 
+use std::sync::{Arc, Mutex};
+
 use crate::device::{Event, SharedDevice, Stream};
 use crate::error::{Error, Result};
+use crate::pool::{AllocationEvent, Pool};
 use crate::swap::{Phase, Profile, Recorder, SwapError};
+use crate::sync::lock;
 
 /// Records iterations of one device's ops.
 pub struct Profiler {
@@ -126,6 +130,23 @@ impl Profiler {
         self.used += 1;
         Ok(pair)
     }
+}
+
+/// Makes `pool` tell `profiler` of its allocations and frees (recorded while an iteration is
+/// open), replacing any observer the pool had. The pool holds the profiler weakly: once the
+/// profiler is dropped, its events go nowhere. While the profiler's lock is held (the end of
+/// an iteration waits for the device under it), allocations in other threads wait too.
+pub fn attach(pool: &Pool, profiler: &Arc<Mutex<Profiler>>) {
+    let weak = Arc::downgrade(profiler);
+    pool.set_observer(Some(Arc::new(move |event| {
+        if let Some(profiler) = weak.upgrade() {
+            let mut profiler = lock(&profiler);
+            match event {
+                AllocationEvent::Allocated { ptr, bytes } => profiler.allocated(ptr, bytes),
+                AllocationEvent::Freed { ptr } => profiler.freed(ptr),
+            }
+        }
+    })));
 }
 
 impl Drop for Profiler {

@@ -220,6 +220,25 @@ typedef struct glake_stats {
   struct glake_stat swapped_bytes;
 } glake_stats;
 
+// A profiler recording the iterations of one pool's device: opaque handle.
+typedef struct glake_profiler {
+  uint8_t _private[0];
+} glake_profiler;
+
+// What one recorded iteration came to (`glake_profiler_end_iteration`).
+typedef struct glake_profile_summary {
+  // Ops recorded.
+  uint64_t ops;
+  // Allocations made and tracked during the iteration.
+  uint64_t tensors;
+  // Device time of all ops, from their events (ops whose timing failed count 0).
+  uint64_t compute_ns;
+  // Bytes the ops touched that were allocated before the iteration (weights, states).
+  uint64_t base_bytes;
+  // Most bytes live while an op ran, base bytes included, with no plan.
+  uint64_t peak_bytes;
+} glake_profile_summary;
+
 // An opaque copy engine of one target device.
 typedef struct glake_transfer {
   uint8_t _private[0];
@@ -420,6 +439,44 @@ glake_status glake_pool_inject_fault(struct glake_pool *pool,
                                      uint32_t call,
                                      uint64_t nth,
                                      uint32_t status);
+
+// Creates a profiler for the device of `pool`, which from now on reports its allocations and
+// frees to it (replacing a profiler created on that pool before).
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_profiler_create(struct glake_pool *pool, struct glake_profiler **out);
+
+// Destroys a profiler (its pool's reports then go nowhere). The handle is invalid afterwards.
+glake_status glake_profiler_destroy(struct glake_profiler *profiler);
+
+// Starts recording an iteration; anything recorded before is dropped.
+glake_status glake_profiler_begin_iteration(struct glake_profiler *profiler);
+
+// The stage (`glake_phase`) of the ops that begin from now on.
+glake_status glake_profiler_set_phase(struct glake_profiler *profiler, uint32_t phase);
+
+// An op named `name` (UTF-8, NUL-terminated) begins, its work queued on `stream`.
+//
+// # Safety
+// `name` must be NULL or a NUL-terminated string.
+glake_status glake_profiler_begin_op(struct glake_profiler *profiler,
+                                     const char *name,
+                                     glake_stream stream);
+
+// The running op touches `bytes` at `ptr` (an input or an output).
+glake_status glake_profiler_tensor(struct glake_profiler *profiler, void *ptr, size_t bytes);
+
+// The running op has ended (all its work is queued on its stream).
+glake_status glake_profiler_end_op(struct glake_profiler *profiler);
+
+// Ends the iteration: waits for its last op's work, reads every op's time, and writes a
+// summary to `out` (may be NULL).
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_profiler_end_iteration(struct glake_profiler *profiler,
+                                          struct glake_profile_summary *out);
 
 // Creates a copy engine for device `device` of `backend` (a `glake_backend` value), relaying
 // through every other device of that backend that can reach it unless

@@ -413,3 +413,104 @@ fn transfers_copy_both_ways_and_refuse_bad_input() {
     assert_eq!(glake_free(pool, dst), GLAKE_STATUS_SUCCESS);
     assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
 }
+
+/// SmartSwap's operator hooks through C: an iteration of ops on a pool, with the pool's own
+/// allocations as the tensors; bad handles, phases and NULLs are refused.
+#[test]
+fn profiler_hooks_record_an_iteration() {
+    let pool = create(&host_config());
+    let mut profiler = null_mut();
+    assert_eq!(
+        unsafe { glake_profiler_create(pool, &mut profiler) },
+        GLAKE_STATUS_SUCCESS,
+        "{}",
+        message()
+    );
+    let (status, weights) = malloc(pool, 4 * MIB);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    assert_eq!(
+        glake_profiler_begin_iteration(profiler),
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(
+        glake_profiler_set_phase(profiler, glake_phase::GLAKE_PHASE_FORWARD as u32),
+        GLAKE_STATUS_SUCCESS
+    );
+    let name = c"gmm_forward";
+    assert_eq!(
+        unsafe { glake_profiler_begin_op(profiler, name.as_ptr(), null_mut()) },
+        GLAKE_STATUS_SUCCESS,
+        "{}",
+        message()
+    );
+    assert_eq!(
+        glake_profiler_tensor(profiler, weights, 4 * MIB),
+        GLAKE_STATUS_SUCCESS
+    );
+    let (_, act) = malloc(pool, 2 * MIB);
+    assert_eq!(
+        glake_profiler_tensor(profiler, act, 2 * MIB),
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(glake_profiler_end_op(profiler), GLAKE_STATUS_SUCCESS);
+    assert_eq!(
+        glake_profiler_set_phase(profiler, glake_phase::GLAKE_PHASE_BACKWARD as u32),
+        GLAKE_STATUS_SUCCESS
+    );
+    let grad = c"gmm_backward";
+    assert_eq!(
+        unsafe { glake_profiler_begin_op(profiler, grad.as_ptr(), null_mut()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(
+        glake_profiler_tensor(profiler, act, 2 * MIB),
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(unsafe { glake_free(pool, act) }, GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_profiler_end_op(profiler), GLAKE_STATUS_SUCCESS);
+    let mut summary = glake_profile_summary::default();
+    assert_eq!(
+        unsafe { glake_profiler_end_iteration(profiler, &mut summary) },
+        GLAKE_STATUS_SUCCESS,
+        "{}",
+        message()
+    );
+    assert_eq!((summary.ops, summary.tensors), (2, 1));
+    assert_eq!(summary.base_bytes, 4 * MIB as u64);
+    assert_eq!(summary.peak_bytes, 6 * MIB as u64);
+
+    // Refusals, each with its status; the profiler goes on.
+    assert_eq!(
+        glake_profiler_set_phase(profiler, 9),
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert_eq!(
+        glake_profiler_end_op(profiler),
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert!(message().contains("no iteration"), "{}", message());
+    assert_eq!(
+        glake_profiler_begin_iteration(profiler),
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(
+        unsafe { glake_profiler_begin_op(profiler, std::ptr::null(), null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert_eq!(
+        glake_profiler_tensor(profiler, null_mut(), 1),
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert_eq!(glake_profiler_destroy(profiler), GLAKE_STATUS_SUCCESS);
+    assert_eq!(
+        glake_profiler_destroy(profiler),
+        GLAKE_STATUS_INVALID_HANDLE
+    );
+    assert_eq!(
+        glake_profiler_begin_iteration(null_mut()),
+        GLAKE_STATUS_NULL_POINTER
+    );
+    // The pool goes on without it.
+    assert_eq!(unsafe { glake_free(pool, weights) }, GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+}

@@ -1,8 +1,8 @@
 //! Handles for C. A handle is a number that is never reused, looked up in a registry on every
 //! call, so a handle used after its destroy call (or a made-up one) is an error instead of
 //! undefined behaviour, and a call racing a destroy keeps its object alive until done. Pools and
-//! copy engines have a registry each; their numbers come from one counter, so a handle of one
-//! kind is never a live handle of the other.
+//! copy engines and profilers have a registry each; their numbers come from one counter, so a handle of one
+//! kind is never a live handle of another.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -87,6 +87,12 @@ pub(crate) fn pools() -> &'static Registry<Entry> {
 pub(crate) fn transfers() -> &'static Registry<Arc<Engine>> {
     static TRANSFERS: OnceLock<Registry<Arc<Engine>>> = OnceLock::new();
     TRANSFERS.get_or_init(|| Registry::new("transfer"))
+}
+
+/// The SmartSwap profilers made through the C API.
+pub(crate) fn profilers() -> &'static Registry<Arc<Mutex<crate::smartswap::Profiler>>> {
+    static PROFILERS: OnceLock<Registry<Arc<Mutex<crate::smartswap::Profiler>>>> = OnceLock::new();
+    PROFILERS.get_or_init(|| Registry::new("profiler"))
 }
 
 /// Registers a pool and returns its handle value.

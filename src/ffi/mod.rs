@@ -6,9 +6,11 @@
 
 mod exports;
 mod handles;
+mod profiler;
 mod transfer;
 
 pub use exports::*;
+pub use profiler::*;
 pub use transfer::*;
 
 use std::cell::RefCell;

@@ -466,7 +466,7 @@ fn profiler_hooks_record_an_iteration() {
         glake_profiler_tensor(profiler, act, 2 * MIB),
         GLAKE_STATUS_SUCCESS
     );
-    assert_eq!(unsafe { glake_free(pool, act) }, GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_free(pool, act), GLAKE_STATUS_SUCCESS);
     assert_eq!(glake_profiler_end_op(profiler), GLAKE_STATUS_SUCCESS);
     let mut summary = glake_profile_summary::default();
     assert_eq!(
@@ -511,6 +511,6 @@ fn profiler_hooks_record_an_iteration() {
         GLAKE_STATUS_NULL_POINTER
     );
     // The pool goes on without it.
-    assert_eq!(unsafe { glake_free(pool, weights) }, GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_free(pool, weights), GLAKE_STATUS_SUCCESS);
     assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
 }

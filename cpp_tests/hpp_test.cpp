@@ -86,3 +86,36 @@ TEST(Hpp, TransfersCopyBothWays) {
     EXPECT_EQ(e.status(), GLAKE_STATUS_NULL_POINTER);
   }
 }
+
+// SmartSwap's hooks as a custom operator carries them: nothing before attach(), a step's ops,
+// tensors and the pool's allocations after it.
+TEST(Hpp, SwapManagerHooksRecordSteps) {
+  auto& manager = glake::swap::SwapManager::instance();
+  manager.begin_hook("unattached");  // no pool yet: does nothing
+  manager.post_hook();
+  EXPECT_EQ(manager.end_hook().ops, 0u);
+  glake::Pool pool(cpp_config());
+  manager.attach(pool);
+  void* weights = pool.malloc(4 * MiB);
+  for (int step = 0; step < 2; step++) {
+    manager.stage_hook(GLAKE_PHASE_FORWARD);
+    manager.begin_hook("gmm_forward");
+    manager.tensor_hook(weights, 4 * MiB);
+    void* act = pool.malloc(2 * MiB);
+    manager.tensor_hook(act, 2 * MiB);
+    manager.post_hook();
+    manager.stage_hook(GLAKE_PHASE_BACKWARD);
+    manager.begin_hook("gmm_backward");
+    manager.tensor_hook(act, 2 * MiB);
+    pool.free(act);
+    manager.post_hook();
+    glake_profile_summary summary = manager.end_hook();
+    EXPECT_EQ(summary.ops, 2u);
+    EXPECT_EQ(summary.tensors, 1u);
+    EXPECT_EQ(summary.base_bytes, 4 * MiB);
+    EXPECT_EQ(summary.peak_bytes, 6 * MiB);
+  }
+  EXPECT_THROW(manager.post_hook(), glake::Error);  // no op running
+  manager.detach();
+  pool.free(weights);
+}

@@ -124,6 +124,25 @@ typedef uint32_t glake_driver_call;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// The stage an op belongs to (`glake_profiler_set_phase`).
+enum glake_phase
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GLAKE_PHASE_FORWARD = 0,
+  GLAKE_PHASE_BACKWARD = 1,
+  GLAKE_PHASE_OPTIMIZER = 2,
+  GLAKE_PHASE_OTHER = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum glake_phase glake_phase;
+#else
+typedef uint32_t glake_phase;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // Opaque pool handle.
 typedef struct glake_pool glake_pool;
 

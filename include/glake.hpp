@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -262,6 +264,115 @@ class Transfer {
 
   glake_transfer* transfer_ = nullptr;
 };
+
+/// SmartSwap's profiler over one pool's device (glake_profiler_*): owns the handle.
+class Profiler {
+ public:
+  explicit Profiler(Pool& pool) { check(glake_profiler_create(pool.handle(), &profiler_)); }
+  Profiler(const Profiler&) = delete;
+  Profiler& operator=(const Profiler&) = delete;
+  ~Profiler() {
+    if (profiler_ != nullptr) (void)glake_profiler_destroy(profiler_);
+  }
+
+  void begin_iteration() { check(glake_profiler_begin_iteration(profiler_)); }
+  void set_phase(glake_phase phase) {
+    check(glake_profiler_set_phase(profiler_, static_cast<uint32_t>(phase)));
+  }
+  void begin_op(const char* name, glake_stream stream = nullptr) {
+    check(glake_profiler_begin_op(profiler_, name, stream));
+  }
+  void tensor(void* ptr, std::size_t bytes) { check(glake_profiler_tensor(profiler_, ptr, bytes)); }
+  void end_op() { check(glake_profiler_end_op(profiler_)); }
+  glake_profile_summary end_iteration() {
+    glake_profile_summary out{};
+    check(glake_profiler_end_iteration(profiler_, &out));
+    return out;
+  }
+
+ private:
+  glake_profiler* profiler_ = nullptr;
+};
+
+namespace swap {
+
+/// The process's operator hooks, in the shape of MindSpeed SmartSwap's manager: a custom
+/// operator calls begin_hook("gmm_forward") before queuing its work, tensor_hook(ptr, bytes)
+/// for each tensor it reads or writes, and post_hook() after; the training loop calls
+/// end_hook() once per step. Until attach() names the pool, every hook does nothing, so
+/// operators can carry the hooks whether or not swapping is on. Thread-safe.
+class SwapManager {
+ public:
+  static SwapManager& instance() {
+    static SwapManager manager;
+    return manager;
+  }
+
+  /// Starts profiling `pool`'s device; the pool reports its allocations from now on.
+  void attach(Pool& pool) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    profiler_.reset(new Profiler(pool));
+    open_ = false;
+  }
+  /// Stops profiling; the hooks do nothing again.
+  void detach() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    profiler_.reset();
+    open_ = false;
+  }
+  bool attached() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return profiler_ != nullptr;
+  }
+
+  /// An op begins (the first hook of a step also begins the step).
+  void begin_hook(const char* name, glake_stream stream = nullptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!profiler_) return;
+    if (!open_) {
+      profiler_->begin_iteration();
+      open_ = true;
+    }
+    profiler_->begin_op(name, stream);
+  }
+  /// The running op touches `bytes` at `ptr`.
+  void tensor_hook(void* ptr, std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (profiler_) profiler_->tensor(ptr, bytes);
+  }
+  /// The running op has queued its work.
+  void post_hook() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (profiler_) profiler_->end_op();
+  }
+  /// A stage marker: the phase of the ops that begin from now on.
+  void stage_hook(glake_phase phase) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (profiler_) profiler_->set_phase(phase);
+  }
+  /// The step has ended: its profile's summary (all zero when nothing was recorded).
+  glake_profile_summary end_hook() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!profiler_ || !open_) return glake_profile_summary{};
+    open_ = false;
+    last_ = profiler_->end_iteration();
+    return last_;
+  }
+  /// The summary of the last step that ended.
+  glake_profile_summary last_step() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return last_;
+  }
+
+ private:
+  SwapManager() = default;
+  std::mutex mutex_;
+  std::unique_ptr<Profiler> profiler_;
+  bool open_ = false;
+  glake_profile_summary last_{};
+};
+
+}  // namespace swap
 
 }  // namespace glake
 

@@ -514,3 +514,64 @@ fn profiler_hooks_record_an_iteration() {
     assert_eq!(glake_free(pool, weights), GLAKE_STATUS_SUCCESS);
     assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
 }
+
+/// Swappable allocations through C: out, in, at the same address, and their refusals.
+#[test]
+fn swappable_allocations_round_trip() {
+    let pool = create(&host_config());
+    let mut ptr: *mut c_void = null_mut();
+    assert_eq!(
+        unsafe { glake_malloc_swappable(pool, 3 * MIB, null_mut(), &mut ptr) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(
+        unsafe { glake_malloc_swappable(pool, MIB, null_mut(), null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    unsafe {
+        assert_eq!(
+            glake_copy_to_device(pool, ptr, data.as_ptr().cast(), data.len(), null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+        assert_eq!(
+            glake_stream_synchronize(pool, null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+    }
+    assert_eq!(glake_swap_out(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_swap_out(pool, ptr), GLAKE_STATUS_INVALID_STATE);
+    let mut stats = std::mem::MaybeUninit::<glake::stats::MemoryStats>::zeroed();
+    assert_eq!(
+        unsafe { glake_get_stats(pool, stats.as_mut_ptr()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let stats = unsafe { stats.assume_init() };
+    assert_eq!(stats.swapped_bytes.current, 4 * MIB as i64);
+    assert_eq!(stats.reserved_bytes.all.current, 0);
+    assert_eq!(glake_swap_in(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_swap_in(pool, ptr), GLAKE_STATUS_INVALID_STATE);
+    assert_eq!(glake_swap_in(pool, null_mut()), GLAKE_STATUS_NULL_POINTER);
+    let mut back = vec![0u8; data.len()];
+    unsafe {
+        assert_eq!(
+            glake_copy_to_host(pool, back.as_mut_ptr().cast(), ptr, back.len(), null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+        assert_eq!(
+            glake_stream_synchronize(pool, null_mut()),
+            GLAKE_STATUS_SUCCESS
+        );
+    }
+    assert_eq!(back, data);
+    let mut plain: *mut c_void = null_mut();
+    assert_eq!(
+        unsafe { glake_malloc(pool, MIB, null_mut(), &mut plain) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(glake_swap_out(pool, plain), GLAKE_STATUS_INVALID_POINTER);
+    assert_eq!(glake_swap_out(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_free(pool, plain), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+}

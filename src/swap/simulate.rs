@@ -64,6 +64,15 @@ pub fn transfer_ns(bytes: usize, bytes_per_s: u64) -> u64 {
     u64::try_from(ns).unwrap_or(u64::MAX)
 }
 
+/// Queues a copy of `bytes` on a copy queue free from `*free`, starting no earlier than
+/// `ready`; the queue is busy until the copy ends. Returns (start, end).
+fn enqueue(free: &mut u64, ready: u64, bytes: usize, bytes_per_s: u64) -> (u64, u64) {
+    let start = ready.max(*free);
+    let end = start.saturating_add(transfer_ns(bytes, bytes_per_s));
+    *free = end;
+    (start, end)
+}
+
 /// Checks a plan against its profile; the simulator relies on every rule here.
 pub fn validate_plan(profile: &Profile, plan: &[Choice]) -> Result<(), SwapError> {
     if plan.len() != profile.tensors.len() {
@@ -237,9 +246,7 @@ pub fn simulate(
             }
         }
         for &i in &outs_after[op] {
-            let s = end.max(d2h_free);
-            let e = s.saturating_add(transfer_ns(tensors[i].bytes, cfg.d2h_bytes_per_s));
-            d2h_free = e;
+            let (_, e) = enqueue(&mut d2h_free, end, tensors[i].bytes, cfg.d2h_bytes_per_s);
             out_end[i] = e;
             events.push(Event {
                 t: e,
@@ -248,9 +255,8 @@ pub fn simulate(
             });
         }
         for &i in &ins_issued_after[op] {
-            let s = end.max(out_end[i]).max(h2d_free);
-            let e = s.saturating_add(transfer_ns(tensors[i].bytes, cfg.h2d_bytes_per_s));
-            h2d_free = e;
+            let ready = end.max(out_end[i]);
+            let (s, e) = enqueue(&mut h2d_free, ready, tensors[i].bytes, cfg.h2d_bytes_per_s);
             in_ready[i] = e;
             events.push(Event {
                 t: s,

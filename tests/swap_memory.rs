@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::ffi::c_void;
-use std::ptr::null_mut;
 use std::sync::Arc;
 
 use common::{has_pattern, host_device, write_pattern};

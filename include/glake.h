@@ -143,6 +143,62 @@ typedef uint32_t glake_phase;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// What a planned tensor is; the preference says which kinds the planner may move.
+enum glake_tensor_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GLAKE_TENSOR_ACTIVATION = 0,
+  GLAKE_TENSOR_OPTIMIZER_STATE = 1,
+  GLAKE_TENSOR_GRADIENT = 2,
+  GLAKE_TENSOR_OTHER = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum glake_tensor_kind glake_tensor_kind;
+#else
+typedef uint32_t glake_tensor_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Which tensors the planner may move: activations only, or optimizer states and gradients too.
+enum glake_swap_preference
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GLAKE_SWAP_BETTER_PERFORMANCE = 0,
+  GLAKE_SWAP_BETTER_MEMORY_SAVING = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum glake_swap_preference glake_swap_preference;
+#else
+typedef uint32_t glake_swap_preference;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// What to do with one tensor.
+enum glake_swap_action
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GLAKE_SWAP_KEEP = 0,
+  // Copy out after op `out_after`, back in before op `in_before`.
+  GLAKE_SWAP_SWAP = 1,
+  // Free after the last forward use, rebuild before the first backward use.
+  GLAKE_SWAP_RECOMPUTE = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum glake_swap_action glake_swap_action;
+#else
+typedef uint32_t glake_swap_action;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // Opaque pool handle.
 typedef struct glake_pool glake_pool;
 
@@ -238,6 +294,66 @@ typedef struct glake_stats {
   // Bytes of swappable allocations swapped out to host memory now.
   struct glake_stat swapped_bytes;
 } glake_stats;
+
+// One op of the profiled iteration, in execution order.
+typedef struct glake_swap_op {
+  // Device time of the op (from events).
+  uint64_t gpu_ns;
+  // A `glake_phase` value.
+  uint32_t phase;
+} glake_swap_op;
+
+// One tensor the planner may act on, resident from the start of op `produced_at` to the end
+// of op `freed_after`.
+typedef struct glake_swap_tensor {
+  size_t bytes;
+  size_t produced_at;
+  size_t freed_after;
+  // Sorted op indexes reading the tensor (may be NULL when `n_uses` is 0).
+  const size_t *uses;
+  size_t n_uses;
+  // Nonzero when the tensor can be rebuilt by rerunning its producer, at `recompute_ns`.
+  uint32_t can_recompute;
+  uint64_t recompute_ns;
+  // A `glake_tensor_kind` value.
+  uint32_t kind;
+} glake_swap_tensor;
+
+// Copy bandwidths of the swap paths, how far ahead swap-ins start, and what may move.
+typedef struct glake_swap_config {
+  uint64_t d2h_bytes_per_s;
+  uint64_t h2d_bytes_per_s;
+  // A swap-in starts when op `in_before - prefetch` ends (at least one op ahead).
+  size_t prefetch;
+  // A `glake_swap_preference` value.
+  uint32_t preference;
+} glake_swap_config;
+
+// One tensor's choice: a `glake_swap_action` and, for a swap, its window.
+typedef struct glake_swap_choice {
+  uint32_t action;
+  size_t out_after;
+  size_t in_before;
+} glake_swap_choice;
+
+// The predicted iteration under a plan.
+typedef struct glake_swap_prediction {
+  // When the last op ends: compute, recompute and waits for swap-ins.
+  uint64_t step_ns;
+  // Sum of op times (the step with nothing moved).
+  uint64_t compute_ns;
+  // Compute stalled on swap-ins.
+  uint64_t exposed_wait_ns;
+  // Compute spent rebuilding recomputed tensors.
+  uint64_t recompute_ns;
+  // Most device bytes in use, base bytes included; when a target is unreachable, the lowest
+  // peak the planner reached.
+  size_t peak_bytes;
+  // The peak with every tensor kept.
+  size_t baseline_peak_bytes;
+  // The op during which the peak is reached.
+  size_t peak_op;
+} glake_swap_prediction;
 
 // A profiler recording the iterations of one pool's device: opaque handle.
 typedef struct glake_profiler {
@@ -458,6 +574,40 @@ glake_status glake_pool_inject_fault(struct glake_pool *pool,
                                      uint32_t call,
                                      uint64_t nth,
                                      uint32_t status);
+
+// Plans the profiled iteration (`n_ops` ops, `n_tensors` tensors, `base_bytes` never moved)
+// for a peak of at most `target_bytes`: writes one choice per tensor to `choices_out` and the
+// predicted iteration to `prediction_out` (may be NULL). When no plan reaches the target,
+// returns `GLAKE_STATUS_OUT_OF_MEMORY`, writes nothing to `choices_out`, and writes the lowest
+// peak reached to `prediction_out->peak_bytes`.
+//
+// # Safety
+// `ops` and `tensors` point to arrays of the stated lengths (each tensor's `uses` to
+// `n_uses` values), `config` to one config, `choices_out` to `n_tensors` writable choices.
+glake_status glake_swap_plan(const struct glake_swap_op *ops,
+                             size_t n_ops,
+                             const struct glake_swap_tensor *tensors,
+                             size_t n_tensors,
+                             size_t base_bytes,
+                             size_t target_bytes,
+                             const struct glake_swap_config *config,
+                             struct glake_swap_choice *choices_out,
+                             struct glake_swap_prediction *prediction_out);
+
+// Predicts the profiled iteration under the given `choices` (one per tensor), as
+// [`glake_swap_plan`] predicts its own plans.
+//
+// # Safety
+// As for [`glake_swap_plan`]; `choices` points to `n_tensors` readable choices and
+// `prediction_out` to one writable prediction.
+glake_status glake_swap_simulate(const struct glake_swap_op *ops,
+                                 size_t n_ops,
+                                 const struct glake_swap_tensor *tensors,
+                                 size_t n_tensors,
+                                 size_t base_bytes,
+                                 const struct glake_swap_choice *choices,
+                                 const struct glake_swap_config *config,
+                                 struct glake_swap_prediction *prediction_out);
 
 // Creates a profiler for the device of `pool`, which from now on reports its allocations and
 // frees to it (replacing a profiler created on that pool before).

@@ -575,3 +575,155 @@ fn swappable_allocations_round_trip() {
     assert_eq!(glake_free(pool, plain), GLAKE_STATUS_SUCCESS);
     assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
 }
+
+/// Two blocks, forward then backward: each block's activation lives from its forward to its
+/// backward; the planner's C API must bring the peak under a target and predict the same step
+/// the simulator entry point predicts for the returned choices.
+#[test]
+fn planner_plans_and_simulates_through_the_c_api() {
+    use glake_phase::*;
+    let op = |gpu_ns: u64, phase: glake_phase| glake_swap_op {
+        gpu_ns,
+        phase: phase as u32,
+    };
+    let ops = [
+        op(1_000_000, GLAKE_PHASE_FORWARD),
+        op(1_000_000, GLAKE_PHASE_FORWARD),
+        op(2_000_000, GLAKE_PHASE_BACKWARD),
+        op(2_000_000, GLAKE_PHASE_BACKWARD),
+    ];
+    let uses0 = [3usize];
+    let uses1 = [2usize];
+    let tensor = |produced_at: usize, freed_after: usize, uses: &[usize]| glake_swap_tensor {
+        bytes: 100 * MIB,
+        produced_at,
+        freed_after,
+        uses: uses.as_ptr(),
+        n_uses: uses.len(),
+        can_recompute: 1,
+        recompute_ns: 900_000,
+        kind: glake_tensor_kind::GLAKE_TENSOR_ACTIVATION as u32,
+    };
+    let tensors = [tensor(0, 3, &uses0), tensor(1, 2, &uses1)];
+    let config = glake_swap_config {
+        d2h_bytes_per_s: 50_000_000_000,
+        h2d_bytes_per_s: 50_000_000_000,
+        prefetch: 1,
+        preference: glake_swap_preference::GLAKE_SWAP_BETTER_PERFORMANCE as u32,
+    };
+    let base = 10 * MIB;
+    let mut choices = [glake_swap_choice::default(); 2];
+    let mut predicted = glake_swap_prediction::default();
+    let status = unsafe {
+        glake_swap_plan(
+            ops.as_ptr(),
+            ops.len(),
+            tensors.as_ptr(),
+            tensors.len(),
+            base,
+            base + 150 * MIB,
+            &config,
+            choices.as_mut_ptr(),
+            &mut predicted,
+        )
+    };
+    assert_eq!(status, GLAKE_STATUS_SUCCESS, "{}", message());
+    assert_eq!(predicted.baseline_peak_bytes, base + 200 * MIB);
+    assert!(predicted.peak_bytes <= base + 150 * MIB, "{predicted:?}");
+    assert_eq!(predicted.compute_ns, 6_000_000);
+    assert!(predicted.step_ns >= predicted.compute_ns);
+    assert!(
+        choices
+            .iter()
+            .any(|c| c.action != glake_swap_action::GLAKE_SWAP_KEEP as u32),
+        "something must leave the device: {choices:?}"
+    );
+
+    let mut again = glake_swap_prediction::default();
+    let status = unsafe {
+        glake_swap_simulate(
+            ops.as_ptr(),
+            ops.len(),
+            tensors.as_ptr(),
+            tensors.len(),
+            base,
+            choices.as_ptr(),
+            &config,
+            &mut again,
+        )
+    };
+    assert_eq!(status, GLAKE_STATUS_SUCCESS, "{}", message());
+    assert_eq!(again, predicted);
+
+    // Below what any plan reaches (the base alone plus one block during its backward).
+    let mut best = glake_swap_prediction::default();
+    let status = unsafe {
+        glake_swap_plan(
+            ops.as_ptr(),
+            ops.len(),
+            tensors.as_ptr(),
+            tensors.len(),
+            base,
+            base,
+            &config,
+            choices.as_mut_ptr(),
+            &mut best,
+        )
+    };
+    assert_eq!(status, GLAKE_STATUS_OUT_OF_MEMORY);
+    assert!(message().contains("cannot be met"), "{}", message());
+    assert!(
+        best.peak_bytes > base && best.peak_bytes < base + 200 * MIB,
+        "{best:?}"
+    );
+
+    // Bad input: a NULL config, a use outside the tensor's life, an unknown action.
+    let status = unsafe {
+        glake_swap_plan(
+            ops.as_ptr(),
+            ops.len(),
+            tensors.as_ptr(),
+            tensors.len(),
+            base,
+            base,
+            std::ptr::null(),
+            choices.as_mut_ptr(),
+            null_mut(),
+        )
+    };
+    assert_eq!(status, GLAKE_STATUS_NULL_POINTER);
+    let late = [3usize];
+    let bad = [tensor(1, 2, &late)];
+    let status = unsafe {
+        glake_swap_plan(
+            ops.as_ptr(),
+            ops.len(),
+            bad.as_ptr(),
+            1,
+            base,
+            base,
+            &config,
+            choices.as_mut_ptr(),
+            null_mut(),
+        )
+    };
+    assert_eq!(status, GLAKE_STATUS_INVALID_ARGUMENT);
+    assert!(message().contains("outside"), "{}", message());
+    let unknown = [glake_swap_choice {
+        action: 7,
+        ..Default::default()
+    }; 2];
+    let status = unsafe {
+        glake_swap_simulate(
+            ops.as_ptr(),
+            ops.len(),
+            tensors.as_ptr(),
+            tensors.len(),
+            base,
+            unknown.as_ptr(),
+            &config,
+            &mut again,
+        )
+    };
+    assert_eq!(status, GLAKE_STATUS_INVALID_ARGUMENT);
+}

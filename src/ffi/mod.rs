@@ -6,10 +6,12 @@
 
 mod exports;
 mod handles;
+mod planner;
 mod profiler;
 mod transfer;
 
 pub use exports::*;
+pub use planner::*;
 pub use profiler::*;
 pub use transfer::*;
 

@@ -49,7 +49,7 @@ fn profiler_id(profiler: *mut glake_profiler) -> usize {
     profiler as usize
 }
 
-fn phase_of(phase: u32) -> Result<Phase, Failure> {
+pub(super) fn phase_of(phase: u32) -> Result<Phase, Failure> {
     match phase {
         0 => Ok(Phase::Forward),
         1 => Ok(Phase::Backward),

@@ -152,11 +152,16 @@ pub fn simulate(
 
     // Per op: swap-outs after it (tensor order = D2H FIFO order), swap-ins issued after it,
     // swap-ins needed before it, recomputes before it, and frees after it.
+    let tensors = &profile.tensors;
     let mut outs_after: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut ins_issued_after: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut ins_needed_before: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut recompute_before: Vec<Vec<usize>> = vec![Vec::new(); n];
-    let mut events = Vec::new();
-    for (i, c) in plan.iter().enumerate() {
+    let mut produced_at: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut freed_after: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, (t, c)) in tensors.iter().zip(plan).enumerate() {
+        produced_at[t.produced_at].push(i);
+        freed_after[t.freed_after].push(i);
         match *c {
             Choice::Keep => {}
             Choice::Swap {
@@ -166,10 +171,13 @@ pub fn simulate(
                 outs_after[out_after].push(i);
                 let trigger = in_before.saturating_sub(prefetch).max(out_after);
                 ins_issued_after[trigger].push(i);
+                ins_needed_before[in_before].push(i);
             }
             Choice::Recompute => {
-                if let Some((_, first_bwd)) = profile.recompute_gap(i) {
+                if let Some((last_fwd, first_bwd)) = profile.recompute_gap(i) {
+                    // Freed after its last forward use too; rebuilt before `first_bwd`.
                     recompute_before[first_bwd].push(i);
+                    freed_after[last_fwd].push(i);
                 }
             }
         }
@@ -182,7 +190,7 @@ pub fn simulate(
         });
     }
 
-    let tensors = &profile.tensors;
+    let mut events = Vec::new();
     let mut out_end = vec![0u64; tensors.len()];
     let mut in_ready = vec![0u64; tensors.len()];
     let mut d2h_free = 0u64;
@@ -205,11 +213,9 @@ pub fn simulate(
             now += cost;
             recompute_ns += cost;
         }
-        let ready = plan
+        let ready = ins_needed_before[op]
             .iter()
-            .enumerate()
-            .filter(|(_, c)| matches!(c, Choice::Swap { in_before, .. } if *in_before == op))
-            .map(|(i, _)| in_ready[i])
+            .map(|&i| in_ready[i])
             .max()
             .unwrap_or(0);
         if ready > now {
@@ -217,11 +223,11 @@ pub fn simulate(
             now = ready;
         }
         let start = now;
-        for t in tensors.iter().filter(|t| t.produced_at == op) {
+        for &i in &produced_at[op] {
             events.push(Event {
                 t: start,
                 alloc: true,
-                bytes: t.bytes,
+                bytes: tensors[i].bytes,
             });
         }
         now += profile.ops[op].gpu_ns;
@@ -229,21 +235,12 @@ pub fn simulate(
         op_spans.push((start, end));
         windows.push((window_start, end));
 
-        for (i, t) in tensors.iter().enumerate() {
-            let resident_free = match plan[i] {
-                Choice::Recompute => {
-                    let last_fwd = profile.recompute_gap(i).map(|g| g.0);
-                    last_fwd == Some(op) || t.freed_after == op
-                }
-                _ => t.freed_after == op,
-            };
-            if resident_free {
-                events.push(Event {
-                    t: end,
-                    alloc: false,
-                    bytes: t.bytes,
-                });
-            }
+        for &i in &freed_after[op] {
+            events.push(Event {
+                t: end,
+                alloc: false,
+                bytes: tensors[i].bytes,
+            });
         }
         for &i in &outs_after[op] {
             let (_, e) = enqueue(&mut d2h_free, end, tensors[i].bytes, cfg.d2h_bytes_per_s);

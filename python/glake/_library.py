@@ -95,6 +95,12 @@ def load():
     for name in ("glake_transfer_create", "glake_transfer_destroy", "glake_memcpy_htod",
                  "glake_memcpy_dtoh", "glake_memcpy_batch", "glake_transfer_get_stats"):
         getattr(lib, name).restype = u32
+    # SmartSwap's planner (structures in glake.swap.planner, passed by pointer).
+    size, ptr = ctypes.c_size_t, ctypes.c_void_p
+    lib.glake_swap_plan.argtypes = [ptr, size, ptr, size, size, size, ptr, ptr, ptr]
+    lib.glake_swap_simulate.argtypes = [ptr, size, ptr, size, size, ptr, ptr, ptr]
+    lib.glake_swap_plan.restype = u32
+    lib.glake_swap_simulate.restype = u32
     lib.glake_last_error_message.argtypes = []
     lib.glake_last_error_message.restype = c_char_p
     _lib = lib

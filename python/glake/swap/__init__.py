@@ -1,0 +1,513 @@
+"""SmartSwap for PyTorch: train in less device memory than the step needs, by keeping, swapping
+to host memory or recomputing what each transformer block saves for its backward, as glake's
+planner decides from a profiled step.
+
+    import glake.swap
+    smart = glake.swap.apply(model, target=0.6)   # a fraction of the device's memory, or bytes
+    # ... the training loop, unchanged ...
+    print(smart.report())
+
+or `glake.torch.enable(swap={"target": 0.6})` (the first model run with gradients is planned),
+or GLAKE_SWAP_TARGET=0.6 in the environment of a program that calls glake.torch.enable().
+
+Phases, as in SmartSwap: warm-up (a step with every block checkpointed, then one profiled:
+each op's device time from events and output bytes, each block's forward and backward time,
+memory at the block boundaries), search (glake_swap_plan picks keep, swap or recompute for
+each heavy op output (matmuls, attention) and for each block's cheap outputs, to meet the
+target at the best predicted step; steps run the plan and their measured peak and step time
+correct it), stable. New input shapes send it back to warm-up, with a log line saying so.
+
+The blocks are the entries of the model's largest ModuleList of one class (the transformer
+layers). A block whose plan keeps everything runs as written; the others run under
+torch.utils.checkpoint with glake's dispatch modes (glake.swap.executor), which keep what the
+plan keeps, copy what it swaps to pinned host memory on a side stream (brought back a block
+ahead of the backward) and recompute the rest. Losses and gradients are those of the unplanned
+step."""
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from . import planner
+from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper
+
+log = logging.getLogger("glake.swap")
+_STABLE_EVERY = 20  # stable steps between two measured ones (measuring waits for the GPU)
+_ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
+        "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",
+        "margin": "GLAKE_SWAP_MARGIN"}
+
+
+@dataclass
+class Settings:
+    """What SmartSwap aims for. `target`: peak device memory, as bytes (> 1) or a fraction of
+    the device (<= 1); None: the per-process memory fraction set in torch, else no target
+    (nothing is moved). `preference`: "performance" (activations only) or "memory" (also
+    gradients). `swap_bucket_size`: cheap outputs of a block are planned in buckets of at least
+    this many bytes. `prefetch`: blocks ahead that swap-ins start. `margin`: share of the target
+    left for what the profile cannot see (allocator rounding, the copy engine's buffers).
+    `layers_per_stage`: blocks per planning stage; blocks of a stage share one plan."""
+    target: float = None
+    preference: str = "performance"
+    swap_bucket_size: int = 0
+    prefetch: int = 1
+    margin: float = 0.05
+    search_steps: int = 3
+
+    @classmethod
+    def from_env(cls, **overrides):
+        values = {}
+        for key, var in _ENV.items():
+            raw = os.environ.get(var)
+            if raw:
+                values[key] = raw if key == "preference" else float(raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown SmartSwap setting(s): {sorted(unknown)}")
+        for key in ("swap_bucket_size", "prefetch", "search_steps"):
+            if key in values:
+                values[key] = int(values[key])
+        s = cls(**values)
+        if s.preference not in planner.PREFERENCES:
+            raise ValueError(f"preference must be one of {sorted(planner.PREFERENCES)}")
+        if s.prefetch < 1 or s.search_steps < 1 or not 0 <= s.margin < 0.5:
+            raise ValueError(f"bad SmartSwap settings: {s}")
+        return s
+
+
+def find_blocks(model):
+    """The model's repeated blocks: the largest torch.nn.ModuleList whose entries share a class."""
+    best = None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= 2:
+            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
+                best = module
+    if best is None:
+        raise ValueError("glake.swap: the model has no ModuleList of repeated blocks")
+    return list(best)
+
+
+def _first_grad_tensor(tree):
+    for t in torch.utils._pytree.tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return t
+    return None
+
+
+def _shapes(args, kwargs):
+    flat = torch.utils._pytree.tree_flatten((args, kwargs))[0]
+    return tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class _Marks:
+    """Events and memory figures taken at block boundaries in the profiled step."""
+    fwd: dict = field(default_factory=dict)      # block -> (start event, end event)
+    bwd: dict = field(default_factory=dict)      # block -> (event, allocated, peak before)
+    alloc_before: dict = field(default_factory=dict)
+    alloc_after: dict = field(default_factory=dict)
+    end: tuple = None                            # (event, allocated, peak before)
+    next_start: object = None
+    records: dict = field(default_factory=dict)  # block -> [OpRecord]
+
+
+class SmartSwap:
+    """Plans and runs the blocks of one model; see the module's documentation."""
+
+    def __init__(self, blocks, settings=None, device=None):
+        self.blocks = list(blocks)
+        self.settings = settings or Settings.from_env()
+        p = next(self.blocks[0].parameters(), None)
+        self.device = torch.device(device) if device else (p.device if p is not None
+                                                           else torch.device("cuda"))
+        self.cuda = self.device.type == "cuda"
+        self.swapper = Swapper(self.device)
+        self.phase = "warmup"
+        self.iteration = 0
+        self.signature = None
+        self.decisions = None       # block -> {op index: KEEP | SWAP}; absent: plain
+        self.expected = {}          # block -> [func] of the profiled forward
+        self.marks = None
+        self.profile = None
+        self.prediction = None
+        self.target_bytes = None
+        self.correction = 0
+        self.bandwidth = None
+        self.measured = []          # (step ms, peak reserved, peak allocated) per search step
+        self.step_start = None
+        self.history = []
+        self.enabled = True
+        self._originals = []
+        for b, block in enumerate(self.blocks):
+            original = block.forward
+            self._originals.append((block, original))
+            block.forward = self._wrap(b, original)
+
+    def remove(self):
+        """Gives every block its own forward back."""
+        for block, original in self._originals:
+            block.forward = original
+        self._originals = []
+        self.enabled = False
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def _resolve_target(self):
+        t = self.settings.target
+        if t is None and self.cuda:
+            try:
+                fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+            except (AttributeError, RuntimeError):
+                fraction = 1.0
+            t = fraction if fraction < 1.0 else None
+        if t is None:
+            return None
+        if t <= 1.0:
+            total = (torch.cuda.mem_get_info(self.device)[1] if self.cuda else 0)
+            return int(t * total)
+        return int(t)
+
+    def _begin_iteration(self, args, kwargs):
+        sig = _shapes(args, kwargs)
+        if self.signature is not None and sig != self.signature:
+            log.warning("glake.swap: block input shapes changed from %s to %s: back to warm-up",
+                        self.signature, sig)
+            self._restart()
+        self.signature = sig
+        now = self._event()
+        if self.step_start is not None and (self.phase == "search" or (
+                self.phase == "stable" and self.iteration % _STABLE_EVERY == 0)):
+            self._measure(now)
+        if self.phase == "profile" and self.marks is not None:
+            self.marks.next_start = now
+            self._plan()
+        elif self.phase == "warmup" and self.iteration >= 1:
+            self.phase = "profile"
+            self.marks = _Marks()
+        self.iteration += 1
+        self.step_start = now
+        if self.cuda and self.phase in ("search", "stable", "profile"):
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _restart(self):
+        self.phase, self.iteration = "warmup", 0
+        self.decisions, self.marks, self.expected = None, None, {}
+        self.measured, self.correction = [], 0
+        self.swapper.forget()
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _memory(self):
+        if not self.cuda:
+            return 0, 0
+        return torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(
+            self.device)
+
+    # -- the wrapped forward ----------------------------------------------------------------
+
+    def _wrap(self, b, original):
+        def forward(*args, **kwargs):
+            if not (self.enabled and torch.is_grad_enabled()):
+                return original(*args, **kwargs)
+            if b == 0:
+                self._begin_iteration(args, kwargs)
+            return self._run_block(b, original, args, kwargs)
+        return forward
+
+    def _run_block(self, b, original, args, kwargs):
+        profiling = self.phase == "profile" and self.marks is not None
+        if profiling:
+            alloc, _ = self._memory()
+            self.marks.alloc_before[b] = alloc
+            start = self._event()
+            if b == 0:
+                first = _first_grad_tensor((args, kwargs))
+                if first is not None:
+                    first.register_hook(lambda g: self._on_backward_end())
+        decisions = None
+        if self.phase in ("warmup", "profile"):
+            decisions = {}
+        elif self.decisions is not None and b in self.decisions:
+            decisions = self.decisions[b]
+        if decisions is None:
+            out = original(*args, **kwargs)
+        else:
+            cache = {}
+            records = [] if profiling else None
+            if profiling:
+                self.marks.records[b] = records
+            expected = self.expected.get(b)
+
+            def contexts():
+                return (RecordingMode(b, decisions, cache, self.swapper, expected, records),
+                        ReplayMode(cache, self.swapper))
+            out = checkpoint(original, *args, use_reentrant=False, context_fn=contexts,
+                             **kwargs)
+        if profiling:
+            self.marks.fwd[b] = (start, self._event())
+            self.marks.alloc_after[b] = self._memory()[0]
+            if b == len(self.blocks) - 1 and self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+        grad_out = _first_grad_tensor(out)
+        if grad_out is not None:
+            grad_out.register_hook(lambda g: self._on_backward(b))
+        if b == len(self.blocks) - 1:
+            self.swapper.prefetch(b)
+        return out
+
+    def _on_backward(self, b):
+        """The backward of block `b` starts: bring back what the next blocks swapped out."""
+        for ahead in range(b, max(-1, b - self.settings.prefetch - 1), -1):
+            self.swapper.prefetch(ahead)
+        if self.phase == "profile" and self.marks is not None:
+            alloc, peak = self._memory()
+            self.marks.bwd[b] = (self._event(), alloc, peak)
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _on_backward_end(self):
+        if self.phase == "profile" and self.marks is not None:
+            alloc, peak = self._memory()
+            self.marks.end = (self._event(), alloc, peak)
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+
+    # -- profile -> plan ----------------------------------------------------------------------
+
+    def _measure_bandwidth(self):
+        if not self.cuda:
+            return 10e9, 10e9
+        n = 64 << 20
+        dev = torch.empty(n, dtype=torch.uint8, device=self.device)
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        rates = []
+        for src, dst in ((dev, host), (host, dev)):
+            stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(4):
+                    dst.copy_(src, non_blocking=True)
+                z.record()
+            z.synchronize()
+            rates.append(4 * n / (a.elapsed_time(z) / 1e3))
+        return rates[0], rates[1]
+
+    def _build_profile(self):
+        """The block-level iteration the planner sees, and per tensor which (block, op indexes)
+        it stands for."""
+        m, n_blocks = self.marks, len(self.blocks)
+        ns = (lambda a, z: int(a.elapsed_time(z) * 1e6)) if self.cuda else (lambda a, z: 1000)
+        for recs in m.records.values():
+            for r in recs:
+                r.read_time()
+        fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]
+        ops = [(t, planner.FORWARD) for t in fwd_ns]
+        head = n_blocks
+        ops.append((ns(m.fwd[n_blocks - 1][1], m.bwd[n_blocks - 1][0]) if self.cuda else 1000,
+                    planner.OTHER))
+        bwd_op = {}
+        for b in range(n_blocks - 1, -1, -1):
+            nxt = m.bwd.get(b - 1) if b > 0 else m.end
+            total = ns(m.bwd[b][0], nxt[0]) if (self.cuda and nxt) else 2 * fwd_ns[b]
+            bwd_op[b] = len(ops)
+            ops.append((max(total - fwd_ns[b], fwd_ns[b]), planner.BACKWARD))
+        tail = len(ops)
+        last = m.end or m.bwd[0]
+        ops.append((ns(last[0], m.next_start) if self.cuda else 1000, planner.OPTIMIZER))
+
+        tensors, meaning = [], []
+        base = m.alloc_before[0]
+        fwd_end = m.alloc_after[n_blocks - 1]
+        head_persist = max(0, m.bwd[n_blocks - 1][1] - fwd_end)
+        head_peak = max(0, m.bwd[n_blocks - 1][2] - fwd_end)
+        tensors.append(planner.Tensor(head_persist, head, tail, [head], kind=planner.OTHER_KIND))
+        tensors.append(planner.Tensor(max(0, head_peak - head_persist), head, head, [head],
+                                      kind=planner.OTHER_KIND))
+        meaning += [None, None]
+        bucket = max(1, self.settings.swap_bucket_size)
+        for b in range(n_blocks):
+            grew = max(0, m.alloc_after[b] - m.alloc_before[b])
+            tensors.append(planner.Tensor(grew, b, bwd_op[b], [bwd_op[b]],
+                                          kind=planner.OTHER_KIND))
+            meaning.append(None)
+            candidates = 0
+            group, group_bytes, group_ns = [], 0, 0
+            for i, r in enumerate(m.records.get(b, [])):
+                if r.mutated or r.bytes == 0:
+                    continue
+                if r.heavy:
+                    tensors.append(planner.Tensor(r.bytes, b, bwd_op[b], [bwd_op[b]],
+                                                  recompute_ns=max(r.gpu_ns, 1)))
+                    meaning.append((b, [i]))
+                    candidates += r.bytes
+                    continue
+                group.append(i)
+                group_bytes += r.bytes
+                group_ns += r.gpu_ns
+                if group_bytes >= bucket:
+                    tensors.append(planner.Tensor(group_bytes, b, bwd_op[b], [bwd_op[b]],
+                                                  recompute_ns=max(group_ns, 1)))
+                    meaning.append((b, group))
+                    candidates += group_bytes
+                    group, group_bytes, group_ns = [], 0, 0
+            if group:
+                tensors.append(planner.Tensor(group_bytes, b, bwd_op[b], [bwd_op[b]],
+                                              recompute_ns=max(group_ns, 1)))
+                meaning.append((b, group))
+                candidates += group_bytes
+            nxt = m.bwd.get(b - 1) if b > 0 else m.end
+            if nxt is not None:
+                persist = max(0, nxt[1] - m.bwd[b][1])
+                transient = max(0, nxt[2] - m.bwd[b][1])
+                tensors.append(planner.Tensor(persist, bwd_op[b], tail, [bwd_op[b]],
+                                              kind=planner.GRADIENT))
+                tensors.append(planner.Tensor(max(0, transient - persist - candidates),
+                                              bwd_op[b], bwd_op[b], [bwd_op[b]],
+                                              kind=planner.OTHER_KIND))
+                meaning += [None, None]
+        return planner.Profile(ops=ops, tensors=tensors, base_bytes=base), meaning
+
+    def _plan(self):
+        self.expected = {b: [r.func for r in recs] for b, recs in self.marks.records.items()}
+        if self.bandwidth is None:
+            self.bandwidth = self._measure_bandwidth()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.profile, self.meaning = self._build_profile()
+        self.marks = None
+        self.target_bytes = self._resolve_target()
+        self._replan()
+        self.phase = "search"
+
+    def _replan(self):
+        profile, s = self.profile, self.settings
+        d2h, h2d = self.bandwidth
+        target = self.target_bytes
+        if target is None:
+            choices = [(planner.KEEP, 0, 0)] * len(profile.tensors)
+            self.prediction = planner.simulate(profile, choices, d2h, h2d, s.prefetch + 1)
+        else:
+            goal = int(target * (1 - s.margin)) - self.correction
+            try:
+                choices, self.prediction = planner.plan(profile, goal, d2h, h2d, s.prefetch + 1,
+                                                        s.preference)
+            except planner.TargetUnreachable as e:
+                log.warning("glake.swap: %s; recomputing every block in full", e)
+                choices = [(planner.RECOMPUTE if t.recompute_ns is not None else planner.KEEP,
+                            0, 0) for t in profile.tensors]
+                self.prediction = planner.simulate(profile, choices, d2h, h2d, s.prefetch + 1)
+        self.choices = choices
+        decisions = {b: {} for b in range(len(self.blocks))}
+        moved = set()
+        for (action, _, _), meaning in zip(choices, self.meaning):
+            if meaning is None:
+                continue
+            b, ops = meaning
+            if action == planner.RECOMPUTE:
+                moved.add(b)
+                continue
+            if action == planner.SWAP:
+                moved.add(b)
+            for i in ops:
+                decisions[b][i] = SWAP if action == planner.SWAP else KEEP
+        # A block with nothing moved runs as written (autograd saves no more than it needs).
+        self.decisions = {b: d for b, d in decisions.items() if b in moved}
+        self.history.append(self._summary())
+        log.info("glake.swap: plan %s", self.history[-1])
+
+    def _summary(self):
+        counts = {"keep": 0, "swap": 0, "recompute": 0}
+        moved = {"swap": 0, "recompute": 0}
+        for (action, _, _), t, meaning in zip(self.choices, self.profile.tensors, self.meaning):
+            if meaning is None:
+                continue
+            name = ("keep", "swap", "recompute")[action]
+            counts[name] += 1
+            if name in moved:
+                moved[name] += t.bytes
+        p = self.prediction
+        return {"target_bytes": self.target_bytes, "correction": self.correction,
+                "blocks_planned": len(self.decisions), "counts": counts,
+                "swapped_bytes": moved["swap"], "recomputed_bytes": moved["recompute"],
+                "predicted_step_ms": p.step_ns / 1e6, "predicted_peak_bytes": p.peak_bytes,
+                "compute_ms": p.compute_ns / 1e6, "baseline_peak_bytes": p.baseline_peak_bytes,
+                "bandwidth_gbps": tuple(round(x / 1e9, 1) for x in self.bandwidth)}
+
+    def _measure(self, now):
+        now.synchronize()
+        step_ms = self.step_start.elapsed_time(now)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        self.measured.append((step_ms, reserved, allocated))
+        if self.phase != "search":
+            return
+        predicted = self.prediction.peak_bytes
+        over = reserved - int(self.target_bytes * (1 - self.settings.margin / 2)) \
+            if self.target_bytes else 0
+        if over > 0:
+            self.correction += over
+            log.info("glake.swap: step peaked at %d bytes reserved (%d over): planning again",
+                     reserved, over)
+            self._replan()
+            return
+        if len(self.measured) >= self.settings.search_steps:
+            self.phase = "stable"
+            log.info("glake.swap: stable; predicted %.1f ms and %d bytes, measured %.1f ms and "
+                     "%d bytes reserved (%d allocated)", self.prediction.step_ns / 1e6,
+                     predicted, step_ms, reserved, allocated)
+
+    def report(self):
+        """Where SmartSwap stands: phase, the plan and its predicted step, and the steps
+        measured since planning (milliseconds, peak reserved and allocated bytes)."""
+        return {"phase": self.phase, "iteration": self.iteration,
+                "plan": self.history[-1] if self.history else None,
+                "measured": list(self.measured),
+                "swapped_out_bytes": self.swapper.bytes_out,
+                "swapped_in_bytes": self.swapper.bytes_in}
+
+
+def apply(model, blocks=None, **settings):
+    """Plans `model`'s repeated blocks (or the given `blocks`) for the target in `settings`
+    (see Settings; unset ones come from GLAKE_SWAP_*). Returns the SmartSwap object."""
+    return SmartSwap(blocks if blocks is not None else find_blocks(model),
+                     Settings.from_env(**settings))
+
+
+_auto = {"hook": None, "settings": None, "applied": None}
+
+
+def enable_auto(**settings):
+    """Plans the first model whose forward runs with gradients and holds repeated blocks (what
+    glake.torch.enable(swap=...) calls)."""
+    _auto["settings"] = Settings.from_env(**settings)
+    if _auto["hook"] is not None:
+        return
+
+    def pre_hook(module, args):
+        if _auto["applied"] is not None or not torch.is_grad_enabled() or not module.training:
+            return
+        try:
+            blocks = find_blocks(module)
+        except ValueError:
+            return
+        _auto["applied"] = SmartSwap(blocks, _auto["settings"])
+        _auto["hook"].remove()
+        log.info("glake.swap: planning %d blocks of %s", len(blocks), type(module).__name__)
+
+    _auto["hook"] = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+
+
+def active():
+    """The SmartSwap that enable_auto() applied, if any."""
+    return _auto["applied"]

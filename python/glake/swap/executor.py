@@ -1,0 +1,274 @@
+"""SmartSwap's executor for PyTorch: what a block keeps, swaps or recomputes between its forward
+and its backward.
+
+A planned block runs under torch.utils.checkpoint (non-reentrant) with a pair of dispatch modes
+as its context: in the forward, `RecordingMode` keeps the outputs of the ops the plan keeps,
+starts a copy to pinned host memory on a side stream for the ops it swaps, and lets the rest
+go; in the backward's recompute, `ReplayMode` hands back the kept outputs, waits for the
+swapped ones (already on their way: `Swapper.prefetch` starts their copies a block ahead) and
+reruns everything else. The copies are exact, and rerun ops see the RNG state checkpoint
+restores, so the step computes what it computes unplanned.
+
+Ops are matched by their index in the block's forward; when the forward takes another path than
+the profiled one (data-dependent routing), the block stops keeping anything from there on, so it
+never holds more than planned."""
+
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+KEEP, SWAP = "keep", "swap"
+
+# Ops whose outputs cost far more to rebuild than their bytes to move: matmuls and attention.
+HEAVY_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_grouped_mm",
+    "_scaled_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward",
+})
+
+
+# Ops the recompute runs that the forward did not (checkpoint detaches the recomputed inputs):
+# left out of the op count on both sides.
+IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+
+
+def op_name(func):
+    return func.overloadpacket.__name__
+
+
+def _storages(tree):
+    """(tensor, storage) pairs of the tensors in `tree`, one per distinct storage."""
+    seen, out = set(), []
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key not in seen and s.nbytes() > 0:
+                seen.add(key)
+                out.append((t, s))
+    return out
+
+
+class OpRecord:
+    """One op of a profiled block forward: its name, the bytes of the storages it made, whether
+    a later op wrote into them (caching such an output would replay the write twice), and its
+    device time once `read_time` has read its events (CUDA events, or clock readings on CPU)."""
+
+    __slots__ = ("func", "name", "bytes", "mutated", "events", "gpu_ns")
+
+    def __init__(self, func, nbytes, events):
+        self.func, self.name, self.bytes = func, op_name(func), nbytes
+        self.mutated, self.events, self.gpu_ns = False, events, 0
+
+    def read_time(self):
+        if self.events is not None:
+            a, z = self.events
+            self.gpu_ns = int(a.elapsed_time(z) * 1e6) if hasattr(a, "elapsed_time") else z - a
+            self.events = None
+
+    @property
+    def heavy(self):
+        return self.name in HEAVY_OPS
+
+
+class Swapper:
+    """Moves cached outputs to pinned host memory and back on two side streams. Host buffers
+    are made once per (block, op, piece) and reused every step; on CPU (tests) the same path
+    runs without streams."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(self.device)
+            self.h2d = torch.cuda.Stream(self.device)
+        self.host = {}
+        self.pending = {}  # block -> handles not yet brought back
+        self.bytes_out = 0
+        self.bytes_in = 0
+
+    def host_buffer(self, key, nbytes):
+        buf = self.host.get(key)
+        if buf is None or buf.numel() != nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            self.host[key] = buf
+        return buf
+
+    def swap_out(self, key, out):
+        """Starts copying the storages of `out` to host; returns the handle `swap_in` takes."""
+        pieces = []
+        if self.cuda:
+            main = torch.cuda.current_stream(self.device)
+            self.d2h.wait_stream(main)
+        for n, (t, storage) in enumerate(_storages(out)):
+            raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            buf = self.host_buffer((*key, n), raw.numel())
+            if self.cuda:
+                with torch.cuda.stream(self.d2h):
+                    buf.copy_(raw, non_blocking=True)
+                # The allocator must not hand this memory out before the copy has read it.
+                raw.record_stream(self.d2h)
+            else:
+                buf.copy_(raw)
+            pieces.append((storage.data_ptr(), buf))
+            self.bytes_out += raw.numel()
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+        flat, spec = tree_flatten(out)
+        layout = []
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                index = next((i for i, (p, _) in enumerate(pieces) if p == ptr), None)
+                layout.append(("tensor", index, t.dtype, t.size(), t.stride(),
+                               t.storage_offset()))
+            else:
+                layout.append(("value", t))
+        handle = {"pieces": [b for _, b in pieces], "done": done, "layout": layout,
+                  "spec": spec, "back": None, "ready": None}
+        self.pending.setdefault(key[0], []).append(handle)
+        return handle
+
+    def _bring_back(self, handle):
+        if handle["back"] is not None:
+            return
+        back = []
+        if self.cuda:
+            self.h2d.wait_event(handle["done"])
+            with torch.cuda.stream(self.h2d):
+                for buf in handle["pieces"]:
+                    dev = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+                    dev.copy_(buf, non_blocking=True)
+                    back.append(dev)
+            handle["ready"] = torch.cuda.Event()
+            handle["ready"].record(self.h2d)
+        else:
+            back = [buf.clone() for buf in handle["pieces"]]
+        for dev in back:
+            self.bytes_in += dev.numel()
+        handle["back"] = back
+
+    def prefetch(self, block):
+        """Starts bringing back everything block `block` swapped out."""
+        for handle in self.pending.pop(block, []):
+            self._bring_back(handle)
+
+    def swap_in(self, handle):
+        """The swapped output, on the device and safe to use on the current stream."""
+        self._bring_back(handle)
+        back = handle["back"]
+        if self.cuda:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(handle["ready"])
+            for dev in back:
+                dev.record_stream(main)
+        flat = []
+        for entry in handle["layout"]:
+            if entry[0] == "value":
+                flat.append(entry[1])
+                continue
+            _, index, dtype, size, stride, offset = entry
+            if index is None:  # an empty tensor: nothing was copied
+                flat.append(torch.empty_strided(size, stride, dtype=dtype, device=self.device))
+                continue
+            t = torch.empty(0, dtype=dtype, device=self.device)
+            t.set_(back[index].untyped_storage(), offset, size, stride)
+            flat.append(t)
+        handle["back"] = None
+        return tree_unflatten(flat, handle["spec"])
+
+    def forget(self):
+        """Drops pending handles (a step that ended without its backward)."""
+        self.pending.clear()
+
+
+class RecordingMode(TorchDispatchMode):
+    """The forward of a checkpointed block: keeps, swaps or drops each op's outputs per
+    `decisions` ({op index: KEEP or SWAP}), and with `profile` records every op (events when
+    on CUDA) into `records`."""
+
+    def __init__(self, block, decisions, cache, swapper, expected=None, records=None):
+        super().__init__()
+        self.block, self.decisions, self.cache = block, decisions, cache
+        self.swapper, self.expected, self.records = swapper, expected, records
+        self.index = 0
+        self.diverged = False
+        self.made = {}  # storage pointer -> record index (profiling only)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in IGNORED_OPS:
+            return func(*args, **kwargs)
+        i = self.index
+        self.index += 1
+        if self.expected is not None and not self.diverged:
+            if i >= len(self.expected) or self.expected[i] is not func:
+                self.diverged = True
+        events = None
+        if self.records is not None:
+            if self.swapper.cuda:
+                events = [torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True)]
+                events[0].record()
+            else:
+                events = [time.perf_counter_ns(), None]
+        out = func(*args, **kwargs)
+        if self.records is not None:
+            self._record(func, args, kwargs, out, events)
+        choice = None if self.diverged else self.decisions.get(i)
+        if choice == KEEP:
+            self.cache[i] = (func, KEEP, tree_map(
+                lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out))
+        elif choice == SWAP:
+            self.cache[i] = (func, SWAP, self.swapper.swap_out((self.block, i), out))
+        return out
+
+    def _record(self, func, args, kwargs, out, events):
+        if self.swapper.cuda:
+            events[1].record()
+        else:
+            events[1] = time.perf_counter_ns()
+        inputs = {s.data_ptr() for _, s in _storages((args, kwargs))}
+        fresh = [(t, s) for t, s in _storages(out) if s.data_ptr() not in inputs]
+        record = OpRecord(func, sum(s.nbytes() for _, s in fresh), events)
+        if func._schema.is_mutable:
+            for ptr in inputs:
+                if ptr in self.made:
+                    self.records[self.made[ptr]].mutated = True
+        for _, s in fresh:
+            self.made[s.data_ptr()] = len(self.records)
+        self.records.append(record)
+
+
+class ReplayMode(TorchDispatchMode):
+    """The recompute of a checkpointed block in the backward: kept outputs come from the cache,
+    swapped ones from host memory, the rest is computed again."""
+
+    def __init__(self, cache, swapper):
+        super().__init__()
+        self.cache, self.swapper = cache, swapper
+        self.index = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in IGNORED_OPS:
+            return func(*args, **kwargs)
+        i = self.index
+        self.index += 1
+        entry = self.cache.pop(i, None)
+        if entry is None:
+            return func(*args, **kwargs)
+        cached_func, how, value = entry
+        if cached_func is not func:
+            raise RuntimeError(
+                f"glake.swap: the recompute ran {op_name(func)} where the forward ran "
+                f"{op_name(cached_func)} (op {i}); the block's forward must not depend on "
+                "anything but its inputs and the RNG state")
+        if how == SWAP:
+            return self.swapper.swap_in(value)
+        return value

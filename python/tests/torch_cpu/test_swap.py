@@ -1,0 +1,171 @@
+"""SmartSwap's PyTorch side on the CPU: the executor's keep, swap and recompute paths and the
+planned run compute bit-identical losses and gradients to the unplanned run (dropout included:
+checkpoint restores the RNG state), and the planner's choices reach the executor."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import glake.swap as swap  # noqa: E402
+from glake.swap import planner  # noqa: E402
+from glake.swap.executor import KEEP, SWAP  # noqa: E402
+
+D, HEADS, LAYERS, VOCAB = 64, 4, 4, 97
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(D)
+        self.qkv = torch.nn.Linear(D, 3 * D)
+        self.proj = torch.nn.Linear(D, D)
+        self.norm2 = torch.nn.LayerNorm(D)
+        self.up = torch.nn.Linear(D, 4 * D)
+        self.down = torch.nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, HEADS, D // HEADS).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, D))
+        h = F.dropout(F.gelu(self.up(self.norm2(x))), p=0.1, training=self.training)
+        return x + self.down(h)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, D)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = torch.nn.Linear(D, VOCAB)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+
+def train(model, steps, seed=0, shapes=((2, 16),)):
+    """Losses and final gradients of `steps` SGD steps on random tokens, seeded."""
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        ids = torch.randint(0, VOCAB, shapes[step % len(shapes)])
+        loss = model(ids)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+def fresh():
+    torch.manual_seed(1)
+    return Model()
+
+
+def same(a, b):
+    la, ga = a
+    lb, gb = b
+    assert la == lb
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+
+def test_planned_run_is_bit_identical_and_moves_bytes():
+    reference = train(fresh(), 8)
+    probe = fresh()
+    first = swap.apply(probe)
+    train(probe, 3)
+    baseline = first.prediction.baseline_peak_bytes
+    assert first.report()["plan"]["counts"]["keep"] > 0 and not first.decisions
+    # 60% of the unplanned peak: the planner must move outputs, and says it meets the target.
+    model = fresh()
+    smart = swap.apply(model, target=int(0.6 * baseline))
+    same(train(model, 8), reference)
+    report = smart.report()
+    assert report["phase"] in ("search", "stable")
+    plan = report["plan"]
+    assert plan["swapped_bytes"] + plan["recomputed_bytes"] > 0, report
+    assert plan["predicted_peak_bytes"] <= 0.6 * baseline, report
+    assert smart.swapper.bytes_out == plan["swapped_bytes"] * 6, report  # steps 3 to 8
+
+
+def test_every_executor_path_keeps_the_step_exact():
+    reference = train(fresh(), 6)
+    model = fresh()
+    smart = swap.apply(model)
+    base = train(model, 3)  # warm-up, profile, and a step of the (empty) plan
+    assert base[0] == reference[0][:3]
+    records = smart.expected
+    assert set(records) == set(range(LAYERS))
+    heavy = [i for i, f in enumerate(records[0])
+             if swap.executor.op_name(f) in swap.executor.HEAVY_OPS]
+    assert heavy, [swap.executor.op_name(f) for f in records[0]]
+    # Block 0 swaps every heavy output, block 1 keeps them, block 2 recomputes everything,
+    # block 3 runs as written.
+    smart.decisions = {0: {i: SWAP for i in heavy}, 1: {i: KEEP for i in heavy}, 2: {}}
+    smart.phase = "stable"
+    torch.manual_seed(0)
+    model2 = fresh()
+    smart2 = swap.apply(model2)
+    smart2.phase, smart2.expected = "stable", records
+    smart2.decisions = smart.decisions
+    smart2.signature = None
+    same(train(model2, 6), reference)
+    assert smart2.swapper.bytes_out > 0 and smart2.swapper.bytes_in == smart2.swapper.bytes_out
+
+
+def test_new_shapes_go_back_to_warmup_and_stay_exact(caplog):
+    shapes = ((2, 16),) * 4 + ((3, 8),) * 4
+    reference = train(fresh(), 8, shapes=shapes)
+    model = fresh()
+    smart = swap.apply(model, target=1)
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        same(train(model, 8, shapes=shapes), reference)
+    assert "back to warm-up" in caplog.text
+    assert smart.report()["plan"] is not None
+
+
+def test_planner_from_python_meets_its_target():
+    ops = [(1000, planner.FORWARD), (1000, planner.FORWARD), (2000, planner.BACKWARD),
+           (2000, planner.BACKWARD)]
+    tensors = [planner.Tensor(100, 0, 3, [3], recompute_ns=900),
+               planner.Tensor(100, 1, 2, [2], recompute_ns=900)]
+    profile = planner.Profile(ops, tensors, base_bytes=10)
+    choices, pred = planner.plan(profile, 160, 1e9, 1e9)
+    assert pred.peak_bytes <= 160 and pred.baseline_peak_bytes == 210
+    assert planner.simulate(profile, choices, 1e9, 1e9) == pred
+    with pytest.raises(planner.TargetUnreachable) as e:
+        planner.plan(profile, 10, 1e9, 1e9)
+    assert 10 < e.value.best_peak < 210
+    with pytest.raises(ValueError):
+        planner.plan(planner.Profile(ops, [planner.Tensor(1, 3, 2, [])]), 1, 1e9, 1e9)
+
+
+def test_settings_come_from_keywords_and_environment(monkeypatch):
+    monkeypatch.setenv("GLAKE_SWAP_TARGET", "0.6")
+    monkeypatch.setenv("GLAKE_SWAP_PREFERENCE", "memory")
+    s = swap.Settings.from_env(prefetch=2)
+    assert (s.target, s.preference, s.prefetch) == (0.6, "memory", 2)
+    with pytest.raises(TypeError):
+        swap.Settings.from_env(bogus=1)
+    with pytest.raises(ValueError):
+        swap.Settings.from_env(preference="fast")
+
+
+def test_enable_auto_plans_the_first_trained_model():
+    reference = train(fresh(), 4)
+    swap.enable_auto(target=1)
+    model = fresh()
+    same(train(model, 4), reference)
+    applied = swap.active()
+    assert applied is not None and len(applied.blocks) == LAYERS
+    applied.remove()
+    assert copy.deepcopy(model) is not None

@@ -3,9 +3,10 @@
 #   bash scripts/gpu-torch.sh tests    # pytest python/tests/gpu (2-GPU tests skip on one GPU)
 #   bash scripts/gpu-torch.sh bench    # bench/train_bench.py, every workload and allocator
 #   bash scripts/gpu-torch.sh load     # bench/load_state_dict.py: a 10 GB state dict to the GPU
+#   bash scripts/gpu-torch.sh swap     # bench/swap_bench.py: SmartSwap against checkpointing
 #   bash scripts/gpu-torch.sh all      # tests and bench (the default)
 # Extra arguments after the first go to train_bench.py. Results go to $OUT (or ./gpu-results):
-# pytest.txt, bench.jsonl, bench.md.
+# pytest.txt, bench.jsonl, bench.md, swap.md, swap.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
@@ -26,10 +27,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 python3 -m glake.native 2>&1 | tail -3 | sed 's/^/native allocator: /' | tee "$out/native.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -v -rs python/tests/gpu 2>&1 | tee "$out/pytest.txt" || status=1
+  python3 -m pytest -v -rs python/tests/gpu python/tests/torch_cpu 2>&1 | tee "$out/pytest.txt" || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/train_bench.py --jsonl "$out/bench.jsonl" --markdown "$out/bench.md" "$@" || status=1
+fi
+if [ "$what" = swap ]; then
+  python3 bench/swap_bench.py --markdown "$out/swap.md" --jsonl "$out/swap.jsonl" "$@" || status=1
 fi
 if [ "$what" = load ]; then
   python3 bench/load_state_dict.py --markdown "$out/load.md" --jsonl "$out/load.jsonl" "$@" || status=1

@@ -54,8 +54,19 @@ echo "== Python package: wheel with libgmlake.so, host tests"
 rm -rf build/wheel
 python3 -m pip wheel -q --no-deps --no-build-isolation -w build/wheel ./python
 wheel_list=$(python3 -m zipfile -l build/wheel/glake-*-py3-none-*.whl)
-for f in glake/libgmlake.so glake/native/glake_allocator.cpp glake/native/own_allocator_pools.h glake/native/glake.h glake/_boot/sitecustomize.py glake-autoload.pth; do
+for f in glake/libgmlake.so glake/swap/executor.py glake/native/glake_allocator.cpp glake/native/own_allocator_pools.h glake/native/glake.h glake/_boot/sitecustomize.py glake-autoload.pth; do
   grep -q "$f" <<<"$wheel_list" || { echo "the wheel lacks $f" >&2; exit 1; }
 done
 GLAKE_LIBRARY="$PWD/target/release/libgmlake.so" python3 -m pytest -q python/tests/test_package.py python/tests/test_launch.py
+# SmartSwap's PyTorch side on the CPU: with the interpreter in $GLAKE_TORCH_PYTHON, or python3
+# when it has torch (not installed here: the CUDA build of torch is several GB; the GPU suite
+# runs these tests too).
+torch_python=${GLAKE_TORCH_PYTHON:-python3}
+if "$torch_python" -c 'import torch' 2>/dev/null; then
+  echo "== SmartSwap on PyTorch (CPU)"
+  GLAKE_LIBRARY="$PWD/target/release/libgmlake.so" PYTHONPATH="$PWD/python" \
+    "$torch_python" -m pytest -q python/tests/torch_cpu
+else
+  echo "== SmartSwap on PyTorch (CPU): skipped, no torch for $torch_python (set GLAKE_TORCH_PYTHON)"
+fi
 echo "all tests passed"

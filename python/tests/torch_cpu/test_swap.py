@@ -1,4 +1,5 @@
-"""SmartSwap's PyTorch side on the CPU: the executor's keep, swap and recompute paths and the
+"""SmartSwap's PyTorch side on the CPU (and on CUDA where there is one: side streams, pinned
+memory): the executor's keep, swap and recompute paths and the
 planned run compute bit-identical losses and gradients to the unplanned run (dropout included:
 checkpoint restores the RNG state), and the planner's choices reach the executor."""
 
@@ -50,13 +51,27 @@ class Model(torch.nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES, autouse=True)
+def device(request):
+    """Runs each test on each device; on CUDA with attention kernels that are deterministic."""
+    global DEVICE
+    DEVICE = request.param
+    if DEVICE == "cuda":
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+    yield DEVICE
+
+
 def train(model, steps, seed=0, shapes=((2, 16),)):
     """Losses and final gradients of `steps` SGD steps on random tokens, seeded."""
     torch.manual_seed(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
-        ids = torch.randint(0, VOCAB, shapes[step % len(shapes)])
+        ids = torch.randint(0, VOCAB, shapes[step % len(shapes)]).to(DEVICE)
         loss = model(ids)
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
@@ -68,7 +83,7 @@ def train(model, steps, seed=0, shapes=((2, 16),)):
 
 def fresh():
     torch.manual_seed(1)
-    return Model()
+    return Model().to(DEVICE)
 
 
 def same(a, b):

@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""Training under a memory cap: SmartSwap (glake.swap on glake's allocator) against what users
+have today (full activation checkpointing, save_on_cpu with pinned memory, on PyTorch's native
+allocator), on dense decoder-only transformers of two widths and a mixture of experts, each
+method in its own process with the same seed and batches.
+
+    python3 bench/swap_bench.py                                   # every model, every cap
+    python3 bench/swap_bench.py --models dense-1b --caps 0.6 --steps 6
+    python3 bench/swap_bench.py --markdown swap.md --jsonl swap.jsonl
+    python3 bench/swap_bench.py --plot swap.png --from-jsonl swap.jsonl   # plot only
+
+For each model the unconstrained run comes first: its peak reserved bytes P and step time are
+the reference. Then each method runs under caps of P times each --caps fraction (set with
+torch.cuda.set_per_process_memory_fraction; glake's SmartSwap gets the same bytes as its
+target). Per cap: tokens per second (median step, each step synchronised, warm-up and SmartSwap's
+warm-up and search steps left out), that relative to unconstrained, peak reserved and allocated
+bytes, and for SmartSwap the planner's predicted step time and peak beside the measured ones.
+An out-of-memory error is reported as OOM. The glake process also checks the loss: with
+deterministic attention kernels, 20 steps under SmartSwap at the 60% cap against 20 steps
+unconstrained from the same seed, bit for bit.
+"""
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+METHODS = ("glake", "checkpoint", "save_on_cpu")
+MODELS = {
+    # name: (width, layers, heads, ffn, experts, batch, sequence)
+    "dense-1b": (2048, 22, 16, 5632, 0, 8, 2048),
+    "dense-3b": (3072, 26, 24, 8192, 0, 4, 2048),
+    "moe": (1024, 12, 16, 2816, 8, 8, 1024),
+}
+VOCAB = 32000
+GIB = 2**30
+
+
+def build(name, torch):
+    """The model (bf16, on the GPU) of MODELS[name] with its repeated blocks in `.layers`."""
+    import torch.nn.functional as F
+    width, layers, heads, ffn, experts, _, _ = MODELS[name]
+    nn = torch.nn
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(width, ffn, bias=False)
+            self.up = nn.Linear(width, ffn, bias=False)
+            self.down = nn.Linear(ffn, width, bias=False)
+
+        def forward(self, x):
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    class Moe(nn.Module):
+        """Top-2 routing over `experts` MLPs; expert loads change with the tokens."""
+
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(width, experts, bias=False)
+            self.experts = nn.ModuleList(Mlp() for _ in range(experts))
+
+        def forward(self, x):
+            flat = x.flatten(0, 1)
+            weights, chosen = torch.topk(F.softmax(self.router(flat), -1, dtype=torch.float), 2)
+            weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+            out = torch.zeros_like(flat)
+            for e, expert in enumerate(self.experts):
+                token, slot = torch.where(chosen == e)
+                out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+            return out.view_as(x)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.RMSNorm(width)
+            self.qkv = nn.Linear(width, 3 * width, bias=False)
+            self.out = nn.Linear(width, width, bias=False)
+            self.norm2 = nn.RMSNorm(width)
+            self.mlp = Moe() if experts else Mlp()
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, heads, width // heads).unbind(2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), is_causal=True)
+            x = x + self.out(a.transpose(1, 2).reshape(b, s, width))
+            return x + self.mlp(self.norm2(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, width)
+            self.layers = nn.ModuleList(Block() for _ in range(layers))
+            self.norm = nn.RMSNorm(width)
+            self.head = nn.Linear(width, VOCAB, bias=False)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x)
+            logits = self.head(self.norm(x)).float()
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Model()
+    torch.set_default_dtype(torch.float32)
+    return model
+
+
+def child(args):
+    """One method on one model in this process; prints one JSON line per cap."""
+    method, name = args.child_method, args.child_model
+    if method == "glake":
+        import glake.torch
+        glake.torch.enable()
+        import glake.swap
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    _, _, _, _, _, batch, seq = MODELS[name]
+    total = torch.cuda.mem_get_info()[1]
+    model = build(name, torch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, VOCAB, (batch, seq), device="cuda", generator=gen)
+               for _ in range(4)]
+    originals = [layer.forward for layer in model.layers]
+
+    def use(kind):
+        for layer, original in zip(model.layers, originals):
+            layer.forward = original
+        if kind == "checkpoint":
+            for layer, original in zip(model.layers, originals):
+                layer.forward = (lambda f: lambda *a, **k: checkpoint(
+                    f, *a, use_reentrant=False, **k))(original)
+
+    def step(i):
+        ids = batches[i % len(batches)]
+        if method == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                loss = model(ids)
+        else:
+            loss = model(ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def run(steps, warm):
+        times, losses = [], []
+        torch.cuda.synchronize()
+        for i in range(warm + steps):
+            if i == warm:
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            loss = step(i)
+            losses.append(loss.item())
+            torch.cuda.synchronize()
+            if i >= warm:
+                times.append(time.perf_counter() - t)
+        return times, losses
+
+    caps = [None] if method == "unconstrained" else [float(c) for c in args.caps.split(",")]
+    for cap in caps:
+        row = {"model": name, "method": method, "cap": cap, "tokens_per_step": batch * seq}
+        smart = None
+        torch.cuda.empty_cache()
+        limit = int(cap * args.reference_peak) if cap else None
+        torch.cuda.set_per_process_memory_fraction(limit / total if limit else 1.0)
+        try:
+            if method == "glake":
+                use(None)
+                smart = glake.swap.apply(model, target=limit)
+                warm = 2 + smart.settings.search_steps + 2
+            else:
+                use(method if method == "checkpoint" else None)
+                warm = 2
+            times, _ = run(args.steps, warm)
+            step_s = statistics.median(times)
+            row.update(step_ms=step_s * 1e3, tokens_per_s=batch * seq / step_s,
+                       peak_reserved=torch.cuda.max_memory_reserved(),
+                       peak_allocated=torch.cuda.max_memory_allocated(), oom=False)
+            if smart is not None:
+                report = smart.report()
+                plan = report["plan"] or {}
+                row.update(phase=report["phase"], plan=plan,
+                           predicted_step_ms=plan.get("predicted_step_ms"),
+                           predicted_peak=plan.get("predicted_peak_bytes"))
+        except torch.OutOfMemoryError as e:
+            row.update(oom=True, error=str(e).splitlines()[0][:200])
+            opt.zero_grad(set_to_none=True)
+        finally:
+            if smart is not None:
+                smart.remove()
+        row["limit"] = limit
+        print(json.dumps(row), flush=True)
+    if method in ("glake", "unconstrained") and args.loss_steps:
+        # Bit-identity of the loss: deterministic attention, fresh model and optimizer.
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        del opt, model
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(
+            int(0.6 * args.reference_peak) / total if method == "glake" else 1.0)
+        model = build(name, torch)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        originals = [layer.forward for layer in model.layers]
+        smart = glake.swap.apply(model, target=int(0.6 * args.reference_peak)) \
+            if method == "glake" else None
+        try:
+            _, losses = run(0, args.loss_steps)
+            row = {"model": name, "method": method, "losses": losses}
+        except torch.OutOfMemoryError as e:
+            row = {"model": name, "method": method, "losses": None,
+                   "error": str(e).splitlines()[0][:200]}
+        print(json.dumps(row), flush=True)
+
+
+def spawn(method, name, args, reference_peak=0):
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child-method", method,
+           "--child-model", name, "--caps", args.caps, "--steps", str(args.steps),
+           "--reference-peak", str(reference_peak), "--loss-steps", str(args.loss_steps)]
+    started = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0:
+        print(f"{method} on {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}",
+              file=sys.stderr)
+    print(f"  {method}: {len(rows)} rows in {time.time() - started:.0f} s", file=sys.stderr)
+    return rows
+
+
+def markdown(rows):
+    out = []
+    refs = {r["model"]: r for r in rows if r["method"] == "unconstrained" and "cap" in r}
+    for name in dict.fromkeys(r["model"] for r in rows):
+        ref = refs.get(name)
+        if ref is None or ref.get("oom"):
+            continue
+        out.append(f"\n**{name}**: unconstrained {ref['tokens_per_s']:.0f} tokens/s, "
+                   f"{ref['step_ms']:.0f} ms per step, peak reserved "
+                   f"{ref['peak_reserved'] / GIB:.1f} GiB\n")
+        out.append("| cap | method | tokens/s | vs unconstrained | peak reserved GiB | "
+                   "peak allocated GiB | predicted ms (measured) | predicted peak GiB |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for cap in sorted({r["cap"] for r in rows if r["model"] == name and r.get("cap")},
+                          reverse=True):
+            for method in METHODS:
+                r = next((x for x in rows if x["model"] == name and x["method"] == method
+                          and x.get("cap") == cap), None)
+                if r is None:
+                    continue
+                if r["oom"]:
+                    out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {method} | OOM | | "
+                               "| | | |")
+                    continue
+                pred = (f"{r['predicted_step_ms']:.0f} ({r['step_ms']:.0f})"
+                        if r.get("predicted_step_ms") else "")
+                peak = (f"{r['predicted_peak'] / GIB:.1f}" if r.get("predicted_peak") else "")
+                out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {method} | "
+                           f"{r['tokens_per_s']:.0f} | "
+                           f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f} | "
+                           f"{r['peak_reserved'] / GIB:.1f} | {r['peak_allocated'] / GIB:.1f} | "
+                           f"{pred} | {peak} |")
+        losses = {r["method"]: r.get("losses") for r in rows
+                  if r["model"] == name and "losses" in r}
+        if losses.get("glake") and losses.get("unconstrained"):
+            same = losses["glake"] == losses["unconstrained"]
+            out.append(f"\nLosses over {len(losses['glake'])} steps under SmartSwap at 60% vs "
+                       f"unconstrained: {'identical' if same else 'DIFFERENT'}")
+    return "\n".join(out)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        ref = next((r for r in rows if r["model"] == name and r["method"] == "unconstrained"
+                    and "cap" in r and not r.get("oom")), None)
+        if ref is None:
+            continue
+        for method in METHODS:
+            pts = sorted((r["cap"], r["tokens_per_s"] / ref["tokens_per_s"]) for r in rows
+                         if r["model"] == name and r["method"] == method and r.get("cap")
+                         and not r.get("oom"))
+            if pts:
+                ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o",
+                        label=method)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_title(name)
+        ax.set_xlabel("cap, % of unconstrained peak reserved")
+        ax.set_ylabel("throughput vs unconstrained")
+        ax.invert_xaxis()
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--caps", default="0.8,0.7,0.6,0.5,0.4")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--loss-steps", type=int, default=20)
+    p.add_argument("--markdown")
+    p.add_argument("--jsonl")
+    p.add_argument("--plot")
+    p.add_argument("--from-jsonl")
+    p.add_argument("--child-method")
+    p.add_argument("--child-model")
+    p.add_argument("--reference-peak", type=int, default=0)
+    args = p.parse_args()
+    if args.child_method:
+        return child(args)
+    if args.from_jsonl:
+        rows = [json.loads(line) for line in open(args.from_jsonl)]
+    else:
+        rows = []
+        for name in args.models.split(","):
+            print(f"{name}:", file=sys.stderr)
+            ref = spawn("unconstrained", name, args)
+            rows += ref
+            peak = next((r["peak_reserved"] for r in ref if "cap" in r and not r.get("oom")), 0)
+            if not peak:
+                continue
+            for method in args.methods.split(","):
+                rows += spawn(method, name, args, peak)
+            if args.jsonl:
+                with open(args.jsonl, "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
+    text = markdown(rows)
+    print(text)
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(text + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

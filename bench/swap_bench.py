@@ -116,10 +116,12 @@ def build(name, torch):
 
 def child(args):
     """One method on one model in this process; prints one JSON line per cap."""
-    method, name = args.child_method, args.child_model
-    if method == "glake":
+    spec, name = args.child_method, args.child_model
+    method, _, allocator = spec.partition("@")
+    if (allocator or ("glake" if method == "glake" else "native")) == "glake":
         import glake.torch
         glake.torch.enable()
+    if method == "glake":
         import glake.swap
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -169,7 +171,7 @@ def child(args):
 
     caps = [None] if method == "unconstrained" else [float(c) for c in args.caps.split(",")]
     for cap in caps:
-        row = {"model": name, "method": method, "cap": cap, "tokens_per_step": batch * seq}
+        row = {"model": name, "method": spec, "cap": cap, "tokens_per_step": batch * seq}
         smart = None
         torch.cuda.empty_cache()
         limit = int(cap * args.reference_peak) if cap else None
@@ -216,9 +218,9 @@ def child(args):
             if method == "glake" else None
         try:
             _, losses = run(0, args.loss_steps)
-            row = {"model": name, "method": method, "losses": losses}
+            row = {"model": name, "method": spec, "losses": losses}
         except torch.OutOfMemoryError as e:
-            row = {"model": name, "method": method, "losses": None,
+            row = {"model": name, "method": spec, "losses": None,
                    "error": str(e).splitlines()[0][:200]}
         print(json.dumps(row), flush=True)
 
@@ -237,6 +239,10 @@ def spawn(method, name, args, reference_peak=0):
     return rows
 
 
+def methods_of(rows):
+    return [m for m in dict.fromkeys(r["method"] for r in rows) if m != "unconstrained"]
+
+
 def markdown(rows):
     out = []
     refs = {r["model"]: r for r in rows if r["method"] == "unconstrained" and "cap" in r}
@@ -252,7 +258,7 @@ def markdown(rows):
         out.append("|---|---|---|---|---|---|---|---|")
         for cap in sorted({r["cap"] for r in rows if r["model"] == name and r.get("cap")},
                           reverse=True):
-            for method in METHODS:
+            for method in methods_of(rows):
                 r = next((x for x in rows if x["model"] == name and x["method"] == method
                           and x.get("cap") == cap), None)
                 if r is None:
@@ -289,7 +295,7 @@ def plot(rows, path):
                     and "cap" in r and not r.get("oom")), None)
         if ref is None:
             continue
-        for method in METHODS:
+        for method in methods_of(rows):
             pts = sorted((r["cap"], r["tokens_per_s"] / ref["tokens_per_s"]) for r in rows
                          if r["model"] == name and r["method"] == method and r.get("cap")
                          and not r.get("oom"))

@@ -36,6 +36,7 @@ from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper
 
 log = logging.getLogger("glake.swap")
 _STABLE_EVERY = 20  # stable steps between two measured ones (measuring waits for the GPU)
+_MAX_CORRECTIONS = 3  # re-plans a search may ask for before it keeps the plan it has
 _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
         "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",
         "margin": "GLAKE_SWAP_MARGIN"}
@@ -136,6 +137,7 @@ class SmartSwap:
         self.prediction = None
         self.target_bytes = None
         self.correction = 0
+        self.corrections = 0
         self.bandwidth = None
         self.measured = []          # (step ms, peak reserved, peak allocated) per search step
         self.step_start = None
@@ -196,7 +198,7 @@ class SmartSwap:
     def _restart(self):
         self.phase, self.iteration = "warmup", 0
         self.decisions, self.marks, self.expected = None, None, {}
-        self.measured, self.correction = [], 0
+        self.measured, self.correction, self.corrections = [], 0, 0
         self.swapper.forget()
 
     def _event(self):
@@ -398,7 +400,7 @@ class SmartSwap:
             choices = [(planner.KEEP, 0, 0)] * len(profile.tensors)
             self.prediction = planner.simulate(profile, choices, d2h, h2d, s.prefetch + 1)
         else:
-            goal = int(target * (1 - s.margin)) - self.correction
+            goal = self._goal()
             try:
                 choices, self.prediction = planner.plan(profile, goal, d2h, h2d, s.prefetch + 1,
                                                         s.preference)
@@ -426,6 +428,13 @@ class SmartSwap:
         self.history.append(self._summary())
         log.info("glake.swap: plan %s", self.history[-1])
 
+    def _goal(self):
+        """Allocated bytes the plan aims at: the target less the margin and the corrections
+        measured steps asked for."""
+        if self.target_bytes is None:
+            return None
+        return max(0, int(self.target_bytes * (1 - self.settings.margin)) - self.correction)
+
     def _summary(self):
         counts = {"keep": 0, "swap": 0, "recompute": 0}
         moved = {"swap": 0, "recompute": 0}
@@ -452,13 +461,16 @@ class SmartSwap:
         self.measured.append((step_ms, reserved, allocated))
         if self.phase != "search":
             return
+        # The planner predicts allocated bytes; the allocator's cache may fill the rest of the
+        # cap (that is what a cache does), so only allocated bytes over the goal correct it.
         predicted = self.prediction.peak_bytes
-        over = reserved - int(self.target_bytes * (1 - self.settings.margin / 2)) \
-            if self.target_bytes else 0
-        if over > 0:
+        goal = self._goal()
+        over = allocated - goal if goal is not None else 0
+        if over > 0 and self.corrections < _MAX_CORRECTIONS:
             self.correction += over
-            log.info("glake.swap: step peaked at %d bytes reserved (%d over): planning again",
-                     reserved, over)
+            self.corrections += 1
+            log.info("glake.swap: step peaked at %d bytes allocated, %d over the plan's goal: "
+                     "planning again", allocated, over)
             self._replan()
             return
         if len(self.measured) >= self.settings.search_steps:

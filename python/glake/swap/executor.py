@@ -75,9 +75,9 @@ class OpRecord:
 
 
 class Swapper:
-    """Moves cached outputs to pinned host memory and back on two side streams. Host buffers
-    are made once per (block, op, piece) and reused every step; on CPU (tests) the same path
-    runs without streams."""
+    """Moves cached outputs to pinned host memory and back on two side streams. Pinned buffers
+    are made on first need and reused by size (pinning is slow: a planned step makes none once
+    the first has run); on CPU (tests) the same path runs without streams."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -85,17 +85,21 @@ class Swapper:
         if self.cuda:
             self.d2h = torch.cuda.Stream(self.device)
             self.h2d = torch.cuda.Stream(self.device)
-        self.host = {}
+        self.free_buffers = {}  # bytes -> [pinned buffers not holding a swapped output]
+        self.pinned_bytes = 0
         self.pending = {}  # block -> handles not yet brought back
         self.bytes_out = 0
         self.bytes_in = 0
 
-    def host_buffer(self, key, nbytes):
-        buf = self.host.get(key)
-        if buf is None or buf.numel() != nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-            self.host[key] = buf
-        return buf
+    def host_buffer(self, nbytes):
+        """A pinned buffer of `nbytes`. One given back by `swap_in` is free for the next copy
+        out: that copy is ordered after the copy in (the main stream waited for it before the
+        copy out's stream waits for the main stream)."""
+        free = self.free_buffers.get(nbytes)
+        if free:
+            return free.pop()
+        self.pinned_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
     def swap_out(self, key, out):
         """Starts copying the storages of `out` to host; returns the handle `swap_in` takes."""
@@ -103,9 +107,9 @@ class Swapper:
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
             self.d2h.wait_stream(main)
-        for n, (t, storage) in enumerate(_storages(out)):
+        for t, storage in _storages(out):
             raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-            buf = self.host_buffer((*key, n), raw.numel())
+            buf = self.host_buffer(raw.numel())
             if self.cuda:
                 with torch.cuda.stream(self.d2h):
                     buf.copy_(raw, non_blocking=True)
@@ -180,6 +184,9 @@ class Swapper:
             t.set_(back[index].untyped_storage(), offset, size, stride)
             flat.append(t)
         handle["back"] = None
+        for buf in handle["pieces"]:
+            self.free_buffers.setdefault(buf.numel(), []).append(buf)
+        handle["pieces"] = []
         return tree_unflatten(flat, handle["spec"])
 
     def forget(self):

@@ -101,15 +101,18 @@ def test_planned_run_is_bit_identical_and_moves_bytes():
     baseline = first.prediction.baseline_peak_bytes
     assert first.report()["plan"]["counts"]["keep"] > 0 and not first.decisions
     # 60% of the unplanned peak: the planner must move outputs, and says it meets the target.
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     model = fresh()
     smart = swap.apply(model, target=int(0.6 * baseline))
     same(train(model, 8), reference)
     report = smart.report()
     assert report["phase"] in ("search", "stable")
-    plan = report["plan"]
+    plan = smart.history[0]
     assert plan["swapped_bytes"] + plan["recomputed_bytes"] > 0, report
     assert plan["predicted_peak_bytes"] <= 0.6 * baseline, report
-    assert smart.swapper.bytes_out == plan["swapped_bytes"] * 6, report  # steps 3 to 8
+    if DEVICE == "cpu":  # no measured feedback on the CPU: the first plan runs to the end
+        assert smart.swapper.bytes_out == plan["swapped_bytes"] * 6, report  # steps 3 to 8
 
 
 def test_every_executor_path_keeps_the_step_exact():

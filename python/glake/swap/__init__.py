@@ -10,7 +10,7 @@ planner decides from a profiled step.
 or `glake.torch.enable(swap={"target": 0.6})` (the first model run with gradients is planned),
 or GLAKE_SWAP_TARGET=0.6 in the environment of a program that calls glake.torch.enable().
 
-Phases, as in SmartSwap: warm-up (a step with every block checkpointed, then one profiled:
+Phases, as in SmartSwap: warm-up (two steps with every block checkpointed, then one profiled:
 each op's device time from events and output bytes, each block's forward and backward time,
 memory at the block boundaries), search (glake_swap_plan picks keep, swap or recompute for
 each heavy op output (matmuls, attention) and for each block's cheap outputs, to meet the
@@ -36,6 +36,8 @@ from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper
 
 log = logging.getLogger("glake.swap")
 _STABLE_EVERY = 20  # stable steps between two measured ones (measuring waits for the GPU)
+_WARMUP_STEPS = 2  # before the profiled step: first steps pay one-time costs (optimizer
+# states, library handles, the allocator's first growth) that would inflate the profile
 _MAX_CORRECTIONS = 3  # re-plans a search may ask for before it keeps the plan it has
 _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
         "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",
@@ -187,7 +189,7 @@ class SmartSwap:
         if self.phase == "profile" and self.marks is not None:
             self.marks.next_start = now
             self._plan()
-        elif self.phase == "warmup" and self.iteration >= 1:
+        elif self.phase == "warmup" and self.iteration >= _WARMUP_STEPS:
             self.phase = "profile"
             self.marks = _Marks()
         self.iteration += 1

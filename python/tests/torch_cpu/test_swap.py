@@ -97,30 +97,33 @@ def test_planned_run_is_bit_identical_and_moves_bytes():
     reference = train(fresh(), 8)
     probe = fresh()
     first = swap.apply(probe)
-    train(probe, 3)
+    train(probe, 4)
     baseline = first.prediction.baseline_peak_bytes
     assert first.report()["plan"]["counts"]["keep"] > 0 and not first.decisions
-    # 60% of the unplanned peak: the planner must move outputs, and says it meets the target.
+    # 60% of the unplanned peak above what is never moved (on CUDA the reference run's tensors
+    # and the weights): the planner must move outputs, and says it meets the target.
+    base = first.profile.base_bytes
+    target = base + int(0.6 * (baseline - base))
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     model = fresh()
-    smart = swap.apply(model, target=int(0.6 * baseline))
+    smart = swap.apply(model, target=target)
     same(train(model, 8), reference)
     report = smart.report()
     assert report["phase"] in ("search", "stable")
     plan = smart.history[0]
     assert plan["swapped_bytes"] + plan["recomputed_bytes"] > 0, report
-    assert plan["predicted_peak_bytes"] <= 0.6 * baseline, report
+    assert plan["predicted_peak_bytes"] <= target, report
     if DEVICE == "cpu":  # no measured feedback on the CPU: the first plan runs to the end
-        assert smart.swapper.bytes_out == plan["swapped_bytes"] * 6, report  # steps 3 to 8
+        assert smart.swapper.bytes_out == plan["swapped_bytes"] * 5, report  # steps 4 to 8
 
 
 def test_every_executor_path_keeps_the_step_exact():
     reference = train(fresh(), 6)
     model = fresh()
     smart = swap.apply(model)
-    base = train(model, 3)  # warm-up, profile, and a step of the (empty) plan
-    assert base[0] == reference[0][:3]
+    base = train(model, 4)  # warm-up, profile, and a step of the (empty) plan
+    assert base[0] == reference[0][:4]
     records = smart.expected
     assert set(records) == set(range(LAYERS))
     heavy = [i for i, f in enumerate(records[0])

@@ -16,7 +16,7 @@ target). Per cap: tokens per second (median step, each step synchronised, warm-u
 warm-up and search steps left out), that relative to unconstrained, peak reserved and allocated
 bytes, and for SmartSwap the planner's predicted step time and peak beside the measured ones.
 An out-of-memory error is reported as OOM. The glake process also checks the loss: with
-deterministic attention kernels, 20 steps under SmartSwap at the 60% cap against 20 steps
+deterministic kernels (torch.use_deterministic_algorithms, flash attention), 20 steps under SmartSwap at the 60% cap against 20 steps
 unconstrained from the same seed, bit for bit.
 """
 import argparse
@@ -116,6 +116,8 @@ def build(name, torch):
 
 def child(args):
     """One method on one model in this process; prints one JSON line per cap."""
+    # A fixed cuBLAS workspace, so that the loss check below can ask for determinism.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     spec, name = args.child_method, args.child_model
     method, _, allocator = spec.partition("@")
     if (allocator or ("glake" if method == "glake" else "native")) == "glake":
@@ -204,8 +206,10 @@ def child(args):
         row["limit"] = limit
         print(json.dumps(row), flush=True)
     if method in ("glake", "unconstrained") and args.loss_steps:
-        # Bit-identity of the loss: deterministic attention, fresh model and optimizer.
-        torch.backends.cuda.enable_flash_sdp(False)
+        # Bit-identity of the loss: deterministic kernels (flash attention's deterministic
+        # backward, cuBLAS with a fixed workspace), fresh model and optimizer.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.enable_cudnn_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         del opt, model
         torch.cuda.empty_cache()

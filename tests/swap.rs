@@ -480,3 +480,24 @@ fn a_recorded_step_is_planned_under_a_cap() {
         planned.result
     );
 }
+
+/// On tight targets the planner is never slower than rebuilding everything: here each
+/// activation costs little to rebuild, the link is slow, and the target leaves room for one
+/// activation only, so full recomputation (refined) is the plan to beat.
+#[test]
+fn planner_is_never_slower_than_full_recomputation() {
+    let p = transformer(8, Some(OP_NS / 2));
+    let c = cfg(TINY, TINY, 1);
+    let all = vec![Choice::Recompute; p.tensors.len()];
+    let full = simulate(&p, &all, &c).unwrap();
+    for target in [full.peak_bytes, full.peak_bytes + B, full.peak_bytes + 3 * B] {
+        let planned = plan(&p, target, &c, Preference::Performance).unwrap();
+        assert!(planned.result.peak_bytes <= target);
+        assert!(
+            planned.result.step_ns <= full.step_ns,
+            "target {target}: planned {} ns, full recomputation {} ns",
+            planned.result.step_ns,
+            full.step_ns
+        );
+    }
+}

@@ -121,9 +121,40 @@ pub fn plan(
         }
     }
 
-    // Refine: a recompute may be cheaper as a swap over the same gap, and an earlier choice may
-    // have become unnecessary. Accept only changes that keep the target and do not slow the step
-    // (a swap turning into a recompute must strictly speed it up).
+    let greedy = refine(profile, target_bytes, cfg, choices, res)?;
+    // A second start: everything the preference allows rebuilt (full recomputation), then
+    // refined the same way. The greedy descent above can end in a slower plan when the target
+    // is far below the baseline; the faster of the two is kept.
+    let all: Vec<Choice> = (0..profile.tensors.len())
+        .map(|i| {
+            let t = &profile.tensors[i];
+            if pref.allows(t.kind) && t.recompute.is_some() && profile.recompute_gap(i).is_some() {
+                Choice::Recompute
+            } else {
+                Choice::Keep
+            }
+        })
+        .collect();
+    let r = simulate(profile, &all, cfg)?;
+    if r.peak_bytes <= target_bytes {
+        let rebuilt = refine(profile, target_bytes, cfg, all, r)?;
+        if rebuilt.result.step_ns < greedy.result.step_ns {
+            return Ok(rebuilt);
+        }
+    }
+    Ok(greedy)
+}
+
+/// Improves a plan that meets the target: a recompute turned into a swap over the same gap,
+/// an unnecessary choice turned back into Keep, each only when the target holds and the step
+/// does not slow down (a swap replacing a recompute must strictly speed it up).
+fn refine(
+    profile: &Profile,
+    target_bytes: usize,
+    cfg: &SimConfig,
+    mut choices: Vec<Choice>,
+    mut res: SimResult,
+) -> Result<Planned, SwapError> {
     for i in 0..choices.len() {
         if choices[i] != Choice::Recompute {
             continue;

@@ -490,7 +490,11 @@ fn planner_is_never_slower_than_full_recomputation() {
     let c = cfg(TINY, TINY, 1);
     let all = vec![Choice::Recompute; p.tensors.len()];
     let full = simulate(&p, &all, &c).unwrap();
-    for target in [full.peak_bytes, full.peak_bytes + B, full.peak_bytes + 3 * B] {
+    for target in [
+        full.peak_bytes,
+        full.peak_bytes + B,
+        full.peak_bytes + 3 * B,
+    ] {
         let planned = plan(&p, target, &c, Preference::Performance).unwrap();
         assert!(planned.result.peak_bytes <= target);
         assert!(

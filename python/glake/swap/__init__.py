@@ -50,7 +50,7 @@ class Settings:
     the device (<= 1); None: the per-process memory fraction set in torch, else no target
     (nothing is moved). `preference`: "performance" (activations only) or "memory" (also
     gradients). `swap_bucket_size`: cheap outputs of a block are planned in buckets of at least
-    this many bytes. `prefetch`: blocks ahead that swap-ins start. `margin`: share of the target
+    this many bytes (0: one bucket per block). `prefetch`: blocks ahead that swap-ins start. `margin`: share of the target
     left for what the profile cannot see (allocator rounding, the copy engine's buffers).
     `layers_per_stage`: blocks per planning stage; blocks of a stage share one plan."""
     target: float = None
@@ -83,12 +83,15 @@ class Settings:
 
 
 def find_blocks(model):
-    """The model's repeated blocks: the largest torch.nn.ModuleList whose entries share a class."""
-    best = None
+    """The model's repeated blocks: of the torch.nn.ModuleLists whose entries share a class, the
+    one holding the most parameters (the layers, not the experts inside each layer)."""
+    best, best_size = None, -1
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) >= 2:
-            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
-                best = module
+            if len({type(m) for m in module}) == 1:
+                size = sum(p.numel() for p in module.parameters())
+                if size > best_size:
+                    best, best_size = module, size
     if best is None:
         raise ValueError("glake.swap: the model has no ModuleList of repeated blocks")
     return list(best)
@@ -339,7 +342,9 @@ class SmartSwap:
         tensors.append(planner.Tensor(max(0, head_peak - head_persist), head, head, [head],
                                       kind=planner.OTHER_KIND))
         meaning += [None, None]
-        bucket = max(1, self.settings.swap_bucket_size)
+        # Cheap outputs: one group per block unless swap_bucket_size asks for smaller buckets
+        # (each group is one more tensor for the planner, whose search grows with the square).
+        bucket = self.settings.swap_bucket_size or float("inf")
         for b in range(n_blocks):
             grew = max(0, m.alloc_after[b] - m.alloc_before[b])
             tensors.append(planner.Tensor(grew, b, bwd_op[b], [bwd_op[b]],

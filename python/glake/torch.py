@@ -70,9 +70,12 @@ def _native_choice(native):
     return None
 
 
-def enable(native=None, **config):
+def enable(native=None, swap=None, **config):
     """Makes glake PyTorch's CUDA allocator. Call before any CUDA memory is allocated; calling
     again is a no-op. Raises RuntimeError when CUDA is already initialised.
+
+    `swap` turns on SmartSwap for the first model trained (glake.swap): True, or a dict of its
+    settings ({"target": 0.6, ...}); by default on when GLAKE_SWAP_TARGET is set.
 
     `native` (default: $GLAKE_NATIVE, else automatic) chooses the way in: glake's own
     implementation of PyTorch's C++ allocator interface, built for the installed torch on first
@@ -81,6 +84,12 @@ def enable(native=None, **config):
     if is_enabled():
         return
     env = options.environment(**config)
+    if swap is None and os.environ.get("GLAKE_SWAP_TARGET"):
+        swap = True
+    if swap:
+        from . import swap as _swap
+
+        _swap.enable_auto(**(swap if isinstance(swap, dict) else {}))
     if _torch.cuda.is_initialized():
         raise RuntimeError(
             "glake.torch.enable() must run before CUDA is initialised in this process "

@@ -507,9 +507,10 @@ _auto = {"hook": None, "settings": None, "applied": None}
 
 
 def enable_auto(**settings):
-    """Plans the first model whose forward runs with gradients and holds repeated blocks (what
-    glake.torch.enable(swap=...) calls)."""
+    """Plans the first model whose forward runs with gradients and holds repeated blocks, from
+    now on (what glake.torch.enable(swap=...) calls)."""
     _auto["settings"] = Settings.from_env(**settings)
+    _auto["applied"] = None
     if _auto["hook"] is not None:
         return
 
@@ -522,6 +523,7 @@ def enable_auto(**settings):
             return
         _auto["applied"] = SmartSwap(blocks, _auto["settings"])
         _auto["hook"].remove()
+        _auto["hook"] = None
         log.info("glake.swap: planning %d blocks of %s", len(blocks), type(module).__name__)
 
     _auto["hook"] = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)

@@ -190,3 +190,24 @@ def test_enable_auto_plans_the_first_trained_model():
     assert applied is not None and len(applied.blocks) == LAYERS
     applied.remove()
     assert copy.deepcopy(model) is not None
+
+
+def test_enable_with_swap_settings_plans_through_the_torch_entry_point(monkeypatch):
+    """glake.torch.enable(swap=...) turns SmartSwap on; on a machine with CUDA already
+    initialised it refuses, but the settings are checked first."""
+    import glake.torch
+
+    if DEVICE == "cuda" or torch.cuda.is_available():
+        pytest.skip("enable() must run before CUDA is initialised")
+    monkeypatch.setattr(glake.torch, "is_enabled", lambda: False)
+    monkeypatch.setattr(glake.torch._library, "path", lambda: (_ for _ in ()).throw(
+        FileNotFoundError("stop after the swap settings")))
+    with pytest.raises(TypeError):
+        glake.torch.enable(swap={"bogus": 1})
+    with pytest.raises(FileNotFoundError):
+        glake.torch.enable(swap={"target": 2, "prefetch": 2})
+    model = fresh()
+    train(model, 1)
+    applied = swap.active()
+    assert applied is not None and (applied.settings.target, applied.settings.prefetch) == (2, 2)
+    applied.remove()

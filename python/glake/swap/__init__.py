@@ -48,8 +48,9 @@ _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
 class Settings:
     """What SmartSwap aims for. `target`: peak device memory, as bytes (> 1) or a fraction of
     the device (<= 1); None: the per-process memory fraction set in torch, else no target
-    (nothing is moved). `preference`: "performance" (activations only) or "memory" (also
-    gradients). `swap_bucket_size`: cheap outputs of a block are planned in buckets of at least
+    (nothing is moved). `preference`: "performance" (activations only) or "memory" (the planner
+    may also move optimizer states and gradients; on PyTorch the executor moves activations
+    only, so both plan the same here). `swap_bucket_size`: cheap outputs of a block are planned in buckets of at least
     this many bytes (0: one bucket per block). `prefetch`: blocks ahead that swap-ins start. `margin`: share of the target
     left for what the profile cannot see (allocator rounding, the copy engine's buffers).
     `layers_per_stage`: blocks per planning stage; blocks of a stage share one plan."""
@@ -379,8 +380,9 @@ class SmartSwap:
             if nxt is not None:
                 persist = max(0, nxt[1] - m.bwd[b][1])
                 transient = max(0, nxt[2] - m.bwd[b][1])
+                # Weight gradients: counted, never moved (the executor moves activations only).
                 tensors.append(planner.Tensor(persist, bwd_op[b], tail, [bwd_op[b]],
-                                              kind=planner.GRADIENT))
+                                              kind=planner.OTHER_KIND))
                 tensors.append(planner.Tensor(max(0, transient - persist - candidates),
                                               bwd_op[b], bwd_op[b], [bwd_op[b]],
                                               kind=planner.OTHER_KIND))

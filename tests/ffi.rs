@@ -612,21 +612,45 @@ fn planner_plans_and_simulates_through_the_c_api() {
         preference: glake_swap_preference::GLAKE_SWAP_BETTER_PERFORMANCE as u32,
     };
     let base = 10 * MIB;
-    let mut choices = [glake_swap_choice::default(); 2];
-    let mut predicted = glake_swap_prediction::default();
-    let status = unsafe {
+    // The planner over `ops` and the given tensors, writing choices for two tensors.
+    let plan_into = |tensors: &[glake_swap_tensor],
+                     target: usize,
+                     config: *const glake_swap_config,
+                     choices: &mut [glake_swap_choice; 2],
+                     out: *mut glake_swap_prediction| unsafe {
         glake_swap_plan(
             ops.as_ptr(),
             ops.len(),
             tensors.as_ptr(),
             tensors.len(),
             base,
-            base + 150 * MIB,
-            &config,
+            target,
+            config,
             choices.as_mut_ptr(),
-            &mut predicted,
+            out,
         )
     };
+    let simulate_into = |choices: &[glake_swap_choice; 2], out: &mut glake_swap_prediction| unsafe {
+        glake_swap_simulate(
+            ops.as_ptr(),
+            ops.len(),
+            tensors.as_ptr(),
+            tensors.len(),
+            base,
+            choices.as_ptr(),
+            &config,
+            out,
+        )
+    };
+    let mut choices = [glake_swap_choice::default(); 2];
+    let mut predicted = glake_swap_prediction::default();
+    let status = plan_into(
+        &tensors,
+        base + 150 * MIB,
+        &config,
+        &mut choices,
+        &mut predicted,
+    );
     assert_eq!(status, GLAKE_STATUS_SUCCESS, "{}", message());
     assert_eq!(predicted.baseline_peak_bytes, base + 200 * MIB);
     assert!(predicted.peak_bytes <= base + 150 * MIB, "{predicted:?}");
@@ -640,36 +664,13 @@ fn planner_plans_and_simulates_through_the_c_api() {
     );
 
     let mut again = glake_swap_prediction::default();
-    let status = unsafe {
-        glake_swap_simulate(
-            ops.as_ptr(),
-            ops.len(),
-            tensors.as_ptr(),
-            tensors.len(),
-            base,
-            choices.as_ptr(),
-            &config,
-            &mut again,
-        )
-    };
+    let status = simulate_into(&choices, &mut again);
     assert_eq!(status, GLAKE_STATUS_SUCCESS, "{}", message());
     assert_eq!(again, predicted);
 
     // Below what any plan reaches (the base alone plus one block during its backward).
     let mut best = glake_swap_prediction::default();
-    let status = unsafe {
-        glake_swap_plan(
-            ops.as_ptr(),
-            ops.len(),
-            tensors.as_ptr(),
-            tensors.len(),
-            base,
-            base,
-            &config,
-            choices.as_mut_ptr(),
-            &mut best,
-        )
-    };
+    let status = plan_into(&tensors, base, &config, &mut choices, &mut best);
     assert_eq!(status, GLAKE_STATUS_OUT_OF_MEMORY);
     assert!(message().contains("cannot be met"), "{}", message());
     assert!(
@@ -678,52 +679,17 @@ fn planner_plans_and_simulates_through_the_c_api() {
     );
 
     // Bad input: a NULL config, a use outside the tensor's life, an unknown action.
-    let status = unsafe {
-        glake_swap_plan(
-            ops.as_ptr(),
-            ops.len(),
-            tensors.as_ptr(),
-            tensors.len(),
-            base,
-            base,
-            std::ptr::null(),
-            choices.as_mut_ptr(),
-            null_mut(),
-        )
-    };
+    let status = plan_into(&tensors, base, std::ptr::null(), &mut choices, null_mut());
     assert_eq!(status, GLAKE_STATUS_NULL_POINTER);
     let late = [3usize];
     let bad = [tensor(1, 2, &late)];
-    let status = unsafe {
-        glake_swap_plan(
-            ops.as_ptr(),
-            ops.len(),
-            bad.as_ptr(),
-            1,
-            base,
-            base,
-            &config,
-            choices.as_mut_ptr(),
-            null_mut(),
-        )
-    };
+    let status = plan_into(&bad, base, &config, &mut choices, null_mut());
     assert_eq!(status, GLAKE_STATUS_INVALID_ARGUMENT);
     assert!(message().contains("outside"), "{}", message());
     let unknown = [glake_swap_choice {
         action: 7,
         ..Default::default()
     }; 2];
-    let status = unsafe {
-        glake_swap_simulate(
-            ops.as_ptr(),
-            ops.len(),
-            tensors.as_ptr(),
-            tensors.len(),
-            base,
-            unknown.as_ptr(),
-            &config,
-            &mut again,
-        )
-    };
+    let status = simulate_into(&unknown, &mut again);
     assert_eq!(status, GLAKE_STATUS_INVALID_ARGUMENT);
 }

@@ -174,6 +174,25 @@ pub(crate) fn guard(f: impl FnOnce() -> Result<(), Failure>) -> glake_status {
     }
 }
 
+/// Borrows a C array as a slice; NULL is allowed only for an empty one.
+///
+/// # Safety
+/// `ptr` must point to `len` readable values when non-NULL.
+pub(crate) unsafe fn slice_of<'a, T>(
+    ptr: *const T,
+    len: usize,
+    what: &str,
+) -> Result<&'a [T], Failure> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(Failure::null(what));
+    }
+    // SAFETY: non-NULL and, per the caller's contract, `len` readable values.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
 /// The message of the last failed call on this thread ("" after a success). The pointer stays
 /// valid until the next glake call on the same thread.
 #[no_mangle]

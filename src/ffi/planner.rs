@@ -5,7 +5,7 @@
 
 use super::exports::write_out;
 use super::profiler::phase_of;
-use super::{glake_status, guard, Failure};
+use super::{glake_status, guard, slice_of, Failure};
 use crate::swap::{
     plan, simulate, Choice, Op, Preference, Profile, Recompute, SimConfig, SimResult, SwapError,
     Tensor, TensorKind,
@@ -108,21 +108,6 @@ pub struct glake_swap_prediction {
     pub baseline_peak_bytes: usize,
     /// The op during which the peak is reached.
     pub peak_op: usize,
-}
-
-/// Borrows a C array as a slice; NULL is allowed only for an empty one.
-///
-/// # Safety
-/// `ptr` must point to `len` readable values when non-NULL.
-unsafe fn slice_of<'a, T>(ptr: *const T, len: usize, what: &str) -> Result<&'a [T], Failure> {
-    if len == 0 {
-        return Ok(&[]);
-    }
-    if ptr.is_null() {
-        return Err(Failure::null(what));
-    }
-    // SAFETY: non-NULL and, per the caller's contract, `len` readable values.
-    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
 
 fn invalid(message: String) -> Failure {

@@ -7,7 +7,7 @@ use bitflags::bitflags;
 use static_assertions::const_assert_eq;
 
 use super::exports::{backend_of, glake_stream, stream_of, write_out};
-use super::{glake_status, guard, handles, Failure};
+use super::{glake_status, guard, handles, slice_of, Failure};
 use crate::config::{host_options_from_env, TransferConfig};
 use crate::device;
 use crate::transfer::{Completion, CopyPiece, Direction, Engine};
@@ -249,11 +249,8 @@ pub unsafe extern "C" fn glake_memcpy_batch(
             // SAFETY: no pieces.
             return unsafe { copy(transfer, direction, &[], stream, flags) };
         }
-        if pieces.is_null() {
-            return Err(Failure::null("pieces"));
-        }
-        // SAFETY: non-NULL, and `count` pieces long per the contract.
-        let raw = unsafe { std::slice::from_raw_parts(pieces, count) };
+        // SAFETY: `count` pieces long per the contract.
+        let raw = unsafe { slice_of(pieces, count, "pieces") }?;
         let pieces: Vec<CopyPiece> = raw
             .iter()
             .map(|p| CopyPiece {

@@ -141,6 +141,8 @@ class SmartSwap:
         self.marks = None
         self.profile = None
         self.prediction = None
+        self.choices = None         # the planner's (action, out_after, in_before) per tensor
+        self.meaning = None         # per planner tensor: (block, op indexes), or None if fixed
         self.target_bytes = None
         self.correction = 0
         self.corrections = 0
@@ -149,17 +151,13 @@ class SmartSwap:
         self.step_start = None
         self.history = []
         self.enabled = True
-        self._originals = []
         for b, block in enumerate(self.blocks):
-            original = block.forward
-            self._originals.append((block, original))
-            block.forward = self._wrap(b, original)
+            block.forward = self._wrap(b, block.forward)
 
     def remove(self):
         """Gives every block its own forward back."""
-        for block, original in self._originals:
-            block.forward = original
-        self._originals = []
+        for block in self.blocks:
+            vars(block).pop("forward", None)
         self.enabled = False
 
     # -- phases ---------------------------------------------------------------------------
@@ -316,9 +314,6 @@ class SmartSwap:
         it stands for."""
         m, n_blocks = self.marks, len(self.blocks)
         ns = (lambda a, z: int(a.elapsed_time(z) * 1e6)) if self.cuda else (lambda a, z: 1000)
-        for recs in m.records.values():
-            for r in recs:
-                r.read_time()
         fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]
         ops = [(t, planner.FORWARD) for t in fwd_ns]
         head = n_blocks

@@ -52,6 +52,30 @@ def _storages(tree):
     return out
 
 
+class _Timer:
+    """Device time of what runs between its creation and `stop()`: a pair of CUDA events (read
+    once the device has passed them), or the host clock on CPU."""
+
+    def __init__(self, cuda):
+        if cuda:
+            self.start, self.end = (torch.cuda.Event(enable_timing=True),
+                                    torch.cuda.Event(enable_timing=True))
+            self.start.record()
+        else:
+            self.start, self.end = time.perf_counter_ns(), None
+
+    def stop(self):
+        if isinstance(self.start, int):
+            self.end = time.perf_counter_ns()
+        else:
+            self.end.record()
+
+    def ns(self):
+        if isinstance(self.start, int):
+            return self.end - self.start
+        return int(self.start.elapsed_time(self.end) * 1e6)
+
+
 def _size_class(nbytes):
     """`nbytes` rounded up to the next of 8 steps per power of two (at most 12.5% more)."""
     if nbytes <= 4096:
@@ -63,19 +87,17 @@ def _size_class(nbytes):
 class OpRecord:
     """One op of a profiled block forward: its name, the bytes of the storages it made, whether
     a later op wrote into them (caching such an output would replay the write twice), and its
-    device time once `read_time` has read its events (CUDA events, or clock readings on CPU)."""
+    timer, read once the step is done (`gpu_ns`)."""
 
-    __slots__ = ("func", "name", "bytes", "mutated", "events", "gpu_ns")
+    __slots__ = ("func", "name", "bytes", "mutated", "timer")
 
-    def __init__(self, func, nbytes, events):
+    def __init__(self, func, nbytes, timer):
         self.func, self.name, self.bytes = func, op_name(func), nbytes
-        self.mutated, self.events, self.gpu_ns = False, events, 0
+        self.mutated, self.timer = False, timer
 
-    def read_time(self):
-        if self.events is not None:
-            a, z = self.events
-            self.gpu_ns = int(a.elapsed_time(z) * 1e6) if hasattr(a, "elapsed_time") else z - a
-            self.events = None
+    @property
+    def gpu_ns(self):
+        return self.timer.ns()
 
     @property
     def heavy(self):
@@ -207,39 +229,48 @@ class Swapper:
         self.pending.clear()
 
 
-class RecordingMode(TorchDispatchMode):
+class _CountingMode(TorchDispatchMode):
+    """Numbers the ops of a block's forward the same way in the forward and in its recompute:
+    `next_index` gives None for ops only the recompute runs (they are run and not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.index = 0
+
+    def next_index(self, func):
+        if func in IGNORED_OPS:
+            return None
+        self.index += 1
+        return self.index - 1
+
+
+class RecordingMode(_CountingMode):
     """The forward of a checkpointed block: keeps, swaps or drops each op's outputs per
-    `decisions` ({op index: KEEP or SWAP}), and with `profile` records every op (events when
-    on CUDA) into `records`."""
+    `decisions` ({op index: KEEP or SWAP}); given a `records` list, it also appends each op
+    there, timed (by CUDA events on CUDA)."""
 
     def __init__(self, block, decisions, cache, swapper, expected=None, records=None):
         super().__init__()
         self.block, self.decisions, self.cache = block, decisions, cache
         self.swapper, self.expected, self.records = swapper, expected, records
-        self.index = 0
         self.diverged = False
         self.made = {}  # storage pointer -> record index (profiling only)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in IGNORED_OPS:
+        i = self.next_index(func)
+        if i is None:
             return func(*args, **kwargs)
-        i = self.index
-        self.index += 1
         if self.expected is not None and not self.diverged:
             if i >= len(self.expected) or self.expected[i] is not func:
                 self.diverged = True
-        events = None
-        if self.records is not None:
-            if self.swapper.cuda:
-                events = [torch.cuda.Event(enable_timing=True),
-                          torch.cuda.Event(enable_timing=True)]
-                events[0].record()
-            else:
-                events = [time.perf_counter_ns(), None]
-        out = func(*args, **kwargs)
-        if self.records is not None:
-            self._record(func, args, kwargs, out, events)
+        if self.records is None:
+            out = func(*args, **kwargs)
+        else:
+            timer = _Timer(self.swapper.cuda)
+            out = func(*args, **kwargs)
+            timer.stop()
+            self._record(func, args, kwargs, out, timer)
         choice = None if self.diverged else self.decisions.get(i)
         if choice == KEEP:
             self.cache[i] = (func, KEEP, tree_map(
@@ -248,14 +279,10 @@ class RecordingMode(TorchDispatchMode):
             self.cache[i] = (func, SWAP, self.swapper.swap_out((self.block, i), out))
         return out
 
-    def _record(self, func, args, kwargs, out, events):
-        if self.swapper.cuda:
-            events[1].record()
-        else:
-            events[1] = time.perf_counter_ns()
+    def _record(self, func, args, kwargs, out, timer):
         inputs = {s.data_ptr() for _, s in _storages((args, kwargs))}
         fresh = [(t, s) for t, s in _storages(out) if s.data_ptr() not in inputs]
-        record = OpRecord(func, sum(s.nbytes() for _, s in fresh), events)
+        record = OpRecord(func, sum(s.nbytes() for _, s in fresh), timer)
         if func._schema.is_mutable:
             for ptr in inputs:
                 if ptr in self.made:
@@ -265,22 +292,18 @@ class RecordingMode(TorchDispatchMode):
         self.records.append(record)
 
 
-class ReplayMode(TorchDispatchMode):
+class ReplayMode(_CountingMode):
     """The recompute of a checkpointed block in the backward: kept outputs come from the cache,
     swapped ones from host memory, the rest is computed again."""
 
     def __init__(self, cache, swapper):
         super().__init__()
         self.cache, self.swapper = cache, swapper
-        self.index = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in IGNORED_OPS:
-            return func(*args, **kwargs)
-        i = self.index
-        self.index += 1
-        entry = self.cache.pop(i, None)
+        i = self.next_index(func)
+        entry = None if i is None else self.cache.pop(i, None)
         if entry is None:
             return func(*args, **kwargs)
         cached_func, how, value = entry

@@ -3,8 +3,6 @@ memory): the executor's keep, swap and recompute paths and the
 planned run compute bit-identical losses and gradients to the unplanned run (dropout included:
 checkpoint restores the RNG state), and the planner's choices reach the executor."""
 
-import copy
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -131,14 +129,10 @@ def test_every_executor_path_keeps_the_step_exact():
     assert heavy, [swap.executor.op_name(f) for f in records[0]]
     # Block 0 swaps every heavy output, block 1 keeps them, block 2 recomputes everything,
     # block 3 runs as written.
-    smart.decisions = {0: {i: SWAP for i in heavy}, 1: {i: KEEP for i in heavy}, 2: {}}
-    smart.phase = "stable"
-    torch.manual_seed(0)
     model2 = fresh()
     smart2 = swap.apply(model2)
     smart2.phase, smart2.expected = "stable", records
-    smart2.decisions = smart.decisions
-    smart2.signature = None
+    smart2.decisions = {0: {i: SWAP for i in heavy}, 1: {i: KEEP for i in heavy}, 2: {}}
     same(train(model2, 6), reference)
     assert smart2.swapper.bytes_out > 0 and smart2.swapper.bytes_in == smart2.swapper.bytes_out
 
@@ -188,8 +182,9 @@ def test_enable_auto_plans_the_first_trained_model():
     same(train(model, 4), reference)
     applied = swap.active()
     assert applied is not None and len(applied.blocks) == LAYERS
+    assert all("forward" in vars(block) for block in model.layers)
     applied.remove()
-    assert copy.deepcopy(model) is not None
+    assert not any("forward" in vars(block) for block in model.layers)
 
 
 def test_enable_with_swap_settings_plans_through_the_torch_entry_point(monkeypatch):

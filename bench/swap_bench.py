@@ -13,7 +13,7 @@ For each model the unconstrained run comes first: its peak reserved bytes P and 
 the reference. Then each method runs under caps of P times each --caps fraction (set with
 torch.cuda.set_per_process_memory_fraction; glake's SmartSwap gets the same bytes as its
 target). Per cap: tokens per second (median step, each step synchronised, warm-up and SmartSwap's
-warm-up and search steps left out), that relative to unconstrained, peak reserved and allocated
+warm-up and search steps left out: it runs until it is stable), that relative to unconstrained, peak reserved and allocated
 bytes, and for SmartSwap the planner's predicted step time and peak beside the measured ones.
 An out-of-memory error is reported as OOM. The glake process also checks the loss: with
 deterministic kernels (torch.use_deterministic_algorithms, flash attention), 20 steps under SmartSwap at the 60% cap against 20 steps
@@ -157,19 +157,41 @@ def child(args):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    def run(steps, warm):
+    counters = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
+                "num_device_free", "glake.stitches")
+
+    def run(steps, warm, smart=None, trace=None):
+        """`warm` unmeasured steps (for SmartSwap: until it is stable, at most 40), then
+        `steps` measured; the allocator's counters over the measured steps; with `trace`, one
+        more step's profile as two tables (by device time and by host time)."""
         times, losses = [], []
         torch.cuda.synchronize()
-        for i in range(warm + steps):
-            if i == warm:
-                torch.cuda.reset_peak_memory_stats()
+        i = 0
+        while i < warm or (smart is not None and smart.phase != "stable" and i < 40):
+            losses.append(step(i).item())
+            i += 1
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_stats()
+        for j in range(steps):
             t = time.perf_counter()
-            loss = step(i)
-            losses.append(loss.item())
+            losses.append(step(i + j).item())
             torch.cuda.synchronize()
-            if i >= warm:
-                times.append(time.perf_counter() - t)
-        return times, losses
+            times.append(time.perf_counter() - t)
+        after = torch.cuda.memory_stats()
+        peaks = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+        if trace:  # one more step, not timed: the profiler slows it
+            activities = [torch.profiler.ProfilerActivity.CPU,
+                          torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as profiler:
+                step(i + steps)
+                torch.cuda.synchronize()
+            table = profiler.key_averages()
+            with open(trace, "w") as f:
+                f.write(table.table(sort_by="cuda_time_total", row_limit=30) + "\n")
+                f.write(table.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+        after = torch.cuda.memory_stats()
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in counters}
+        return times, losses, delta, peaks
 
     caps = [None] if method == "unconstrained" else [float(c) for c in args.caps.split(",")]
     for cap in caps:
@@ -182,19 +204,20 @@ def child(args):
             if method == "glake":
                 use(None)
                 smart = glake.swap.apply(model, target=limit)
-                warm = 2 + smart.settings.search_steps + 2
             else:
                 use(method if method == "checkpoint" else None)
-                warm = 2
-            times, _ = run(args.steps, warm)
+            trace = (os.path.join(args.trace_dir, f"{name}-{spec}-{cap}.txt")
+                     if args.trace_dir and cap else None)
+            times, _, delta, peaks = run(args.steps, 2, smart, trace)
             step_s = statistics.median(times)
             row.update(step_ms=step_s * 1e3, tokens_per_s=batch * seq / step_s,
-                       peak_reserved=torch.cuda.max_memory_reserved(),
-                       peak_allocated=torch.cuda.max_memory_allocated(), oom=False)
+                       peak_reserved=peaks[0], peak_allocated=peaks[1], oom=False,
+                       allocator_counters=delta)
             if smart is not None:
                 report = smart.report()
                 plan = report["plan"] or {}
-                row.update(phase=report["phase"], plan=plan,
+                row.update(phase=report["phase"], plan=plan, trials=report["trials"],
+                           recompute_ms=report["recompute_ms"],
                            predicted_step_ms=plan.get("predicted_step_ms"),
                            predicted_peak=plan.get("predicted_peak_bytes"))
         except torch.OutOfMemoryError as e:
@@ -221,7 +244,7 @@ def child(args):
         smart = glake.swap.apply(model, target=int(0.6 * args.reference_peak)) \
             if method == "glake" else None
         try:
-            _, losses = run(0, args.loss_steps)
+            _, losses, _, _ = run(0, args.loss_steps)
             row = {"model": name, "method": spec, "losses": losses}
         except torch.OutOfMemoryError as e:
             row = {"model": name, "method": spec, "losses": None,
@@ -233,6 +256,8 @@ def spawn(method, name, args, reference_peak=0):
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child-method", method,
            "--child-model", name, "--caps", args.caps, "--steps", str(args.steps),
            "--reference-peak", str(reference_peak), "--loss-steps", str(args.loss_steps)]
+    if args.trace_dir:
+        cmd += ["--trace-dir", args.trace_dir]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -327,6 +352,8 @@ def main():
     p.add_argument("--jsonl")
     p.add_argument("--plot")
     p.add_argument("--from-jsonl")
+    p.add_argument("--trace-dir", help="write each capped run's last measured step's "
+                   "profile (tables by device and host time) here")
     p.add_argument("--child-method")
     p.add_argument("--child-model")
     p.add_argument("--reference-peak", type=int, default=0)

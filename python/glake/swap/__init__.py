@@ -10,12 +10,15 @@ planner decides from a profiled step.
 or `glake.torch.enable(swap={"target": 0.6})` (the first model run with gradients is planned),
 or GLAKE_SWAP_TARGET=0.6 in the environment of a program that calls glake.torch.enable().
 
-Phases, as in SmartSwap: warm-up (two steps with every block checkpointed, then one profiled:
-each op's device time from events and output bytes, each block's forward and backward time,
-memory at the block boundaries), search (glake_swap_plan picks keep, swap or recompute for
-each heavy op output (matmuls, attention) and for each block's cheap outputs, to meet the
-target at the best predicted step; steps run the plan and their measured peak and step time
-correct it), stable. New input shapes send it back to warm-up, with a log line saying so.
+Phases, as in SmartSwap: warm-up (two steps with every block recomputed by PyTorch's own
+checkpoint, the second timed, then one profiled: each op's device time from events and output
+bytes, each block's forward and backward time, memory at the block boundaries), search
+(glake_swap_plan picks keep, swap or recompute for each heavy op output (matmuls, attention)
+and for each block's cheap outputs, to meet the target at the best predicted step; each plan
+is tried for a few steps: a step over the goal plans again for less, copies slower than
+predicted plan again with the bandwidth they showed, and the fastest plan measured, or full
+recomputation if it was faster, is kept), stable. New input shapes send it back to warm-up,
+with a log line saying so.
 
 The blocks are the entries of the model's largest ModuleList of one class (the transformer
 layers). A block whose plan keeps everything runs as written; the others run under
@@ -24,8 +27,10 @@ plan keeps, copy what it swaps to pinned host memory on a side stream (brought b
 ahead of the backward) and recompute the rest. Losses and gradients are those of the unplanned
 step."""
 
+import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +38,14 @@ from torch.utils.checkpoint import checkpoint
 
 from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper
+from .search import Measurement, Trial, bandwidth_correction, fastest
 
 log = logging.getLogger("glake.swap")
 _STABLE_EVERY = 20  # stable steps between two measured ones (measuring waits for the GPU)
 _WARMUP_STEPS = 2  # before the profiled step: first steps pay one-time costs (optimizer
 # states, library handles, the allocator's first growth) that would inflate the profile
 _MAX_CORRECTIONS = 3  # re-plans a search may ask for before it keeps the plan it has
+_MAX_TRIALS = 3  # plans a search tries (each corrected by the last one's measured waits)
 _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
         "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",
         "margin": "GLAKE_SWAP_MARGIN"}
@@ -50,10 +57,11 @@ class Settings:
     the device (<= 1); None: the per-process memory fraction set in torch, else no target
     (nothing is moved). `preference`: "performance" (activations only) or "memory" (the planner
     may also move optimizer states and gradients; on PyTorch the executor moves activations
-    only, so both plan the same here). `swap_bucket_size`: cheap outputs of a block are planned in buckets of at least
-    this many bytes (0: one bucket per block). `prefetch`: blocks ahead that swap-ins start. `margin`: share of the target
-    left for what the profile cannot see (allocator rounding, the copy engine's buffers).
-    `layers_per_stage`: blocks per planning stage; blocks of a stage share one plan."""
+    only, so both plan the same here). `swap_bucket_size`: cheap outputs of a block are
+    planned in buckets of at least this many bytes (0: one bucket per block). `prefetch`:
+    blocks ahead that swap-ins start. `margin`: share of the target left for what the profile
+    cannot see (allocator rounding, the copy engine's buffers). `search_steps`: measured steps
+    per plan tried in the search."""
     target: float = None
     preference: str = "performance"
     swap_bucket_size: int = 0
@@ -147,8 +155,12 @@ class SmartSwap:
         self.correction = 0
         self.corrections = 0
         self.bandwidth = None
-        self.measured = []          # (step ms, peak reserved, peak allocated) per search step
+        self.measured = []          # search.Measurement of stable steps
+        self.trials = []            # search.Trial per plan tried in this search
+        self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
+        self.recompute_ms = None    # measured step with every block recomputed (warm-up)
         self.step_start = None
+        self.step_cpu = None
         self.history = []
         self.enabled = True
         for b, block in enumerate(self.blocks):
@@ -185,8 +197,10 @@ class SmartSwap:
             self._restart()
         self.signature = sig
         now = self._event()
-        if self.step_start is not None and (self.phase == "search" or (
-                self.phase == "stable" and self.iteration % _STABLE_EVERY == 0)):
+        if self.step_start is not None and (
+                self.phase == "search"
+                or (self.phase == "warmup" and self.iteration == _WARMUP_STEPS)
+                or (self.phase == "stable" and self.iteration % _STABLE_EVERY == 0)):
             self._measure(now)
         if self.phase == "profile" and self.marks is not None:
             self.marks.next_start = now
@@ -195,7 +209,10 @@ class SmartSwap:
             self.phase = "profile"
             self.marks = _Marks()
         self.iteration += 1
-        self.step_start = now
+        self.step_start, self.step_cpu = now, time.perf_counter()
+        measured = self.phase == "search" or (self.phase == "stable"
+                                              and self.iteration % _STABLE_EVERY == 0)
+        self.swapper.waits = [] if (measured and self.cuda) else None
         if self.cuda and self.phase in ("search", "stable", "profile"):
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -203,6 +220,7 @@ class SmartSwap:
         self.phase, self.iteration = "warmup", 0
         self.decisions, self.marks, self.expected = None, None, {}
         self.measured, self.correction, self.corrections = [], 0, 0
+        self.trials, self.recompute_ms = [], None
         self.swapper.forget()
 
     def _event(self):
@@ -246,6 +264,9 @@ class SmartSwap:
             decisions = self.decisions[b]
         if decisions is None:
             out = original(*args, **kwargs)
+        elif not decisions and not profiling:
+            # Nothing kept or swapped: PyTorch's own checkpoint, with no dispatch mode to pay.
+            out = checkpoint(original, *args, use_reentrant=False, **kwargs)
         else:
             cache = {}
             records = [] if profiling else None
@@ -254,8 +275,10 @@ class SmartSwap:
             expected = self.expected.get(b)
 
             def contexts():
+                replay = (ReplayMode(cache, self.swapper) if decisions
+                          else contextlib.nullcontext())
                 return (RecordingMode(b, decisions, cache, self.swapper, expected, records),
-                        ReplayMode(cache, self.swapper))
+                        replay)
             out = checkpoint(original, *args, use_reentrant=False, context_fn=contexts,
                              **kwargs)
         if profiling:
@@ -396,9 +419,11 @@ class SmartSwap:
         self._replan()
         self.phase = "search"
 
-    def _replan(self):
+    def _replan(self, replace=False):
+        """Plans for the goal with the bandwidth as corrected so far, and starts trying the
+        plan (`replace`: instead of the trial under way, whose step overshot the goal)."""
         profile, s = self.profile, self.settings
-        d2h, h2d = self.bandwidth
+        d2h, h2d = (x * self.bandwidth_scale for x in self.bandwidth)
         target = self.target_bytes
         if target is None:
             choices = [(planner.KEEP, 0, 0)] * len(profile.tensors)
@@ -410,10 +435,25 @@ class SmartSwap:
                                                         s.preference)
             except planner.TargetUnreachable as e:
                 log.warning("glake.swap: %s; recomputing every block in full", e)
-                choices = [(planner.RECOMPUTE if t.recompute_ns is not None else planner.KEEP,
-                            0, 0) for t in profile.tensors]
+                choices = self._full_recompute_choices()
                 self.prediction = planner.simulate(profile, choices, d2h, h2d, s.prefetch + 1)
         self.choices = choices
+        self.decisions = self._decisions(choices)
+        self.history.append(self._summary())
+        log.info("glake.swap: plan %s", self.history[-1])
+        if replace and self.trials:
+            self.trials.pop()
+        self.trials.append(Trial(self.history[-1], self.choices, self.decisions,
+                                 self.prediction, self.bandwidth_scale))
+
+    def _full_recompute_choices(self):
+        return [(planner.RECOMPUTE if t.recompute_ns is not None else planner.KEEP, 0, 0)
+                for t in self.profile.tensors]
+
+    def _decisions(self, choices):
+        """Per block, what the executor keeps and swaps (op index -> KEEP or SWAP); blocks
+        with nothing moved are left out and run as written (autograd saves no more than it
+        needs); a block present with no entries is recomputed in full."""
         decisions = {b: {} for b in range(len(self.blocks))}
         moved = set()
         for (action, _, _), meaning in zip(choices, self.meaning):
@@ -427,10 +467,7 @@ class SmartSwap:
                 moved.add(b)
             for i in ops:
                 decisions[b][i] = SWAP if action == planner.SWAP else KEEP
-        # A block with nothing moved runs as written (autograd saves no more than it needs).
-        self.decisions = {b: d for b, d in decisions.items() if b in moved}
-        self.history.append(self._summary())
-        log.info("glake.swap: plan %s", self.history[-1])
+        return {b: d for b, d in decisions.items() if b in moved}
 
     def _goal(self):
         """Allocated bytes the plan aims at: the target less the margin and the corrections
@@ -455,40 +492,81 @@ class SmartSwap:
                 "swapped_bytes": moved["swap"], "recomputed_bytes": moved["recompute"],
                 "predicted_step_ms": p.step_ns / 1e6, "predicted_peak_bytes": p.peak_bytes,
                 "compute_ms": p.compute_ns / 1e6, "baseline_peak_bytes": p.baseline_peak_bytes,
-                "bandwidth_gbps": tuple(round(x / 1e9, 1) for x in self.bandwidth)}
+                "bandwidth_gbps": tuple(round(x * self.bandwidth_scale / 1e9, 1)
+                                        for x in self.bandwidth)}
 
     def _measure(self, now):
+        """Takes the step that just ended: in warm-up, as the time of full recomputation; in
+        search, as a measurement of the plan on trial; in stable, for the report."""
+        cpu_ms = (time.perf_counter() - self.step_cpu) * 1e3
         now.synchronize()
-        step_ms = self.step_start.elapsed_time(now)
-        reserved = torch.cuda.max_memory_reserved(self.device)
-        allocated = torch.cuda.max_memory_allocated(self.device)
-        self.measured.append((step_ms, reserved, allocated))
-        if self.phase != "search":
+        m = Measurement(self.step_start.elapsed_time(now), self.swapper.exposed_wait_ns() / 1e6,
+                        cpu_ms, torch.cuda.max_memory_reserved(self.device),
+                        torch.cuda.max_memory_allocated(self.device))
+        if self.phase == "warmup":
+            self.recompute_ms = m.step_ms
             return
+        if self.phase == "stable":
+            self.measured.append(m)
+            return
+        trial = self.trials[-1]
+        trial.seen += 1
         # The planner predicts allocated bytes; the allocator's cache may fill the rest of the
         # cap (that is what a cache does), so only allocated bytes over the goal correct it.
-        predicted = self.prediction.peak_bytes
         goal = self._goal()
-        over = allocated - goal if goal is not None else 0
+        over = m.allocated - goal if goal is not None else 0
         if over > 0 and self.corrections < _MAX_CORRECTIONS:
             self.correction += over
             self.corrections += 1
             log.info("glake.swap: step peaked at %d bytes allocated, %d over the plan's goal: "
-                     "planning again", allocated, over)
-            self._replan()
+                     "planning again", m.allocated, over)
+            self._replan(replace=True)
             return
-        if len(self.measured) >= self.settings.search_steps:
-            self.phase = "stable"
-            log.info("glake.swap: stable; predicted %.1f ms and %d bytes, measured %.1f ms and "
-                     "%d bytes reserved (%d allocated)", self.prediction.step_ns / 1e6,
-                     predicted, step_ms, reserved, allocated)
+        if trial.seen > 1:
+            trial.steps.append(m)
+        if len(trial.steps) >= self.settings.search_steps:
+            self._trial_done(trial)
+
+    def _trial_done(self, trial):
+        """Plans again with the bandwidth the trial's waits imply, or, when its copies kept to
+        the prediction or the search is over, keeps the fastest plan measured."""
+        log.info("glake.swap: trial %d: %s", len(self.trials), trial.describe())
+        factor = bandwidth_correction(trial, self.bandwidth[1])
+        if (factor is not None and len(self.trials) < _MAX_TRIALS
+                and self.target_bytes is not None):
+            self.bandwidth_scale = trial.bandwidth_scale * factor
+            self._replan()
+            if all(t.choices != self.trials[-1].choices for t in self.trials[:-1]):
+                return
+            self.trials.pop()
+        best = fastest(self.trials, self.recompute_ms)
+        if best is None:
+            choices = self._full_recompute_choices()
+            self.choices, self.decisions = choices, {b: {} for b in range(len(self.blocks))}
+            s = self.settings
+            self.prediction = planner.simulate(self.profile, choices, *self.bandwidth,
+                                               s.prefetch + 1)
+            self.history.append(dict(self._summary(), chosen="recompute"))
+            log.info("glake.swap: stable; recomputing every block (%.1f ms measured) beats "
+                     "every plan tried", self.recompute_ms)
+        else:
+            self.choices, self.decisions = best.choices, best.decisions
+            self.prediction = best.prediction
+            self.history.append(dict(best.summary, chosen=self.trials.index(best)))
+            log.info("glake.swap: stable; trial %d, predicted %.1f ms, measured %.1f ms",
+                     self.trials.index(best) + 1, best.summary["predicted_step_ms"],
+                     best.step_ms)
+        self.phase = "stable"
 
     def report(self):
-        """Where SmartSwap stands: phase, the plan and its predicted step, and the steps
-        measured since planning (milliseconds, peak reserved and allocated bytes)."""
+        """Where SmartSwap stands: phase, the plan in use and its predicted step, the plans
+        the search tried with what they measured, full recomputation's measured step, and the
+        stable steps measured since (search.Measurement fields)."""
         return {"phase": self.phase, "iteration": self.iteration,
                 "plan": self.history[-1] if self.history else None,
-                "measured": list(self.measured),
+                "trials": [t.describe() for t in self.trials],
+                "recompute_ms": self.recompute_ms,
+                "measured": [vars(m) for m in self.measured],
                 "swapped_out_bytes": self.swapper.bytes_out,
                 "swapped_in_bytes": self.swapper.bytes_in}
 

@@ -120,6 +120,16 @@ class Swapper:
         self.pending = {}  # block -> handles not yet brought back
         self.bytes_out = 0
         self.bytes_in = 0
+        self.waits = None  # a list: (before, after) events around each wait for a copy in
+
+    def exposed_wait_ns(self):
+        """How long the consumer stream stood still waiting for copies in since the last call
+        (timed only while `waits` is a list; reading it waits for the device)."""
+        if not self.waits:
+            return 0
+        total = sum(int(a.elapsed_time(z) * 1e6) for a, z in self.waits)
+        self.waits.clear()
+        return total
 
     def host_buffer(self, nbytes):
         """A pinned buffer of at least `nbytes`, rounded to a size class (an eighth of a power
@@ -174,16 +184,21 @@ class Swapper:
         return handle
 
     def _bring_back(self, handle):
+        """Starts the copy in. The device memory comes from the consumer's stream (the one
+        current here, where the backward runs): a side stream's pool of its own would hold
+        memory the consumer cannot reuse, which a cap has no room for. The copy stream first
+        waits for the consumer up to here, so it never writes memory the consumer freed to
+        this allocation while an earlier kernel still reads it."""
         if handle["back"] is not None:
             return
-        back = []
         if self.cuda:
+            back = [torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+                    for buf in handle["pieces"]]
+            self.h2d.wait_stream(torch.cuda.current_stream(self.device))
             self.h2d.wait_event(handle["done"])
             with torch.cuda.stream(self.h2d):
-                for buf in handle["pieces"]:
-                    dev = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+                for dev, buf in zip(back, handle["pieces"]):
                     dev.copy_(buf, non_blocking=True)
-                    back.append(dev)
             handle["ready"] = torch.cuda.Event()
             handle["ready"].record(self.h2d)
         else:
@@ -202,10 +217,17 @@ class Swapper:
         self._bring_back(handle)
         back = handle["back"]
         if self.cuda:
+            # Allocated on this stream, which now waits for the copy: no record_stream needed.
             main = torch.cuda.current_stream(self.device)
-            main.wait_event(handle["ready"])
-            for dev in back:
-                dev.record_stream(main)
+            if self.waits is None:
+                main.wait_event(handle["ready"])
+            else:
+                before = torch.cuda.Event(enable_timing=True)
+                after = torch.cuda.Event(enable_timing=True)
+                before.record(main)
+                main.wait_event(handle["ready"])
+                after.record(main)
+                self.waits.append((before, after))
         flat = []
         for entry in handle["layout"]:
             if entry[0] == "value":

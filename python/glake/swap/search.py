@@ -1,0 +1,80 @@
+"""SmartSwap's search phase: each plan the planner makes is tried for a few steps and measured;
+the measurements correct the planner's copy bandwidth and pick the plan that ran fastest, full
+recomputation (measured in warm-up) included. Kept free of torch so it can be tested alone."""
+
+import statistics
+from dataclasses import dataclass, field
+
+# A plan whose copies made the step wait this share of it longer than predicted is planned
+# again with the bandwidth those waits imply.
+WAIT_TOLERANCE = 0.01
+# The planner is told no less than this share of the measured bandwidth: below it the plan
+# recomputes everything anyway.
+MIN_BANDWIDTH_SCALE = 0.25
+
+
+@dataclass
+class Measurement:
+    """One measured step: its device time, the time the consumer stream stood waiting for
+    copies in, the host time it took to issue, and the peak reserved and allocated bytes."""
+    step_ms: float
+    wait_ms: float
+    cpu_ms: float
+    reserved: int
+    allocated: int
+
+
+@dataclass
+class Trial:
+    """A plan and the steps measured under it (the first step of a trial is not counted: it
+    makes the pinned buffers the plan needs)."""
+    summary: dict
+    choices: list
+    decisions: dict
+    prediction: object
+    bandwidth_scale: float
+    seen: int = 0
+    steps: list = field(default_factory=list)
+
+    @property
+    def step_ms(self):
+        return statistics.median(m.step_ms for m in self.steps) if self.steps else None
+
+    @property
+    def wait_ms(self):
+        return statistics.median(m.wait_ms for m in self.steps) if self.steps else None
+
+    def describe(self):
+        return {"predicted_step_ms": self.summary["predicted_step_ms"],
+                "predicted_wait_ms": self.prediction.exposed_wait_ns / 1e6,
+                "swapped_bytes": self.summary["swapped_bytes"],
+                "recomputed_bytes": self.summary["recomputed_bytes"],
+                "bandwidth_scale": self.bandwidth_scale,
+                "measured_step_ms": self.step_ms, "measured_wait_ms": self.wait_ms,
+                "cpu_ms": (statistics.median(m.cpu_ms for m in self.steps)
+                           if self.steps else None)}
+
+
+def bandwidth_correction(trial, h2d_bytes_per_s):
+    """The factor to scale the planner's bandwidth by after `trial`, or None when its copies
+    kept to the prediction. Waits beyond the predicted ones mean the copies in took that much
+    longer than planned: the bandwidth that would have made them that long."""
+    if not trial.steps or trial.summary["swapped_bytes"] == 0:
+        return None
+    extra_ms = trial.wait_ms - trial.prediction.exposed_wait_ns / 1e6
+    if extra_ms <= WAIT_TOLERANCE * trial.step_ms:
+        return None
+    copy_ms = trial.summary["swapped_bytes"] / (h2d_bytes_per_s * trial.bandwidth_scale) * 1e3
+    return max(MIN_BANDWIDTH_SCALE, min(0.9, copy_ms / (copy_ms + extra_ms)))
+
+
+def fastest(trials, recompute_ms):
+    """The trial that ran fastest, or None when full recomputation (measured at `recompute_ms`,
+    None if unmeasured) was faster than every trial."""
+    measured = [t for t in trials if t.steps]
+    if not measured:
+        return None if recompute_ms is not None else (trials[-1] if trials else None)
+    best = min(measured, key=lambda t: t.step_ms)
+    if recompute_ms is not None and recompute_ms < best.step_ms:
+        return None
+    return best

@@ -1,0 +1,63 @@
+"""SmartSwap's search decisions (glake/swap/search.py), without torch: which plan a search keeps
+and how measured waits correct the planner's bandwidth."""
+import importlib.util
+import pathlib
+from types import SimpleNamespace
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "glake" / "swap" / "search.py"
+_SPEC = importlib.util.spec_from_file_location("glake_swap_search", _PATH)
+search = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(search)
+
+GB = 10**9
+
+
+def trial(steps_ms, wait_ms=0.0, predicted_wait_ms=0.0, swapped=0, scale=1.0):
+    t = search.Trial(summary={"predicted_step_ms": 100.0, "swapped_bytes": swapped,
+                              "recomputed_bytes": 0},
+                     choices=[], decisions={},
+                     prediction=SimpleNamespace(exposed_wait_ns=int(predicted_wait_ms * 1e6)),
+                     bandwidth_scale=scale)
+    t.steps = [search.Measurement(ms, wait_ms, ms / 2, 0, 0) for ms in steps_ms]
+    return t
+
+
+def test_fastest_measured_trial_wins():
+    slow, fast = trial([120, 130, 125]), trial([110, 100, 105])
+    assert search.fastest([slow, fast], None) is fast
+    assert search.fastest([slow, fast], 111.0) is fast  # median 105 beats recomputing
+
+
+def test_full_recomputation_wins_when_every_plan_ran_slower():
+    assert search.fastest([trial([120, 130, 125]), trial([110, 112, 111])], 108.0) is None
+
+
+def test_an_unmeasured_search_keeps_its_last_plan_unless_recomputation_was_measured():
+    first, last = trial([]), trial([])
+    assert search.fastest([first, last], None) is last
+    assert search.fastest([first, last], 100.0) is None
+    assert search.fastest([], None) is None
+
+
+def test_waits_as_predicted_leave_the_bandwidth_alone():
+    assert search.bandwidth_correction(trial([100], wait_ms=5, predicted_wait_ms=4.5,
+                                             swapped=5 * GB), 50 * GB) is None
+    assert search.bandwidth_correction(trial([100], wait_ms=50), 50 * GB) is None  # no swaps
+
+
+def test_longer_waits_imply_the_bandwidth_that_would_have_made_them():
+    # 5 GB at 50 GB/s is 100 ms of copies; 25 ms of unpredicted waits mean 125 ms: 0.8 of it.
+    t = trial([200], wait_ms=30, predicted_wait_ms=5, swapped=5 * GB)
+    assert search.bandwidth_correction(t, 50 * GB) == pytest.approx(0.8)
+    # Measured under a scaled bandwidth already: the copies were planned at that bandwidth.
+    t = trial([200], wait_ms=30, predicted_wait_ms=5, swapped=5 * GB, scale=0.5)
+    assert search.bandwidth_correction(t, 50 * GB) == pytest.approx(200 / 225)
+
+
+def test_the_correction_is_bounded():
+    huge = trial([1000], wait_ms=900, swapped=1 * GB)
+    assert search.bandwidth_correction(huge, 50 * GB) == search.MIN_BANDWIDTH_SCALE
+    small = trial([1000], wait_ms=10.5, swapped=100 * GB)
+    assert search.bandwidth_correction(small, 50 * GB) == pytest.approx(0.9)

@@ -158,12 +158,14 @@ def child(args):
         return loss
 
     counters = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
-                "num_device_free", "glake.stitches")
+                "num_device_free", "glake.stitches", "glake.stitch_reuse_hits",
+                "glake.stitched_allocations")
 
     def run(steps, warm, smart=None, trace=None):
         """`warm` unmeasured steps (for SmartSwap: until it is stable, at most 40), then
-        `steps` measured; the allocator's counters over the measured steps; with `trace`, one
-        more step's profile as two tables (by device time and by host time)."""
+        `steps` measured; the allocator's counters over the measured steps; with `trace` (a
+        path less its suffix), one more step's profile: a timeline (.json) and two tables by
+        device and by host time (.txt)."""
         times, losses = [], []
         torch.cuda.synchronize()
         i = 0
@@ -185,8 +187,9 @@ def child(args):
             with torch.profiler.profile(activities=activities) as profiler:
                 step(i + steps)
                 torch.cuda.synchronize()
+            profiler.export_chrome_trace(trace + ".json")
             table = profiler.key_averages()
-            with open(trace, "w") as f:
+            with open(trace + ".txt", "w") as f:
                 f.write(table.table(sort_by="cuda_time_total", row_limit=30) + "\n")
                 f.write(table.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
         after = torch.cuda.memory_stats()
@@ -206,8 +209,8 @@ def child(args):
                 smart = glake.swap.apply(model, target=limit)
             else:
                 use(method if method == "checkpoint" else None)
-            trace = (os.path.join(args.trace_dir, f"{name}-{spec}-{cap}.txt")
-                     if args.trace_dir and cap else None)
+            label = f"{name}-{spec.replace('@', '-on-')}-{cap}"
+            trace = os.path.join(args.trace_dir, label) if args.trace_dir and cap else None
             times, _, delta, peaks = run(args.steps, 2, smart, trace)
             step_s = statistics.median(times)
             row.update(step_ms=step_s * 1e3, tokens_per_s=batch * seq / step_s,

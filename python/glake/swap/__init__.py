@@ -128,6 +128,8 @@ class _Marks:
     end: tuple = None                            # (event, allocated, peak before)
     next_start: object = None
     records: dict = field(default_factory=dict)  # block -> [OpRecord]
+    cycles_per_ms: float = None                  # of torch.cuda._sleep on this device
+    issue_ms: float = None                       # host time the last block took to issue
 
 
 class SmartSwap:
@@ -249,10 +251,13 @@ class SmartSwap:
 
     def _run_block(self, b, original, args, kwargs):
         profiling = self.phase == "profile" and self.marks is not None
+        self.swapper.release(b)
         if profiling:
             alloc, _ = self._memory()
             self.marks.alloc_before[b] = alloc
+            self._head_start()
             start = self._event()
+            issued = time.perf_counter()
             if b == 0:
                 first = _first_grad_tensor((args, kwargs))
                 if first is not None:
@@ -283,6 +288,7 @@ class SmartSwap:
                              **kwargs)
         if profiling:
             self.marks.fwd[b] = (start, self._event())
+            self.marks.issue_ms = (time.perf_counter() - issued) * 1e3
             self.marks.alloc_after[b] = self._memory()[0]
             if b == len(self.blocks) - 1 and self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -290,8 +296,26 @@ class SmartSwap:
         if grad_out is not None:
             grad_out.register_hook(lambda g: self._on_backward(b))
         if b == len(self.blocks) - 1:
+            self.swapper.release()
             self.swapper.prefetch(b)
         return out
+
+    def _head_start(self):
+        """Holds the device back before a profiled block, long enough for the host to issue the
+        whole block: the timed ops then run back to back, so their events measure device time,
+        not the host's pace (issuing ops with their events is slower than running the small
+        ones)."""
+        if not self.cuda:
+            return
+        if self.marks.cycles_per_ms is None:
+            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(1_000_000)
+            z.record()
+            z.synchronize()
+            self.marks.cycles_per_ms = 1_000_000 / max(a.elapsed_time(z), 1e-3)
+        ms = 20.0 if self.marks.issue_ms is None else 1.5 * self.marks.issue_ms + 1.0
+        torch.cuda._sleep(int(ms * self.marks.cycles_per_ms))
 
     def _on_backward(self, b):
         """The backward of block `b` starts: bring back what the next blocks swapped out."""
@@ -439,12 +463,33 @@ class SmartSwap:
                 self.prediction = planner.simulate(profile, choices, d2h, h2d, s.prefetch + 1)
         self.choices = choices
         self.decisions = self._decisions(choices)
+        self.swapper.release_at = self._release_schedule(choices, self.bandwidth_scale)
         self.history.append(self._summary())
         log.info("glake.swap: plan %s", self.history[-1])
         if replace and self.trials:
             self.trials.pop()
         self.trials.append(Trial(self.history[-1], self.choices, self.decisions,
                                  self.prediction, self.bandwidth_scale))
+
+    def _release_schedule(self, choices, bandwidth_scale):
+        """Per block that swaps, the first later block whose forward starts after the copy queue
+        has moved its outputs (at the profiled forward times and the planned bandwidth): the
+        point the executor frees them, so the step neither waits for a copy nor holds its
+        memory much longer than the plan counts on."""
+        n = len(self.blocks)
+        fwd = [self.profile.ops[b][0] for b in range(n)]
+        starts = [sum(fwd[:b]) for b in range(n)]
+        swapped = [0] * n
+        for (action, _, _), t, meaning in zip(choices, self.profile.tensors, self.meaning):
+            if meaning is not None and action == planner.SWAP:
+                swapped[meaning[0]] += t.bytes
+        ns_per_byte = 1e9 / (self.bandwidth[0] * bandwidth_scale)
+        schedule, queue_end = {}, 0
+        for b in range(n):
+            if swapped[b]:
+                queue_end = max(queue_end, starts[b] + fwd[b]) + swapped[b] * ns_per_byte
+                schedule[b] = next((r for r in range(b + 1, n) if starts[r] >= queue_end), n)
+        return schedule
 
     def _full_recompute_choices(self):
         return [(planner.RECOMPUTE if t.recompute_ns is not None else planner.KEEP, 0, 0)
@@ -552,6 +597,8 @@ class SmartSwap:
         else:
             self.choices, self.decisions = best.choices, best.decisions
             self.prediction = best.prediction
+            self.swapper.release_at = self._release_schedule(best.choices,
+                                                             best.bandwidth_scale)
             self.history.append(dict(best.summary, chosen=self.trials.index(best)))
             log.info("glake.swap: stable; trial %d, predicted %.1f ms, measured %.1f ms",
                      self.trials.index(best) + 1, best.summary["predicted_step_ms"],

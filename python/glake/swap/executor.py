@@ -120,7 +120,9 @@ class Swapper:
         self.pending = {}  # block -> handles not yet brought back
         self.bytes_out = 0
         self.bytes_in = 0
-        self.waits = None  # a list: (before, after) events around each wait for a copy in
+        self.waits = None  # a list: (before, after) events around each wait for a copy
+        self.release_at = {}  # block -> the block before whose forward its outputs are freed
+        self.held = []  # (release block, copy-out done event, source tensors)
 
     def exposed_wait_ns(self):
         """How long the consumer stream stood still waiting for copies in since the last call
@@ -146,7 +148,7 @@ class Swapper:
 
     def swap_out(self, key, out):
         """Starts copying the storages of `out` to host; returns the handle `swap_in` takes."""
-        pieces = []
+        pieces, sources = [], []
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
             self.d2h.wait_stream(main)
@@ -157,8 +159,9 @@ class Swapper:
             if self.cuda:
                 with torch.cuda.stream(self.d2h):
                     buf.copy_(raw, non_blocking=True)
-                # The allocator must not hand this memory out before the copy has read it.
-                raw.record_stream(self.d2h)
+                # The allocator must not hand this memory out before the copy has read it:
+                # held until `release`, which frees it in stream order.
+                sources.append(raw)
             else:
                 buf.copy_(raw)
             pieces.append((storage.data_ptr(), buf, whole))
@@ -167,6 +170,7 @@ class Swapper:
         if self.cuda:
             done = torch.cuda.Event()
             done.record(self.d2h)
+            self.held.append((self.release_at.get(key[0], key[0] + 1), done, sources))
         flat, spec = tree_flatten(out)
         layout = []
         for t in flat:
@@ -207,6 +211,33 @@ class Swapper:
             self.bytes_in += dev.numel()
         handle["back"] = back
 
+    def _wait(self, event):
+        """Makes the current stream wait for `event`, timing the wait when asked to."""
+        main = torch.cuda.current_stream(self.device)
+        if self.waits is None:
+            main.wait_event(event)
+            return
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record(main)
+        main.wait_event(event)
+        after.record(main)
+        self.waits.append((before, after))
+
+    def release(self, block=None):
+        """Frees the device memory of the swapped-out outputs due before `block`'s forward (all:
+        None), on the consumer's stream once it has waited for their copies. Unlike
+        record_stream, whose memory returns whenever the host sees the copy done, this frees
+        the same memory at the same point of every step, so the allocator's placements (and
+        its stitched ranges) repeat from step to step."""
+        keep = []
+        for entry in self.held:
+            if block is None or entry[0] <= block:
+                self._wait(entry[1])
+            else:
+                keep.append(entry)
+        self.held = keep
+
     def prefetch(self, block):
         """Starts bringing back everything block `block` swapped out."""
         for handle in self.pending.pop(block, []):
@@ -218,16 +249,7 @@ class Swapper:
         back = handle["back"]
         if self.cuda:
             # Allocated on this stream, which now waits for the copy: no record_stream needed.
-            main = torch.cuda.current_stream(self.device)
-            if self.waits is None:
-                main.wait_event(handle["ready"])
-            else:
-                before = torch.cuda.Event(enable_timing=True)
-                after = torch.cuda.Event(enable_timing=True)
-                before.record(main)
-                main.wait_event(handle["ready"])
-                after.record(main)
-                self.waits.append((before, after))
+            self._wait(handle["ready"])
         flat = []
         for entry in handle["layout"]:
             if entry[0] == "value":
@@ -249,6 +271,7 @@ class Swapper:
     def forget(self):
         """Drops pending handles (a step that ended without its backward)."""
         self.pending.clear()
+        self.held.clear()
 
 
 class _CountingMode(TorchDispatchMode):

@@ -233,25 +233,30 @@ def child(args):
         print(json.dumps(row), flush=True)
     if method in ("glake", "unconstrained") and args.loss_steps:
         # Bit-identity of the loss: deterministic kernels (flash attention's deterministic
-        # backward, cuBLAS with a fixed workspace), fresh model and optimizer.
+        # backward, cuBLAS with a fixed workspace), fresh model and optimizer per run. The
+        # glake process runs the unplanned step on its own allocator first (the reference
+        # that differs only by the plan), then SmartSwap at the 60% cap.
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.enable_cudnn_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         del opt, model
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(
-            int(0.6 * args.reference_peak) / total if method == "glake" else 1.0)
-        model = build(name, torch)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        originals = [layer.forward for layer in model.layers]
-        smart = glake.swap.apply(model, target=int(0.6 * args.reference_peak)) \
-            if method == "glake" else None
-        try:
-            _, losses, _, _ = run(0, args.loss_steps)
-            row = {"model": name, "method": spec, "losses": losses}
-        except torch.OutOfMemoryError as e:
-            row = {"model": name, "method": spec, "losses": None,
-                   "error": str(e).splitlines()[0][:200]}
+        row = {"model": name, "method": spec}
+        for planned in ((False, True) if method == "glake" else (False,)):
+            torch.cuda.empty_cache()
+            limit = int(0.6 * args.reference_peak) if planned else None
+            torch.cuda.set_per_process_memory_fraction(limit / total if limit else 1.0)
+            model = build(name, torch)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            smart = glake.swap.apply(model, target=limit) if planned else None
+            key = "losses" if planned or method != "glake" else "losses_unplanned"
+            try:
+                row[key] = run(0, args.loss_steps)[1]
+            except torch.OutOfMemoryError as e:
+                row[key] = None
+                row["error"] = str(e).splitlines()[0][:200]
+            if smart is not None:
+                smart.remove()
+            del opt, model
         print(json.dumps(row), flush=True)
 
 
@@ -309,10 +314,20 @@ def markdown(rows):
                            f"{pred} | {peak} |")
         losses = {r["method"]: r.get("losses") for r in rows
                   if r["model"] == name and "losses" in r}
-        if losses.get("glake") and losses.get("unconstrained"):
-            same = losses["glake"] == losses["unconstrained"]
-            out.append(f"\nLosses over {len(losses['glake'])} steps under SmartSwap at 60% vs "
-                       f"unconstrained: {'identical' if same else 'DIFFERENT'}")
+        unplanned = next((r.get("losses_unplanned") for r in rows
+                          if r["model"] == name and "losses_unplanned" in r), None)
+        planned = losses.get("glake")
+        for label, other in (("the unplanned step on glake's allocator", unplanned),
+                             ("unconstrained on PyTorch's allocator",
+                              losses.get("unconstrained"))):
+            if planned and other:
+                first = next((i for i, (a, b) in enumerate(zip(planned, other)) if a != b),
+                             None)
+                verdict = ("identical" if first is None else
+                           f"DIFFERENT from step {first} ({planned[first]!r} against "
+                           f"{other[first]!r})")
+                out.append(f"\nLosses over {len(planned)} steps under SmartSwap at 60% against "
+                           f"{label}: {verdict}")
     return "\n".join(out)
 
 

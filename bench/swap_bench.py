@@ -234,29 +234,36 @@ def child(args):
     if method in ("glake", "unconstrained") and args.loss_steps:
         # Bit-identity of the loss: deterministic kernels (flash attention's deterministic
         # backward, cuBLAS with a fixed workspace), fresh model and optimizer per run. The
-        # glake process runs the unplanned step on its own allocator first (the reference
-        # that differs only by the plan), then SmartSwap at the 60% cap.
+        # glake process runs the unplanned step on its own allocator twice first (the
+        # reference that differs only by the plan, and whether the model itself repeats),
+        # then SmartSwap at the 60% cap. Ops PyTorch has no deterministic kernel for are named.
+        import warnings
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.enable_cudnn_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         del opt, model
         row = {"model": name, "method": spec}
-        for planned in ((False, True) if method == "glake" else (False,)):
-            torch.cuda.empty_cache()
-            limit = int(0.6 * args.reference_peak) if planned else None
-            torch.cuda.set_per_process_memory_fraction(limit / total if limit else 1.0)
-            model = build(name, torch)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-            smart = glake.swap.apply(model, target=limit) if planned else None
-            key = "losses" if planned or method != "glake" else "losses_unplanned"
-            try:
-                row[key] = run(0, args.loss_steps)[1]
-            except torch.OutOfMemoryError as e:
-                row[key] = None
-                row["error"] = str(e).splitlines()[0][:200]
-            if smart is not None:
-                smart.remove()
-            del opt, model
+        runs = ((False, "losses_unplanned"), (False, "losses_unplanned_again"),
+                (True, "losses")) if method == "glake" else ((False, "losses"),)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for planned, key in runs:
+                torch.cuda.empty_cache()
+                limit = int(0.6 * args.reference_peak) if planned else None
+                torch.cuda.set_per_process_memory_fraction(limit / total if limit else 1.0)
+                model = build(name, torch)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+                smart = glake.swap.apply(model, target=limit) if planned else None
+                try:
+                    row[key] = run(0, args.loss_steps)[1]
+                except torch.OutOfMemoryError as e:
+                    row[key] = None
+                    row["error"] = str(e).splitlines()[0][:200]
+                if smart is not None:
+                    smart.remove()
+                del opt, model
+        row["nondeterministic"] = sorted({str(w.message).split(" does not have")[0]
+                                          for w in seen if "deterministic" in str(w.message)})
         print(json.dumps(row), flush=True)
 
 
@@ -314,8 +321,17 @@ def markdown(rows):
                            f"{pred} | {peak} |")
         losses = {r["method"]: r.get("losses") for r in rows
                   if r["model"] == name and "losses" in r}
-        unplanned = next((r.get("losses_unplanned") for r in rows
-                          if r["model"] == name and "losses_unplanned" in r), None)
+        glake_row = next((r for r in rows if r["model"] == name and "losses_unplanned" in r),
+                         {})
+        unplanned = glake_row.get("losses_unplanned")
+        again = glake_row.get("losses_unplanned_again")
+        if unplanned and again:
+            out.append("\nThe unplanned step on glake's allocator, run twice: " +
+                       ("identical" if unplanned == again else "DIFFERENT (the model's own "
+                        "kernels do not repeat)"))
+        if glake_row.get("nondeterministic"):
+            out.append("\nOps without a deterministic kernel: " +
+                       "; ".join(glake_row["nondeterministic"]))
         planned = losses.get("glake")
         for label, other in (("the unplanned step on glake's allocator", unplanned),
                              ("unconstrained on PyTorch's allocator",

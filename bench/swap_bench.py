@@ -12,12 +12,13 @@ method in its own process with the same seed and batches.
 For each model the unconstrained run comes first: its peak reserved bytes P and step time are
 the reference. Then each method runs under caps of P times each --caps fraction (set with
 torch.cuda.set_per_process_memory_fraction; glake's SmartSwap gets the same bytes as its
-target). Per cap: tokens per second (median step, each step synchronised, warm-up and SmartSwap's
-warm-up and search steps left out: it runs until it is stable), that relative to unconstrained, peak reserved and allocated
-bytes, and for SmartSwap the planner's predicted step time and peak beside the measured ones.
-An out-of-memory error is reported as OOM. The glake process also checks the loss: with
-deterministic kernels (torch.use_deterministic_algorithms, flash attention), 20 steps under SmartSwap at the 60% cap against 20 steps
-unconstrained from the same seed, bit for bit.
+target). Per cap: tokens per second (median step, each step synchronised, warm-up left out,
+and SmartSwap's warm-up and search: it runs until it is stable), that relative to
+unconstrained, peak reserved and allocated bytes, and for SmartSwap the planner's predicted
+step time and peak beside the measured ones. An out-of-memory error is reported as OOM. The
+glake process also checks the loss: with deterministic kernels (torch.use_deterministic_
+algorithms, math attention), 20 steps under SmartSwap capped at 60% of the unplanned peak
+against 20 unplanned steps from the same seed, bit for bit.
 """
 import argparse
 import json
@@ -232,24 +233,28 @@ def child(args):
         row["limit"] = limit
         print(json.dumps(row), flush=True)
     if method in ("glake", "unconstrained") and args.loss_steps:
-        # Bit-identity of the loss: deterministic kernels (flash attention's deterministic
-        # backward, cuBLAS with a fixed workspace), fresh model and optimizer per run. The
-        # glake process runs the unplanned step on its own allocator twice first (the
-        # reference that differs only by the plan, and whether the model itself repeats),
-        # then SmartSwap at the 60% cap. Ops PyTorch has no deterministic kernel for are named.
+        # Bit-identity of the loss: deterministic kernels (math attention, as flash
+        # attention's backward is not deterministic; cuBLAS with a fixed workspace), fresh
+        # model and optimizer per run. The glake process runs the unplanned step on its own
+        # allocator twice first (the reference that differs only by the plan, and whether the
+        # model itself repeats), then SmartSwap capped at 60% of that run's peak reserved.
+        # Ops PyTorch has no deterministic kernel for are named.
         import warnings
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.enable_cudnn_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
         del opt, model
         row = {"model": name, "method": spec}
         runs = ((False, "losses_unplanned"), (False, "losses_unplanned_again"),
                 (True, "losses")) if method == "glake" else ((False, "losses"),)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
+            unplanned_peak = None
             for planned, key in runs:
                 torch.cuda.empty_cache()
-                limit = int(0.6 * args.reference_peak) if planned else None
+                torch.cuda.reset_peak_memory_stats()
+                limit = int(0.6 * unplanned_peak) if planned and unplanned_peak else None
                 torch.cuda.set_per_process_memory_fraction(limit / total if limit else 1.0)
                 model = build(name, torch)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -261,6 +266,9 @@ def child(args):
                     row["error"] = str(e).splitlines()[0][:200]
                 if smart is not None:
                     smart.remove()
+                    row["loss_cap"] = limit
+                else:
+                    unplanned_peak = torch.cuda.max_memory_reserved()
                 del opt, model
         row["nondeterministic"] = sorted({str(w.message).split(" does not have")[0]
                                           for w in seen if "deterministic" in str(w.message)})
@@ -342,8 +350,8 @@ def markdown(rows):
                 verdict = ("identical" if first is None else
                            f"DIFFERENT from step {first} ({planned[first]!r} against "
                            f"{other[first]!r})")
-                out.append(f"\nLosses over {len(planned)} steps under SmartSwap at 60% against "
-                           f"{label}: {verdict}")
+                out.append(f"\nLosses over {len(planned)} steps (math attention) under "
+                           f"SmartSwap at 60% against {label}: {verdict}")
     return "\n".join(out)
 
 

@@ -30,7 +30,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-METHODS = ("glake", "checkpoint", "save_on_cpu")
+METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, method@allocator
 MODELS = {
     # name: (width, layers, heads, ffn, experts, batch, sequence)
     "dense-1b": (2048, 22, 16, 5632, 0, 8, 2048),
@@ -121,6 +121,9 @@ def child(args):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     spec, name = args.child_method, args.child_model
     method, _, allocator = spec.partition("@")
+    # "glake-memory": SmartSwap with the "memory" preference (optimizer states move too).
+    preference = "memory" if method == "glake-memory" else "performance"
+    method = "glake" if method == "glake-memory" else method
     if (allocator or ("glake" if method == "glake" else "native")) == "glake":
         import glake.torch
         glake.torch.enable()
@@ -207,7 +210,7 @@ def child(args):
         try:
             if method == "glake":
                 use(None)
-                smart = glake.swap.apply(model, target=limit)
+                smart = glake.swap.apply(model, target=limit, preference=preference)
             else:
                 use(method if method == "checkpoint" else None)
             label = f"{name}-{spec.replace('@', '-on-')}-{cap}"
@@ -258,7 +261,8 @@ def child(args):
                 torch.cuda.set_per_process_memory_fraction(limit / total if limit else 1.0)
                 model = build(name, torch)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-                smart = glake.swap.apply(model, target=limit) if planned else None
+                smart = (glake.swap.apply(model, target=limit, preference=preference)
+                         if planned else None)
                 try:
                     row[key] = run(0, args.loss_steps)[1]
                 except torch.OutOfMemoryError as e:

@@ -34,11 +34,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                    register_optimizer_step_pre_hook)
 from torch.utils.checkpoint import checkpoint
 
 from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper
 from .search import Measurement, Trial, bandwidth_correction, fastest
+from .states import StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
 _STABLE_EVERY = 20  # stable steps between two measured ones (measuring waits for the GPU)
@@ -144,6 +147,14 @@ class SmartSwap:
                                                            else torch.device("cuda"))
         self.cuda = self.device.type == "cuda"
         self.swapper = Swapper(self.device)
+        self.states = StateSwapper(self.swapper)
+        self.optimizer = None       # the optimizer stepping the blocks' parameters, once seen
+        self.state_release = {}     # block -> block before whose forward its states are freed
+        self._optimizer_hooks = []
+        if self.settings.preference == "memory":
+            self._optimizer_hooks = [
+                register_optimizer_step_pre_hook(self._before_step),
+                register_optimizer_step_post_hook(self._after_step)]
         self.phase = "warmup"
         self.iteration = 0
         self.signature = None
@@ -171,10 +182,34 @@ class SmartSwap:
             block.forward = self._wrap(b, block.forward)
 
     def remove(self):
-        """Gives every block its own forward back."""
+        """Gives every block its own forward back, and the optimizer its states."""
         for block in self.blocks:
             vars(block).pop("forward", None)
+        self.states.restore()
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks = []
         self.enabled = False
+
+    # -- optimizer states ("memory" preference) -------------------------------------------
+
+    def _stop_moving_states(self):
+        """Optimizer states stay on the device until the next plan (warm-up and profile see
+        the step as written)."""
+        self.states.plan({})
+        self.state_release = {}
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self.optimizer is None and self.enabled:
+            mine = {id(p) for block in self.blocks for p in block.parameters()}
+            if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+                self.optimizer = optimizer
+        if optimizer is self.optimizer:
+            self.states.before_step()
+
+    def _after_step(self, optimizer, args, kwargs):
+        if optimizer is self.optimizer and self.enabled:
+            self.states.after_step()
 
     # -- phases ---------------------------------------------------------------------------
 
@@ -225,6 +260,7 @@ class SmartSwap:
         was taken while something else held the device or the link."""
         self.reprofiled = True
         self.phase, self.decisions, self.bandwidth = "warmup", None, None
+        self._stop_moving_states()
         self.trials, self.correction, self.corrections = [], 0, 0
 
     def _restart(self):
@@ -234,6 +270,7 @@ class SmartSwap:
         self.measured, self.correction, self.corrections = [], 0, 0
         self.trials, self.recompute_ms = [], None
         self.swapper.forget()
+        self._stop_moving_states()
 
     def _event(self):
         if not self.cuda:
@@ -262,6 +299,8 @@ class SmartSwap:
     def _run_block(self, b, original, args, kwargs):
         profiling = self.phase == "profile" and self.marks is not None
         self.swapper.release(b)
+        if self.state_release:
+            self.states.release([g for g, r in self.state_release.items() if r <= b])
         if profiling:
             alloc, _ = self._memory()
             self.marks.alloc_before[b] = alloc
@@ -307,6 +346,7 @@ class SmartSwap:
             grad_out.register_hook(lambda g: self._on_backward(b))
         if b == len(self.blocks) - 1:
             self.swapper.release()
+            self.states.release(list(self.state_release))
             self.swapper.prefetch(b)
         return out
 
@@ -331,6 +371,7 @@ class SmartSwap:
         """The backward of block `b` starts: bring back what the next blocks swapped out."""
         for ahead in range(b, max(-1, b - self.settings.prefetch - 1), -1):
             self.swapper.prefetch(ahead)
+            self.states.prefetch(ahead)
         if self.phase == "profile" and self.marks is not None:
             alloc, peak = self._memory()
             self.marks.bwd[b] = (self._event(), alloc, peak)
@@ -447,7 +488,20 @@ class SmartSwap:
                                               bwd_op[b], bwd_op[b], [bwd_op[b]],
                                               kind=planner.OTHER_KIND))
                 meaning += [None, None]
-        return planner.Profile(ops=ops, tensors=tensors, base_bytes=base), meaning
+        if self.optimizer is not None and self.settings.preference == "memory":
+            # Each block's optimizer states: on the device from the step's start (op 0) and
+            # needed from the block's backward to the optimizer step, so the one window the
+            # planner can choose is out during the forward, in ahead of that backward.
+            for b in range(n_blocks):
+                nbytes = sum(t.untyped_storage().nbytes() for t in
+                             state_tensors(self.optimizer, self.blocks[b].parameters()))
+                if nbytes:
+                    tensors.append(planner.Tensor(nbytes, 0, tail,
+                                                  list(range(bwd_op[b], tail + 1)),
+                                                  kind=planner.OPTIMIZER_STATE))
+                    meaning.append(("state", b))
+                    base -= nbytes
+        return planner.Profile(ops=ops, tensors=tensors, base_bytes=max(0, base)), meaning
 
     def _plan(self):
         self.expected = {b: [r.func for r in recs] for b, recs in self.marks.records.items()}
@@ -479,9 +533,7 @@ class SmartSwap:
                 log.warning("glake.swap: %s; recomputing every block in full", e)
                 choices = self._full_recompute_choices()
                 self.prediction = planner.simulate(profile, choices, d2h, h2d, s.prefetch + 1)
-        self.choices = choices
-        self.decisions = self._decisions(choices)
-        self.swapper.release_at = self._release_schedule(choices, self.bandwidth_scale)
+        self._adopt(choices, self.bandwidth_scale)
         self.history.append(self._summary())
         log.info("glake.swap: plan %s", self.history[-1])
         if replace and self.trials:
@@ -489,29 +541,64 @@ class SmartSwap:
         self.trials.append(Trial(self.history[-1], self.choices, self.decisions,
                                  self.prediction, self.bandwidth_scale))
 
+    def _adopt(self, choices, bandwidth_scale):
+        """Makes `choices` the plan the executor follows from the next block on."""
+        self.choices = choices
+        self.decisions = self._decisions(choices)
+        groups = {}
+        for (action, _, _), meaning in zip(choices, self.meaning):
+            if meaning is not None and meaning[0] == "state" and action == planner.SWAP:
+                b = meaning[1]
+                groups[b] = state_tensors(self.optimizer, self.blocks[b].parameters())
+        self.states.plan(groups)
+        self.swapper.release_at, self.state_release = self._release_schedule(
+            choices, bandwidth_scale)
+
     def _release_schedule(self, choices, bandwidth_scale):
-        """Per block that swaps, the first later block whose forward starts after the copy queue
-        has moved its outputs (at the profiled forward times and the planned bandwidth): the
-        point the executor frees them, so the step neither waits for a copy nor holds its
-        memory much longer than the plan counts on."""
+        """Where the executor frees what goes out: per block, the first later block whose
+        forward starts after the copy queue has moved it, at the profiled forward times and
+        the planned bandwidth; optimizer states first (their copies start at the optimizer
+        step), then each block's swapped outputs. Returns ({block: release block} for
+        outputs, the same for optimizer states), so the step neither waits for a copy nor
+        holds memory much longer than the plan counts on."""
         n = len(self.blocks)
         fwd = [self.profile.ops[b][0] for b in range(n)]
         starts = [sum(fwd[:b]) for b in range(n)]
-        swapped = [0] * n
+        swapped, states = [0] * n, {}
         for (action, _, _), t, meaning in zip(choices, self.profile.tensors, self.meaning):
-            if meaning is not None and action == planner.SWAP:
+            if meaning is None or action != planner.SWAP:
+                continue
+            if meaning[0] == "state":
+                states[meaning[1]] = t.bytes
+            else:
                 swapped[meaning[0]] += t.bytes
         ns_per_byte = 1e9 / (self.bandwidth[0] * bandwidth_scale)
-        schedule, queue_end = {}, 0
+
+        def first_after(b, t):
+            return next((r for r in range(b, n) if starts[r] >= t), n)
+
+        queue_end, state_release = 0, {}
+        for b in sorted(states):
+            queue_end += states[b] * ns_per_byte
+            state_release[b] = first_after(1, queue_end)
+        schedule = {}
         for b in range(n):
             if swapped[b]:
                 queue_end = max(queue_end, starts[b] + fwd[b]) + swapped[b] * ns_per_byte
-                schedule[b] = next((r for r in range(b + 1, n) if starts[r] >= queue_end), n)
-        return schedule
+                schedule[b] = first_after(b + 1, queue_end)
+        return schedule, state_release
 
     def _full_recompute_choices(self):
-        return [(planner.RECOMPUTE if t.recompute_ns is not None else planner.KEEP, 0, 0)
-                for t in self.profile.tensors]
+        """Every block recomputed, and (under the "memory" preference) every optimizer state
+        moved: the least memory the executor can run in."""
+        out = []
+        for t, meaning in zip(self.profile.tensors, self.meaning):
+            if meaning is not None and meaning[0] == "state":
+                out.append((planner.SWAP, 0, t.uses[0]))
+            else:
+                out.append((planner.RECOMPUTE if t.recompute_ns is not None else planner.KEEP,
+                            0, 0))
+        return out
 
     def _decisions(self, choices):
         """Per block, what the executor keeps and swaps (op index -> KEEP or SWAP); blocks
@@ -520,7 +607,7 @@ class SmartSwap:
         decisions = {b: {} for b in range(len(self.blocks))}
         moved = set()
         for (action, _, _), meaning in zip(choices, self.meaning):
-            if meaning is None:
+            if meaning is None or meaning[0] == "state":
                 continue
             b, ops = meaning
             if action == planner.RECOMPUTE:
@@ -613,7 +700,8 @@ class SmartSwap:
         best = fastest(self.trials, self.recompute_ms)
         if best is None:
             choices = self._full_recompute_choices()
-            self.choices, self.decisions = choices, {b: {} for b in range(len(self.blocks))}
+            self._adopt(choices, 1.0)
+            self.decisions = {b: {} for b in range(len(self.blocks))}
             s = self.settings
             self.prediction = planner.simulate(self.profile, choices, *self.bandwidth,
                                                s.prefetch + 1)
@@ -621,10 +709,8 @@ class SmartSwap:
             log.info("glake.swap: stable; recomputing every block (%.1f ms measured) beats "
                      "every plan tried", self.recompute_ms)
         else:
-            self.choices, self.decisions = best.choices, best.decisions
+            self._adopt(best.choices, best.bandwidth_scale)
             self.prediction = best.prediction
-            self.swapper.release_at = self._release_schedule(best.choices,
-                                                             best.bandwidth_scale)
             self.history.append(dict(best.summary, chosen=self.trials.index(best)))
             log.info("glake.swap: stable; trial %d, predicted %.1f ms, measured %.1f ms",
                      self.trials.index(best) + 1, best.summary["predicted_step_ms"],

@@ -211,7 +211,7 @@ class Swapper:
             self.bytes_in += dev.numel()
         handle["back"] = back
 
-    def _wait(self, event):
+    def wait_for(self, event):
         """Makes the current stream wait for `event`, timing the wait when asked to."""
         main = torch.cuda.current_stream(self.device)
         if self.waits is None:
@@ -233,7 +233,7 @@ class Swapper:
         keep = []
         for entry in self.held:
             if block is None or entry[0] <= block:
-                self._wait(entry[1])
+                self.wait_for(entry[1])
             else:
                 keep.append(entry)
         self.held = keep
@@ -249,7 +249,7 @@ class Swapper:
         back = handle["back"]
         if self.cuda:
             # Allocated on this stream, which now waits for the copy: no record_stream needed.
-            self._wait(handle["ready"])
+            self.wait_for(handle["ready"])
         flat = []
         for entry in handle["layout"]:
             if entry[0] == "value":

@@ -193,11 +193,22 @@ class SmartSwap:
 
     # -- optimizer states ("memory" preference) -------------------------------------------
 
+    def _moves_states(self):
+        return self.optimizer is not None and self.settings.preference == "memory"
+
     def _stop_moving_states(self):
-        """Optimizer states stay on the device until the next plan (warm-up and profile see
-        the step as written)."""
-        self.states.plan({})
-        self.state_release = {}
+        """Until the next plan: under the "memory" preference every block's optimizer states
+        leave the device before the first block and come back during the backward (so warm-up
+        fits in the least memory the executor can give it); otherwise they stay."""
+        if self._moves_states():
+            groups = {b: state_tensors(self.optimizer, block.parameters())
+                      for b, block in enumerate(self.blocks)}
+            groups = {b: g for b, g in groups.items() if g}
+            self.states.plan(groups)
+            self.state_release = {b: 0 for b in groups}
+        else:
+            self.states.plan({})
+            self.state_release = {}
 
     def _before_step(self, optimizer, args, kwargs):
         if self.optimizer is None and self.enabled:
@@ -209,6 +220,8 @@ class SmartSwap:
 
     def _after_step(self, optimizer, args, kwargs):
         if optimizer is self.optimizer and self.enabled:
+            if self.phase in ("warmup", "profile") and not self.states.groups:
+                self._stop_moving_states()  # the states exist now (made by the first step)
             self.states.after_step()
 
     # -- phases ---------------------------------------------------------------------------
@@ -280,10 +293,17 @@ class SmartSwap:
         return e
 
     def _memory(self):
+        """Allocated and peak allocated bytes for the profile's marks; when optimizer states
+        are planned, less the states on the device at the time (they enter the plan as
+        tensors of their own, wherever they were during the profiled step)."""
         if not self.cuda:
             return 0, 0
-        return torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(
-            self.device)
+        resident = 0
+        if self._moves_states():
+            resident = sum(t.untyped_storage().nbytes() for block in self.blocks
+                           for t in state_tensors(self.optimizer, block.parameters()))
+        return (torch.cuda.memory_allocated(self.device) - resident,
+                torch.cuda.max_memory_allocated(self.device) - resident)
 
     # -- the wrapped forward ----------------------------------------------------------------
 
@@ -488,7 +508,7 @@ class SmartSwap:
                                               bwd_op[b], bwd_op[b], [bwd_op[b]],
                                               kind=planner.OTHER_KIND))
                 meaning += [None, None]
-        if self.optimizer is not None and self.settings.preference == "memory":
+        if self._moves_states():
             # Each block's optimizer states: on the device from the step's start (op 0) and
             # needed from the block's backward to the optimizer step, so the one window the
             # planner can choose is out during the forward, in ahead of that backward.
@@ -500,7 +520,6 @@ class SmartSwap:
                                                   list(range(bwd_op[b], tail + 1)),
                                                   kind=planner.OPTIMIZER_STATE))
                     meaning.append(("state", b))
-                    base -= nbytes
         return planner.Profile(ops=ops, tensors=tensors, base_bytes=max(0, base)), meaning
 
     def _plan(self):

@@ -212,7 +212,8 @@ def test_enable_with_swap_settings_plans_through_the_torch_entry_point(monkeypat
 
 def test_optimizer_states_leave_the_device_between_steps_and_the_step_stays_exact():
     """The "memory" preference's executor: AdamW's states of every block go out after each
-    step (freed at block 1's forward) and come back during the backward, bit for bit."""
+    step (freed before block 0 in warm-up, at block 1's forward under the plan set here) and
+    come back during the backward, bit for bit."""
 
     def run(model, smart=None):
         torch.manual_seed(0)
@@ -244,10 +245,40 @@ def test_optimizer_states_leave_the_device_between_steps_and_the_step_stays_exac
     losses, params, opt, seen = run(model, smart)
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
-    # Steps 0-2 start with the states on the device (none yet in step 0); steps 3-5 without.
-    assert seen[0] == 0 and seen[1] > 0 and seen[2] > 0 and seen[3:] == [0, 0, 0], seen
+    # Warm-up moves every state from the first step that has them (step 1); the plan set at
+    # step 2 brings them back for that step and moves them again from step 3 on.
+    assert seen[0] == 0 and seen[1] == 0 and seen[2] > 0 and seen[3:] == [0, 0, 0], seen
     assert smart.states.bytes_out > 0
     smart.remove()
     for p, q in zip(model.parameters(), ref_opt.param_groups[0]["params"]):
         for key, value in opt.state[p].items():
             assert torch.equal(value, ref_opt.state[q][key]), key
+
+
+def test_memory_preference_plans_optimizer_states_through_every_phase():
+    """Warm-up, profile and plan with AdamW under the "memory" preference and an unreachable
+    target: the plan falls back to recomputing every block with every state moved, exactly."""
+
+    def run(model):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(8):
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    ref_losses, ref_params = run(fresh())
+    model = fresh()
+    smart = swap.apply(model, target=2, preference="memory", margin=0)  # bytes: unreachable
+    losses, params = run(model)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    states = [m for m in smart.meaning if m is not None and m[0] == "state"]
+    assert len(states) == LAYERS, smart.meaning
+    assert set(smart.states.groups) == set(range(LAYERS))
+    assert smart.report()["plan"]["swapped_bytes"] > 0 and smart.states.bytes_out > 0
+    smart.remove()

@@ -229,6 +229,10 @@ def child(args):
                            predicted_peak=plan.get("predicted_peak_bytes"))
         except torch.OutOfMemoryError as e:
             row.update(oom=True, error=str(e).splitlines()[0][:200])
+            if smart is not None:  # where SmartSwap was when the step ran out
+                report = smart.report()
+                row.update(phase=report["phase"], iteration=report["iteration"],
+                           plan=report["plan"], trials=report["trials"])
             opt.zero_grad(set_to_none=True)
         finally:
             if smart is not None:

@@ -210,7 +210,8 @@ def child(args):
         try:
             if method == "glake":
                 use(None)
-                smart = glake.swap.apply(model, target=limit, preference=preference)
+                smart = glake.swap.apply(model, optimizer=opt, target=limit,
+                                         preference=preference)
             else:
                 use(method if method == "checkpoint" else None)
             label = f"{name}-{spec.replace('@', '-on-')}-{cap}"
@@ -265,7 +266,8 @@ def child(args):
                 torch.cuda.set_per_process_memory_fraction(limit / total if limit else 1.0)
                 model = build(name, torch)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-                smart = (glake.swap.apply(model, target=limit, preference=preference)
+                smart = (glake.swap.apply(model, optimizer=opt, target=limit,
+                                          preference=preference)
                          if planned else None)
                 try:
                     row[key] = run(0, args.loss_steps)[1]

@@ -139,7 +139,7 @@ class _Marks:
 class SmartSwap:
     """Plans and runs the blocks of one model; see the module's documentation."""
 
-    def __init__(self, blocks, settings=None, device=None):
+    def __init__(self, blocks, settings=None, device=None, optimizer=None):
         self.blocks = list(blocks)
         self.settings = settings or Settings.from_env()
         p = next(self.blocks[0].parameters(), None)
@@ -151,10 +151,14 @@ class SmartSwap:
         self.optimizer = None       # the optimizer stepping the blocks' parameters, once seen
         self.state_release = {}     # block -> block before whose forward its states are freed
         self._optimizer_hooks = []
+        self._splitting = False     # inside the block-by-block optimizer step
+        self._unwrap_optimizer = None
         if self.settings.preference == "memory":
             self._optimizer_hooks = [
                 register_optimizer_step_pre_hook(self._before_step),
                 register_optimizer_step_post_hook(self._after_step)]
+            if optimizer is not None:
+                self._adopt_optimizer(optimizer)
         self.phase = "warmup"
         self.iteration = 0
         self.signature = None
@@ -189,6 +193,9 @@ class SmartSwap:
         for hook in self._optimizer_hooks:
             hook.remove()
         self._optimizer_hooks = []
+        if self._unwrap_optimizer is not None:
+            self._unwrap_optimizer()
+            self._unwrap_optimizer = None
         self.enabled = False
 
     # -- optimizer states ("memory" preference) -------------------------------------------
@@ -210,15 +217,56 @@ class SmartSwap:
             self.states.plan({})
             self.state_release = {}
 
+    def _adopt_optimizer(self, optimizer):
+        """Makes `optimizer` the one whose states are planned, and runs its step block by
+        block from now on: one call per block's parameters (and one for the rest), so the
+        step's temporaries (a foreach AdamW makes several of its parameters' size) are one
+        block's, not the model's. A step given a closure runs whole."""
+        self.optimizer = optimizer
+        parts = [{id(p) for p in block.parameters()} for block in self.blocks]
+        in_blocks = set().union(*parts)
+        whole = optimizer.step
+
+        def step(closure=None):
+            if closure is not None or not self.enabled:
+                return whole(closure)
+            groups = optimizer.param_groups
+            rest = {id(p) for g in groups for p in g["params"]} - in_blocks
+            self._before_step(optimizer, (), {})
+            self._splitting = True
+            try:
+                for ids in [rest] + parts:
+                    sub = [dict(g, params=[p for p in g["params"] if id(p) in ids])
+                           for g in groups]
+                    sub = [g for g in sub if g["params"]]
+                    if not sub:
+                        continue
+                    optimizer.param_groups = sub
+                    try:
+                        whole()
+                    finally:
+                        optimizer.param_groups = groups
+            finally:
+                self._splitting = False
+            self._after_step(optimizer, (), {})
+            return None
+
+        optimizer.step = step
+        self._unwrap_optimizer = lambda: vars(optimizer).pop("step", None)
+
     def _before_step(self, optimizer, args, kwargs):
+        if self._splitting:
+            return
         if self.optimizer is None and self.enabled:
             mine = {id(p) for block in self.blocks for p in block.parameters()}
             if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-                self.optimizer = optimizer
+                self._adopt_optimizer(optimizer)  # block by block from its next step
         if optimizer is self.optimizer:
             self.states.before_step()
 
     def _after_step(self, optimizer, args, kwargs):
+        if self._splitting:
+            return
         if optimizer is self.optimizer and self.enabled:
             if self.phase in ("warmup", "profile") and not self.states.groups:
                 self._stop_moving_states()  # the states exist now (made by the first step)
@@ -749,11 +797,14 @@ class SmartSwap:
                 "swapped_in_bytes": self.swapper.bytes_in}
 
 
-def apply(model, blocks=None, **settings):
+def apply(model, blocks=None, optimizer=None, **settings):
     """Plans `model`'s repeated blocks (or the given `blocks`) for the target in `settings`
-    (see Settings; unset ones come from GLAKE_SWAP_*). Returns the SmartSwap object."""
+    (see Settings; unset ones come from GLAKE_SWAP_*). Returns the SmartSwap object. Under the
+    "memory" preference, `optimizer` (else the first optimizer seen stepping the blocks'
+    parameters, from its second step on) has its states planned and its step run block by
+    block."""
     return SmartSwap(blocks if blocks is not None else find_blocks(model),
-                     Settings.from_env(**settings))
+                     Settings.from_env(**settings), optimizer=optimizer)
 
 
 _auto = {"hook": None, "settings": None, "applied": None}

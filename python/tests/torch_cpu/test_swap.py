@@ -258,11 +258,17 @@ def test_optimizer_states_leave_the_device_between_steps_and_the_step_stays_exac
 
 def test_memory_preference_plans_optimizer_states_through_every_phase():
     """Warm-up, profile and plan with AdamW under the "memory" preference and an unreachable
-    target: the plan falls back to recomputing every block with every state moved, exactly."""
+    target: the plan falls back to recomputing every block with every state moved, and the
+    optimizer steps block by block (its other parameters apart), exactly."""
 
-    def run(model):
+    def run(model, plan=None):
         torch.manual_seed(0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        smart = plan(model, opt) if plan else None
+        steps = []
+        if smart is not None:  # the step runs block by block: one AdamW call per block
+            opt.register_step_post_hook(lambda o, a, k: steps.append(len(o.param_groups[0][
+                "params"])))
         losses = []
         for _ in range(8):
             loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
@@ -270,16 +276,19 @@ def test_memory_preference_plans_optimizer_states_through_every_phase():
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        return losses, [p.detach().clone() for p in model.parameters()]
+        return losses, [p.detach().clone() for p in model.parameters()], smart, opt, steps
 
-    ref_losses, ref_params = run(fresh())
+    ref_losses, ref_params, _, _, _ = run(fresh())
     model = fresh()
-    smart = swap.apply(model, target=2, preference="memory", margin=0)  # bytes: unreachable
-    losses, params = run(model)
+    losses, params, smart, opt, steps = run(model, lambda m, o: swap.apply(
+        m, optimizer=o, target=2, preference="memory", margin=0))  # 2 bytes: unreachable
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    per_block = len(list(model.layers[0].parameters()))
+    assert steps.count(per_block) == 8 * LAYERS and len(steps) == 8 * (LAYERS + 1), steps
     states = [m for m in smart.meaning if m is not None and m[0] == "state"]
     assert len(states) == LAYERS, smart.meaning
     assert set(smart.states.groups) == set(range(LAYERS))
     assert smart.report()["plan"]["swapped_bytes"] > 0 and smart.states.bytes_out > 0
     smart.remove()
+    assert "step" not in vars(opt)

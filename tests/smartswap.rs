@@ -181,3 +181,182 @@ fn an_attached_pool_reports_tensor_lives() {
     pool.set_observer(None);
     pool.free(weights).unwrap();
 }
+
+/// A native training loop under a session: warm-up, a profiled iteration, then iterations
+/// under a target 60% of the unplanned peak whose reserved peak stays within it, and whose
+/// activations come back at their addresses with every byte.
+#[test]
+fn a_session_trains_under_its_target_and_keeps_every_byte() {
+    use glake::device::Stream;
+    use glake::smartswap::{Session, SessionPhase, Settings};
+    use glake::swap::Preference;
+    use glake::{Config, Pool};
+    use std::sync::Arc;
+
+    const LAYERS: usize = 6;
+    let act = 8 * MIB;
+    let device = common::device();
+    let pool = Arc::new(Pool::new(device.clone(), Config::default()).unwrap());
+    let s = Stream::DEFAULT;
+    let weights = pool.malloc(4 * MIB, s).unwrap();
+    let unplanned_peak = 4 * MIB + LAYERS * act;
+    let target = unplanned_peak * 6 / 10;
+    let mut session = Session::new(
+        pool.clone(),
+        Settings {
+            target_bytes: target,
+            warmup_iterations: 1,
+            prefetch: 1,
+            preference: Preference::Performance,
+            // Ops here take ~0.1 ms: copies must be planned as fast for swaps to lower the
+            // peak in time (the executor's swaps wait for their copies anyway).
+            d2h_bytes_per_s: 1 << 40,
+            h2d_bytes_per_s: 1 << 40,
+        },
+    )
+    .unwrap();
+    for iteration in 0..6u64 {
+        pool.reset_peak_stats();
+        session.begin_iteration().unwrap();
+        session.set_phase(Phase::Forward);
+        let mut acts = Vec::new();
+        for layer in 0..LAYERS {
+            session.begin_op("layer", s).unwrap();
+            session.tensor(weights, 4 * MIB).unwrap();
+            let a = pool.malloc(act, s).unwrap();
+            session.tensor(a, act).unwrap();
+            common::write_pattern(&device, a, act, iteration * 100 + layer as u64);
+            session.end_op().unwrap();
+            acts.push(a);
+        }
+        session.set_phase(Phase::Backward);
+        for layer in (0..LAYERS).rev() {
+            session.begin_op("layer_grad", s).unwrap();
+            let a = acts[layer];
+            session.tensor(a, act).unwrap();
+            assert!(
+                common::has_pattern(&device, a, act, iteration * 100 + layer as u64),
+                "iteration {iteration}, layer {layer}: contents changed"
+            );
+            pool.free(a).unwrap();
+            session.end_op().unwrap();
+        }
+        session.end_iteration().unwrap();
+        let stats = pool.stats();
+        if iteration >= 2 {
+            // Warm-up (iteration 0) and the profiled iteration (1) ran as written.
+            assert_eq!(session.phase(), SessionPhase::Stable);
+            // Swapped-out allocations stay allocated (their addresses are held) while their
+            // physical memory is back with the device: reserved bytes are what the device
+            // gives, and they stay within the target.
+            let reserved = stats.reserved_bytes.all.peak as usize;
+            assert!(
+                reserved <= target,
+                "iteration {iteration}: {reserved} > {target}"
+            );
+            assert!(stats.swapped_bytes.peak as usize >= 2 * act);
+        } else {
+            assert!(stats.allocated_bytes.all.peak as usize >= unplanned_peak);
+        }
+    }
+    let report = session.report();
+    assert!(report.planned_swaps > 0, "{report:?}");
+    assert_eq!(
+        report.swapped_out,
+        4 * report.planned_swaps as u64,
+        "{report:?}"
+    );
+    assert_eq!(report.swapped_out, report.swapped_in, "{report:?}");
+    assert_eq!(report.restarts, 0);
+    let predicted = report.prediction.unwrap().peak_bytes;
+    assert!(predicted <= target, "{predicted} > {target}");
+    drop(session);
+    pool.free(weights).unwrap();
+    pool.check_invariants().unwrap();
+}
+
+/// Under a plan, an op touching a tensor that is out gets it back first (bytes and address
+/// kept), and an iteration that leaves the profile (one op more) brings everything back and
+/// starts the session over.
+#[test]
+fn a_session_brings_back_what_an_op_touches_and_restarts_on_a_new_iteration() {
+    use glake::device::Stream;
+    use glake::smartswap::{Session, SessionPhase, Settings};
+    use glake::swap::Preference;
+    use glake::{Config, Pool};
+    use std::sync::Arc;
+
+    const LAYERS: usize = 5;
+    let act = 4 * MIB;
+    let device = common::device();
+    let pool = Arc::new(Pool::new(device.clone(), Config::default()).unwrap());
+    let s = Stream::DEFAULT;
+    let mut session = Session::new(
+        pool.clone(),
+        Settings {
+            target_bytes: LAYERS * act / 2,
+            warmup_iterations: 1,
+            prefetch: 1,
+            preference: Preference::Performance,
+            d2h_bytes_per_s: 1 << 40,
+            h2d_bytes_per_s: 1 << 40,
+        },
+    )
+    .unwrap();
+    // `peek`: an extra op in the forward that reads layer 0's activation; `extra`: one more op
+    // at the end of the iteration.
+    let run = |session: &mut Session, seed: u64, peek: bool, extra: bool| {
+        session.begin_iteration().unwrap();
+        session.set_phase(Phase::Forward);
+        let mut acts = Vec::new();
+        for layer in 0..LAYERS {
+            session.begin_op("layer", s).unwrap();
+            let a = pool.malloc(act, s).unwrap();
+            session.tensor(a, act).unwrap();
+            common::write_pattern(&device, a, act, seed + layer as u64);
+            session.end_op().unwrap();
+            acts.push(a);
+            if peek && layer == LAYERS - 1 {
+                let was_out = (0..LAYERS).any(|o| session.is_out(o));
+                session.tensor(acts[0], act).unwrap();
+                assert!(was_out && common::has_pattern(&device, acts[0], act, seed));
+            }
+        }
+        session.set_phase(Phase::Backward);
+        for layer in (0..LAYERS).rev() {
+            session.begin_op("layer_grad", s).unwrap();
+            session.tensor(acts[layer], act).unwrap();
+            assert!(common::has_pattern(
+                &device,
+                acts[layer],
+                act,
+                seed + layer as u64
+            ));
+            pool.free(acts[layer]).unwrap();
+            session.end_op().unwrap();
+        }
+        if extra {
+            session.begin_op("extra", s).unwrap();
+            session.end_op().unwrap();
+        }
+        session.end_iteration().unwrap();
+    };
+    for i in 0..3 {
+        run(&mut session, i * 10, false, false);
+    }
+    assert_eq!(session.phase(), SessionPhase::Stable);
+    run(&mut session, 100, true, false);
+    run(&mut session, 200, false, true);
+    let report = session.report();
+    assert_eq!(report.restarts, 1, "{report:?}");
+    assert!(report.over_target >= 1, "{report:?}"); // the peek, and prefetches after it
+    assert_eq!(report.swapped_out, report.swapped_in, "{report:?}");
+    assert_ne!(session.phase(), SessionPhase::Stable); // the departed iteration warmed up
+    for i in 0..3 {
+        run(&mut session, 300 + i * 10, false, false);
+    }
+    assert_eq!(session.phase(), SessionPhase::Stable);
+    drop(session);
+    assert_eq!(pool.stats().swapped_bytes.current, 0);
+    pool.check_invariants().unwrap();
+}

@@ -35,7 +35,7 @@ mod growth;
 mod inspect;
 mod keymap;
 mod observe;
-pub use observe::{AllocationEvent, AllocationObserver};
+pub use observe::{AllocationEvent, AllocationObserver, SwapPlacement};
 mod outside;
 mod private;
 mod sizes;
@@ -110,6 +110,8 @@ struct Inner {
     outside: usize,
     /// Told of every allocation and free (SmartSwap's profiler).
     observer: Option<observe::AllocationObserver>,
+    /// Asked whether a shared-pool allocation should be swappable (SmartSwap's executor).
+    placement: Option<observe::SwapPlacement>,
 }
 
 /// A thread-safe caching allocator for one device.
@@ -168,6 +170,7 @@ impl Pool {
                 swappable: KeyMap::default(),
                 outside: 0,
                 observer: None,
+                placement: None,
             }),
         })
     }

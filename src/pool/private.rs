@@ -33,6 +33,9 @@ impl Inner {
     ) -> Result<DevicePtr> {
         let tag = self.tag_of(private)?;
         if self.routing == 0 {
+            if private.is_none() && self.wants_swappable(size) {
+                return self.malloc_swappable(device, size, stream);
+            }
             return self.malloc(device, size, stream, tag);
         }
         // A capture may be underway on this thread: driver calls that are not stream work

@@ -46,6 +46,19 @@ impl Inner {
     ) -> Result<DevicePtr> {
         check_size(size)?;
         let rounded = align_up(size, self.granularity)?;
+        // A whole idle segment of exactly this size (a swappable allocation freed earlier, as
+        // a training loop's next iteration makes again) is taken as it is: no new memory.
+        let idle = self.map.idle_segments().into_iter().find(|&seg| {
+            let segment = &self.map.segments[seg];
+            let owner = self.map.blocks[segment.first].owner;
+            segment.size == rounded
+                && segment.pool == PoolKind::Large
+                && owner.is_none_or(|s| s == stream)
+        });
+        if let Some(seg) = idle {
+            let id = self.map.segments[seg].first;
+            return Ok(self.take_swappable(id, rounded, size, stream));
+        }
         self.admit(device, size, rounded)?;
         let mut grown = self.grow(device, PoolKind::Large, rounded, SHARED)?;
         if grown.is_none() {
@@ -57,12 +70,23 @@ impl Inner {
             return Err(self.no_memory(device, size));
         };
         // The new segment is one free block of exactly `rounded` bytes: taken whole.
+        Ok(self.take_swappable(id, rounded, size, stream))
+    }
+
+    /// Takes free block `id`, a whole segment of `rounded` bytes, as a swappable allocation.
+    fn take_swappable(
+        &mut self,
+        id: BlockId,
+        rounded: usize,
+        size: usize,
+        stream: Stream,
+    ) -> DevicePtr {
         self.map.take_front(id, rounded, stream);
         let ptr = self.map.blocks[id].addr;
         self.register(ptr, Target::Block(id), rounded, stream, PoolKind::Large);
         self.set_requested(ptr, size);
         self.swappable.insert(ptr, Swappable::default());
-        Ok(ptr)
+        ptr
     }
 
     /// The swappable allocation at `ptr`, which must be swapped out (`swapped`) or resident.

@@ -113,6 +113,11 @@ impl Profiler {
         self.recorder.end_iteration().map_err(hook_error)
     }
 
+    /// For each tensor of the last profile, which allocation of its iteration it was.
+    pub fn allocation_ordinals(&self) -> &[usize] {
+        self.recorder.allocation_ordinals()
+    }
+
     /// The timed events of the next op, made on first use.
     fn timed_pair(&mut self) -> Result<(Event, Event)> {
         if self.used == self.events.len() {

@@ -32,6 +32,9 @@ pub struct Recorder {
     /// The op running (begun, not ended), if any.
     running: Option<usize>,
     recording: bool,
+    /// For each tensor of the last profile, which allocation of its iteration it was (0 for
+    /// the iteration's first): how an executor finds it again in the next iteration.
+    ordinals: Vec<usize>,
 }
 
 /// The kind of tensor memory made during `phase` is: what the planner's preference filters on.
@@ -191,18 +194,25 @@ impl Recorder {
             self.tensors[t].freed_after = last;
         }
         let waiting = std::mem::take(&mut self.waiting);
+        let (ordinals, tensors): (Vec<usize>, Vec<Tensor>) = std::mem::take(&mut self.tensors)
+            .into_iter()
+            .enumerate()
+            .filter(|(i, t)| t.bytes > 0 && !waiting.contains(i))
+            .unzip();
+        self.ordinals = ordinals;
         let profile = Profile {
             ops: std::mem::take(&mut self.ops),
-            tensors: std::mem::take(&mut self.tensors)
-                .into_iter()
-                .enumerate()
-                .filter(|(i, t)| t.bytes > 0 && !waiting.contains(i))
-                .map(|(_, t)| t)
-                .collect(),
+            tensors,
             base_bytes: self.base.values().sum(),
         };
         profile.validate()?;
         Ok(profile)
+    }
+
+    /// For each tensor of the profile the last iteration returned, its allocation's place in
+    /// that iteration (the n-th allocation the pool reported, from 0).
+    pub fn allocation_ordinals(&self) -> &[usize] {
+        &self.ordinals
     }
 
     fn check_recording(&self) -> Result<(), SwapError> {

@@ -199,6 +199,24 @@ typedef uint32_t glake_swap_action;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Where a session stands.
+enum glake_smartswap_phase
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GLAKE_SMARTSWAP_WARMUP = 0,
+  GLAKE_SMARTSWAP_PROFILE = 1,
+  GLAKE_SMARTSWAP_STABLE = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum glake_smartswap_phase glake_smartswap_phase;
+#else
+typedef uint32_t glake_smartswap_phase;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // Opaque pool handle.
 typedef struct glake_pool glake_pool;
 
@@ -373,6 +391,43 @@ typedef struct glake_profile_summary {
   // Most bytes live while an op ran, base bytes included, with no plan.
   uint64_t peak_bytes;
 } glake_profile_summary;
+
+// What a session aims for.
+typedef struct glake_smartswap_settings {
+  // Peak bytes of an iteration (the pool's memory) the plan must stay within; the pool is
+  // capped there while the plan runs.
+  uint64_t target_bytes;
+  // Iterations run as written before the profiled one.
+  uint64_t warmup_iterations;
+  // The planner's bandwidths, prefetch distance (ops) and preference.
+  struct glake_swap_config config;
+} glake_smartswap_settings;
+
+// A SmartSwap session on one pool: opaque handle.
+typedef struct glake_smartswap {
+  uint8_t _private[0];
+} glake_smartswap;
+
+// What a session has done (`glake_smartswap_get_report`).
+typedef struct glake_smartswap_report {
+  // A `glake_smartswap_phase` value.
+  uint32_t phase;
+  uint32_t _reserved;
+  uint64_t iterations;
+  // Allocations the plan swaps each iteration, and their bytes.
+  uint64_t planned_swaps;
+  uint64_t planned_swap_bytes;
+  // The plan's predicted peak and step (0 before a plan).
+  uint64_t predicted_peak_bytes;
+  uint64_t predicted_step_ns;
+  // Swaps done, out and in.
+  uint64_t swapped_out;
+  uint64_t swapped_in;
+  // Returns to warm-up after an iteration left the profile.
+  uint64_t restarts;
+  // Swap-ins off the plan that needed memory beyond the target.
+  uint64_t over_target;
+} glake_smartswap_report;
 
 // An opaque copy engine of one target device.
 typedef struct glake_transfer {
@@ -646,6 +701,52 @@ glake_status glake_profiler_end_op(struct glake_profiler *profiler);
 // `out` must be NULL or valid for a write.
 glake_status glake_profiler_end_iteration(struct glake_profiler *profiler,
                                           struct glake_profile_summary *out);
+
+// Creates a session on `pool` with `settings`; the pool reports its allocations to it and
+// makes the planned ones swappable (replacing a profiler or session made on it before).
+// `GLAKE_STATUS_INVALID_ARGUMENT` for a zero target or bandwidth or an unknown preference.
+//
+// # Safety
+// `settings` must be NULL or readable; `out` NULL or valid for a write.
+glake_status glake_smartswap_create(struct glake_pool *pool,
+                                    const struct glake_smartswap_settings *settings,
+                                    struct glake_smartswap **out);
+
+// Destroys a session: everything it has out comes back, the pool's cap and observer are
+// restored. The handle is invalid afterwards.
+glake_status glake_smartswap_destroy(struct glake_smartswap *session);
+
+// An iteration (a training step) begins.
+glake_status glake_smartswap_begin_iteration(struct glake_smartswap *session);
+
+// The stage (`glake_phase`) of the ops that begin from now on.
+glake_status glake_smartswap_set_phase(struct glake_smartswap *session, uint32_t phase);
+
+// An op named `name` (UTF-8, NUL-terminated) begins on `stream`; under the plan, what it and
+// the ops within the prefetch distance need is brought back first.
+//
+// # Safety
+// `name` must be NULL or a NUL-terminated string.
+glake_status glake_smartswap_begin_op(struct glake_smartswap *session,
+                                      const char *name,
+                                      glake_stream stream);
+
+// The running op touches `bytes` at `ptr`; a planned allocation that is out comes back first.
+glake_status glake_smartswap_tensor(struct glake_smartswap *session, void *ptr, size_t bytes);
+
+// The running op has queued its work; what the plan moves out after it goes.
+glake_status glake_smartswap_end_op(struct glake_smartswap *session);
+
+// The iteration has ended: the profiled one is planned (`GLAKE_STATUS_OUT_OF_MEMORY` when no
+// plan meets the target: the session warms up again), and anything still out comes back.
+glake_status glake_smartswap_end_iteration(struct glake_smartswap *session);
+
+// Writes what the session has done so far to `out`.
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_smartswap_get_report(struct glake_smartswap *session,
+                                        struct glake_smartswap_report *out);
 
 // Creates a copy engine for device `device` of `backend` (a `glake_backend` value), relaying
 // through every other device of that backend that can reach it unless

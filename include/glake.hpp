@@ -294,13 +294,48 @@ class Profiler {
   glake_profiler* profiler_ = nullptr;
 };
 
+/// A SmartSwap session on a pool (`glake_smartswap_*`): warm-up, one profiled iteration, a
+/// plan for the target, then the planned allocations swapped out and back in at the hooks, at
+/// the same addresses.
+class SmartSwap {
+ public:
+  SmartSwap(Pool& pool, const glake_smartswap_settings& settings) {
+    check(glake_smartswap_create(pool.handle(), &settings, &session_));
+  }
+  SmartSwap(const SmartSwap&) = delete;
+  SmartSwap& operator=(const SmartSwap&) = delete;
+  ~SmartSwap() {
+    if (session_ != nullptr) (void)glake_smartswap_destroy(session_);
+  }
+
+  void begin_iteration() { check(glake_smartswap_begin_iteration(session_)); }
+  void set_phase(glake_phase phase) {
+    check(glake_smartswap_set_phase(session_, static_cast<uint32_t>(phase)));
+  }
+  void begin_op(const char* name, glake_stream stream = nullptr) {
+    check(glake_smartswap_begin_op(session_, name, stream));
+  }
+  void tensor(void* ptr, std::size_t bytes) { check(glake_smartswap_tensor(session_, ptr, bytes)); }
+  void end_op() { check(glake_smartswap_end_op(session_)); }
+  void end_iteration() { check(glake_smartswap_end_iteration(session_)); }
+  glake_smartswap_report report() {
+    glake_smartswap_report out{};
+    check(glake_smartswap_get_report(session_, &out));
+    return out;
+  }
+
+ private:
+  glake_smartswap* session_ = nullptr;
+};
+
 namespace swap {
 
 /// The process's operator hooks, in the shape of MindSpeed SmartSwap's manager: a custom
 /// operator calls begin_hook("gmm_forward") before queuing its work, tensor_hook(ptr, bytes)
 /// for each tensor it reads or writes, and post_hook() after; the training loop calls
-/// end_hook() once per step. Until attach() names the pool, every hook does nothing, so
-/// operators can carry the hooks whether or not swapping is on. Thread-safe.
+/// end_hook() once per step. Until attach() (profile only) or enable() (profile, plan and
+/// swap) names the pool, every hook does nothing, so operators can carry the hooks whether or
+/// not swapping is on. Thread-safe.
 class SwapManager {
  public:
   static SwapManager& instance() {
@@ -311,23 +346,46 @@ class SwapManager {
   /// Starts profiling `pool`'s device; the pool reports its allocations from now on.
   void attach(Pool& pool) {
     std::lock_guard<std::mutex> lock(mutex_);
+    session_.reset();
     profiler_.reset(new Profiler(pool));
     open_ = false;
   }
-  /// Stops profiling; the hooks do nothing again.
+  /// Swaps to meet `settings.target_bytes` on `pool`: the hooks drive a SmartSwap session.
+  void enable(Pool& pool, const glake_smartswap_settings& settings) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    profiler_.reset();
+    session_.reset();
+    session_.reset(new SmartSwap(pool, settings));
+    open_ = false;
+  }
+  /// Stops profiling or swapping (what is out comes back); the hooks do nothing again.
   void detach() {
     std::lock_guard<std::mutex> lock(mutex_);
     profiler_.reset();
+    session_.reset();
     open_ = false;
   }
   bool attached() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return profiler_ != nullptr;
+    return profiler_ != nullptr || session_ != nullptr;
+  }
+  /// What the session enable() started has done (all zero without one).
+  glake_smartswap_report report() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return session_ ? session_->report() : glake_smartswap_report{};
   }
 
   /// An op begins (the first hook of a step also begins the step).
   void begin_hook(const char* name, glake_stream stream = nullptr) {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (session_) {
+      if (!open_) {
+        session_->begin_iteration();
+        open_ = true;
+      }
+      session_->begin_op(name, stream);
+      return;
+    }
     if (!profiler_) return;
     if (!open_) {
       profiler_->begin_iteration();
@@ -335,24 +393,33 @@ class SwapManager {
     }
     profiler_->begin_op(name, stream);
   }
-  /// The running op touches `bytes` at `ptr`.
+  /// The running op touches `bytes` at `ptr` (under a plan, one that is out comes back).
   void tensor_hook(void* ptr, std::size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (session_) session_->tensor(ptr, bytes);
     if (profiler_) profiler_->tensor(ptr, bytes);
   }
   /// The running op has queued its work.
   void post_hook() {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (session_) session_->end_op();
     if (profiler_) profiler_->end_op();
   }
   /// A stage marker: the phase of the ops that begin from now on.
   void stage_hook(glake_phase phase) {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (session_) session_->set_phase(phase);
     if (profiler_) profiler_->set_phase(phase);
   }
-  /// The step has ended: its profile's summary (all zero when nothing was recorded).
+  /// The step has ended: its profile's summary (all zero when nothing was recorded, and
+  /// under enable(), where report() says what the session did).
   glake_profile_summary end_hook() {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (session_) {
+      if (open_) session_->end_iteration();
+      open_ = false;
+      return glake_profile_summary{};
+    }
     if (!profiler_ || !open_) return glake_profile_summary{};
     open_ = false;
     last_ = profiler_->end_iteration();
@@ -368,6 +435,7 @@ class SwapManager {
   SwapManager() = default;
   std::mutex mutex_;
   std::unique_ptr<Profiler> profiler_;
+  std::unique_ptr<SmartSwap> session_;
   bool open_ = false;
   glake_profile_summary last_{};
 };

@@ -693,3 +693,132 @@ fn planner_plans_and_simulates_through_the_c_api() {
     let status = simulate_into(&unknown, &mut again);
     assert_eq!(status, GLAKE_STATUS_INVALID_ARGUMENT);
 }
+
+/// A synthetic training loop through the C API on the host backend: a session warms up,
+/// profiles, plans for a target 60% of the unplanned peak, then keeps every iteration's
+/// reserved memory within it while each activation comes back with its bytes at its address.
+#[test]
+fn smartswap_session_trains_under_its_target_through_the_c_api() {
+    const LAYERS: usize = 6;
+    let act = 4 * MIB;
+    let pool = create(&host_config());
+    let unplanned = LAYERS * act;
+    let target = unplanned * 6 / 10;
+    let settings = glake_smartswap_settings {
+        target_bytes: target as u64,
+        warmup_iterations: 1,
+        config: glake_swap_config {
+            d2h_bytes_per_s: 1 << 40,
+            h2d_bytes_per_s: 1 << 40,
+            prefetch: 1,
+            preference: glake_swap_preference::GLAKE_SWAP_BETTER_PERFORMANCE as u32,
+        },
+    };
+    let mut session = null_mut();
+    assert_eq!(
+        unsafe { glake_smartswap_create(pool, null_mut(), &mut session) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    let zero = glake_smartswap_settings {
+        target_bytes: 0,
+        ..settings
+    };
+    assert_eq!(
+        unsafe { glake_smartswap_create(pool, &zero, &mut session) },
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert_eq!(
+        unsafe { glake_smartswap_create(pool, &settings, &mut session) },
+        GLAKE_STATUS_SUCCESS,
+        "{}",
+        message()
+    );
+    let ok = |status| assert_eq!(status, GLAKE_STATUS_SUCCESS, "{}", message());
+    let fill = |seed: usize| -> Vec<u8> { (0..act).map(|i| (i * 31 + seed * 7) as u8).collect() };
+    for iteration in 0..5usize {
+        glake_reset_peak_stats(pool);
+        ok(glake_smartswap_begin_iteration(session));
+        ok(glake_smartswap_set_phase(
+            session,
+            glake_phase::GLAKE_PHASE_FORWARD as u32,
+        ));
+        let mut acts = Vec::new();
+        for layer in 0..LAYERS {
+            ok(unsafe { glake_smartswap_begin_op(session, c"layer".as_ptr(), null_mut()) });
+            let (status, a) = malloc(pool, act);
+            ok(status);
+            ok(glake_smartswap_tensor(session, a, act));
+            let data = fill(iteration * 10 + layer);
+            unsafe {
+                ok(glake_copy_to_device(
+                    pool,
+                    a,
+                    data.as_ptr().cast(),
+                    act,
+                    null_mut(),
+                ));
+                ok(glake_stream_synchronize(pool, null_mut()));
+            }
+            ok(glake_smartswap_end_op(session));
+            acts.push(a);
+        }
+        ok(glake_smartswap_set_phase(
+            session,
+            glake_phase::GLAKE_PHASE_BACKWARD as u32,
+        ));
+        for layer in (0..LAYERS).rev() {
+            ok(unsafe { glake_smartswap_begin_op(session, c"layer_grad".as_ptr(), null_mut()) });
+            ok(glake_smartswap_tensor(session, acts[layer], act));
+            let mut back = vec![0u8; act];
+            unsafe {
+                ok(glake_copy_to_host(
+                    pool,
+                    back.as_mut_ptr().cast(),
+                    acts[layer],
+                    act,
+                    null_mut(),
+                ));
+                ok(glake_stream_synchronize(pool, null_mut()));
+            }
+            assert!(
+                back == fill(iteration * 10 + layer),
+                "iteration {iteration} layer {layer}"
+            );
+            ok(glake_free(pool, acts[layer]));
+            ok(glake_smartswap_end_op(session));
+        }
+        ok(glake_smartswap_end_iteration(session));
+        let mut stats = std::mem::MaybeUninit::<glake::stats::MemoryStats>::zeroed();
+        ok(unsafe { glake_get_stats(pool, stats.as_mut_ptr()) });
+        let stats = unsafe { stats.assume_init() };
+        let reserved = stats.reserved_bytes.all.peak as usize;
+        if iteration >= 2 {
+            assert!(
+                reserved <= target,
+                "iteration {iteration}: {reserved} > {target}"
+            );
+        } else {
+            assert!(reserved >= unplanned);
+        }
+    }
+    let mut report = glake_smartswap_report::default();
+    ok(unsafe { glake_smartswap_get_report(session, &mut report) });
+    assert_eq!(
+        report.phase,
+        glake_smartswap_phase::GLAKE_SMARTSWAP_STABLE as u32
+    );
+    assert_eq!(report.iterations, 5);
+    assert!(report.planned_swaps > 0 && report.predicted_peak_bytes as usize <= target);
+    assert_eq!(report.swapped_out, 3 * report.planned_swaps);
+    assert_eq!(report.swapped_in, report.swapped_out);
+    assert_eq!(
+        unsafe { glake_smartswap_get_report(session, null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    ok(glake_smartswap_destroy(session));
+    assert_eq!(
+        glake_smartswap_destroy(session),
+        GLAKE_STATUS_INVALID_HANDLE
+    );
+    ok(glake_pool_destroy(pool));
+}

@@ -95,6 +95,12 @@ pub(crate) fn profilers() -> &'static Registry<Arc<Mutex<crate::smartswap::Profi
     PROFILERS.get_or_init(|| Registry::new("profiler"))
 }
 
+/// The SmartSwap sessions made through the C API.
+pub(crate) fn sessions() -> &'static Registry<Arc<Mutex<crate::smartswap::Session>>> {
+    static SESSIONS: OnceLock<Registry<Arc<Mutex<crate::smartswap::Session>>>> = OnceLock::new();
+    SESSIONS.get_or_init(|| Registry::new("smartswap session"))
+}
+
 /// Registers a pool and returns its handle value.
 pub(crate) fn insert(pool: Pool, fault: Option<Arc<FaultDevice>>) -> usize {
     pools().insert(Entry {

@@ -8,11 +8,13 @@ mod exports;
 mod handles;
 mod planner;
 mod profiler;
+mod session;
 mod transfer;
 
 pub use exports::*;
 pub use planner::*;
 pub use profiler::*;
+pub use session::*;
 pub use transfer::*;
 
 use std::cell::RefCell;

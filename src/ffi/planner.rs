@@ -188,7 +188,9 @@ unsafe fn profile_of(
     Ok(profile)
 }
 
-fn config_of(config: *const glake_swap_config) -> Result<(SimConfig, Preference), Failure> {
+pub(super) fn config_of(
+    config: *const glake_swap_config,
+) -> Result<(SimConfig, Preference), Failure> {
     if config.is_null() {
         return Err(Failure::null("config"));
     }

@@ -107,6 +107,8 @@ pub struct Session {
     /// Index of the next op of this iteration, and whether an iteration is open.
     op: usize,
     open: bool,
+    /// The last stage marker (it may come before the iteration's first op).
+    stage: Option<Phase>,
     /// Planned allocations swapped out now (ordinal -> address).
     out: HashMap<usize, DevicePtr>,
     /// Allocated bytes when the iteration began: the planner counts them in every peak.
@@ -172,6 +174,7 @@ impl Session {
             schedule: Schedule::default(),
             op: 0,
             open: false,
+            stage: None,
             out: HashMap::new(),
             base_bytes: 0,
             outer_limit: None,
@@ -209,7 +212,11 @@ impl Session {
         t.executing = self.phase == SessionPhase::Stable;
         t.profiler = None;
         if self.phase == SessionPhase::Profile {
-            lock(&self.profiler).begin_iteration();
+            let mut profiler = lock(&self.profiler);
+            profiler.begin_iteration();
+            if let Some(stage) = self.stage {
+                profiler.set_phase(stage);
+            }
             t.profiler = Some(self.profiler.clone());
         }
         Ok(())
@@ -217,6 +224,7 @@ impl Session {
 
     /// A stage marker for the profile: the phase of the ops that begin from now on.
     pub fn set_phase(&mut self, phase: Phase) {
+        self.stage = Some(phase);
         if self.phase == SessionPhase::Profile && self.open {
             lock(&self.profiler).set_phase(phase);
         }

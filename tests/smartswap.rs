@@ -360,3 +360,122 @@ fn a_session_brings_back_what_an_op_touches_and_restarts_on_a_new_iteration() {
     assert_eq!(pool.stats().swapped_bytes.current, 0);
     pool.check_invariants().unwrap();
 }
+
+/// One driver call failing anywhere in a planned iteration (each call of each kind the
+/// iteration makes, in turn): the hook that made it returns the error, a retry of that hook
+/// completes, no byte is lost, the pool stays consistent, the next iteration runs clean, and
+/// dropping everything leaves no physical memory, mapping or reservation behind.
+#[test]
+fn a_session_survives_any_driver_failure_in_a_planned_iteration() {
+    use glake::device::fault::FaultDevice;
+    use glake::device::{CallKind, SharedDevice, Stream};
+    use glake::smartswap::{Session, SessionPhase, Settings};
+    use glake::swap::Preference;
+    use glake::{Config, Pool};
+    use std::sync::Arc;
+
+    const LAYERS: usize = 4;
+    let act = 4 * MIB;
+    let s = Stream::DEFAULT;
+    // Runs one iteration; every hook that fails is retried once (the failure fires once).
+    // Returns the errors seen.
+    fn retry<T>(errors: &mut Vec<String>, mut f: impl FnMut() -> glake::Result<T>) -> T {
+        match f() {
+            Ok(value) => value,
+            Err(err) => {
+                errors.push(err.to_string());
+                f().expect("the retry completes")
+            }
+        }
+    }
+    let iteration = |session: &mut Session, pool: &Pool, device: &SharedDevice, seed: u64| {
+        let mut errors = Vec::new();
+        retry(&mut errors, || session.begin_iteration());
+        session.set_phase(Phase::Forward);
+        let mut acts = Vec::new();
+        for layer in 0..LAYERS {
+            retry(&mut errors, || session.begin_op("layer", s));
+            let a = retry(&mut errors, || pool.malloc(act, s));
+            retry(&mut errors, || session.tensor(a, act));
+            common::write_pattern(device, a, act, seed + layer as u64);
+            retry(&mut errors, || session.end_op());
+            acts.push(a);
+        }
+        session.set_phase(Phase::Backward);
+        for layer in (0..LAYERS).rev() {
+            retry(&mut errors, || session.begin_op("layer_grad", s));
+            retry(&mut errors, || session.tensor(acts[layer], act));
+            assert!(
+                common::has_pattern(device, acts[layer], act, seed + layer as u64),
+                "layer {layer} lost bytes; errors {errors:?}"
+            );
+            retry(&mut errors, || pool.free(acts[layer]));
+            retry(&mut errors, || session.end_op());
+        }
+        retry(&mut errors, || session.end_iteration());
+        errors
+    };
+    let setup = || {
+        let host = common::host_device(1 << 30);
+        let fault = Arc::new(FaultDevice::new(host.clone()));
+        let faulty: SharedDevice = fault.clone();
+        let pool = Arc::new(Pool::new(faulty, Config::default()).unwrap());
+        // The test's own reads and writes go to the device underneath: no failure is
+        // planned for them, and they are not counted.
+        let device: SharedDevice = host.clone();
+        let session = Session::new(
+            pool.clone(),
+            Settings {
+                target_bytes: LAYERS * act / 2,
+                warmup_iterations: 1,
+                prefetch: 1,
+                preference: Preference::Performance,
+                d2h_bytes_per_s: 1 << 40,
+                h2d_bytes_per_s: 1 << 40,
+            },
+        )
+        .unwrap();
+        (host, fault, device, pool, session)
+    };
+    // A clean run counts the calls of one planned iteration.
+    let (_, fault, device, pool, mut session) = setup();
+    for seed in 0..2 {
+        assert!(iteration(&mut session, &pool, &device, seed * 10).is_empty());
+    }
+    assert_eq!(session.phase(), SessionPhase::Stable);
+    let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
+    assert!(iteration(&mut session, &pool, &device, 20).is_empty());
+    let counts: Vec<(CallKind, u64)> = CallKind::ALL
+        .iter()
+        .zip(before)
+        .map(|(&k, b)| (k, fault.calls(k) - b))
+        .filter(|&(_, n)| n > 0)
+        .collect();
+    assert!(session.report().swapped_out > 0);
+    drop((session, pool));
+    let mut swept = 0;
+    for &(kind, total) in &counts {
+        for n in 1..=total {
+            let (host, fault, device, pool, mut session) = setup();
+            for seed in 0..2 {
+                iteration(&mut session, &pool, &device, seed * 10);
+            }
+            fault.fail_nth(kind, n);
+            let errors = iteration(&mut session, &pool, &device, 100);
+            let what = format!("{kind:?} call {n} of {total}");
+            assert_eq!(fault.injected(), 1, "{what}: the failure did not fire");
+            pool.check_invariants()
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let errors_after = iteration(&mut session, &pool, &device, 200);
+            assert!(errors_after.is_empty(), "{what}: {errors_after:?}");
+            drop(session);
+            assert_eq!(pool.stats().swapped_bytes.current, 0, "{what}");
+            drop(pool);
+            assert_eq!(host.live_objects(), (0, 0, 0), "{what}: {errors:?}");
+            assert_eq!(host.created_bytes(), 0, "{what}");
+            swept += 1;
+        }
+    }
+    println!("{swept} failures swept over {counts:?}");
+    assert!(swept > 10);
+}

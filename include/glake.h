@@ -394,8 +394,8 @@ typedef struct glake_profile_summary {
 
 // What a session aims for.
 typedef struct glake_smartswap_settings {
-  // Peak bytes of an iteration (the pool's memory) the plan must stay within; the pool is
-  // capped there while the plan runs.
+  // Peak bytes of an iteration (the pool's memory) the plan must stay within; the pool's
+  // soft limit while the plan runs.
   uint64_t target_bytes;
   // Iterations run as written before the profiled one.
   uint64_t warmup_iterations;
@@ -425,8 +425,8 @@ typedef struct glake_smartswap_report {
   uint64_t swapped_in;
   // Returns to warm-up after an iteration left the profile.
   uint64_t restarts;
-  // Swap-ins off the plan that needed memory beyond the target.
-  uint64_t over_target;
+  // Swap-ins the plan did not schedule (an op touched a tensor while it was out).
+  uint64_t off_plan;
 } glake_smartswap_report;
 
 // An opaque copy engine of one target device.
@@ -703,7 +703,9 @@ glake_status glake_profiler_end_iteration(struct glake_profiler *profiler,
                                           struct glake_profile_summary *out);
 
 // Creates a session on `pool` with `settings`; the pool reports its allocations to it and
-// makes the planned ones swappable (replacing a profiler or session made on it before).
+// makes the planned ones swappable (replacing a profiler or session made on it before). While
+// the plan runs, the pool's soft limit is the target: it gives cached memory back before it
+// grows past it, and never fails a request because of it.
 // `GLAKE_STATUS_INVALID_ARGUMENT` for a zero target or bandwidth or an unknown preference.
 //
 // # Safety

@@ -888,3 +888,29 @@ fn malloc_at_in_the_shared_pool() {
     p.free(a).unwrap();
     p.check_invariants().unwrap();
 }
+
+/// A soft limit gives cached memory back before the pool grows past it, and, unlike the cap,
+/// never fails a request: past it the pool grows as it would without one.
+#[test]
+fn a_soft_limit_releases_cache_before_growing_and_never_fails() {
+    let device = common::device();
+    let p = pool_with(&device, stitch_off());
+    let s = Stream::DEFAULT;
+    p.set_soft_limit(Some(24 * MIB));
+    let a = p.malloc(16 * MIB, s).unwrap();
+    p.free(a).unwrap(); // 16 MiB cached
+    assert_eq!(p.stats().reserved_bytes.all.current as usize, 16 * MIB);
+    // A 20 MiB request cannot use the cached 16 MiB: the cache goes back before the pool
+    // grows past 24 MiB.
+    let b = p.malloc(20 * MIB, s).unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.reserved_bytes.all.current as usize, 20 * MIB);
+    assert_eq!(stats.reserved_bytes.all.peak as usize, 20 * MIB);
+    // Past the soft limit with nothing cached: the request still succeeds.
+    let c = p.malloc(16 * MIB, s).unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current as usize, 36 * MIB);
+    p.set_soft_limit(None);
+    p.free(b).unwrap();
+    p.free(c).unwrap();
+    p.check_invariants().unwrap();
+}

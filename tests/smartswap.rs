@@ -349,7 +349,7 @@ fn a_session_brings_back_what_an_op_touches_and_restarts_on_a_new_iteration() {
     run(&mut session, 200, false, true);
     let report = session.report();
     assert_eq!(report.restarts, 1, "{report:?}");
-    assert!(report.over_target >= 1, "{report:?}"); // the peek, and prefetches after it
+    assert_eq!(report.off_plan, 1, "{report:?}"); // the peek
     assert_eq!(report.swapped_out, report.swapped_in, "{report:?}");
     assert_ne!(session.phase(), SessionPhase::Stable); // the departed iteration warmed up
     for i in 0..3 {
@@ -478,4 +478,116 @@ fn a_session_survives_any_driver_failure_in_a_planned_iteration() {
     }
     println!("{swept} failures swept over {counts:?}");
     assert!(swept > 10);
+}
+
+mod random_loops {
+    //! Sessions under random training loops, some of which misbehave: layers of random sizes,
+    //! iterations that change shape, skipped or extra hooks, hooks out of order, tensors
+    //! touched at random. Whatever the hooks return, nothing panics, every activation read
+    //! after a touch holds its bytes, the pool stays consistent, and dropping the session
+    //! leaves nothing swapped out.
+    use super::{common, MIB};
+    use glake::device::Stream;
+    use glake::smartswap::{Session, Settings};
+    use glake::swap::{Phase, Preference};
+    use glake::{Config, Pool};
+    use proptest::prelude::*;
+    use std::sync::Arc;
+
+    #[derive(Debug, Clone)]
+    struct Iteration {
+        /// Activation sizes in MiB, one per layer.
+        layers: Vec<usize>,
+        /// Layer whose activation an extra op touches in the middle of the forward.
+        peek: Option<usize>,
+        /// An op begun and never ended, or ended twice.
+        stray_end: bool,
+        stray_begin: bool,
+    }
+
+    fn iteration() -> impl Strategy<Value = Iteration> {
+        (
+            prop::collection::vec(1usize..6, 2..6),
+            prop::option::of(0usize..6),
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(|(layers, peek, stray_end, stray_begin)| Iteration {
+                layers,
+                peek,
+                stray_end,
+                stray_begin,
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::with_cases(24) })]
+
+        #[test]
+        fn sessions_survive_random_loops(
+            fraction in 30usize..90,
+            repeat in 1usize..4,
+            iterations in prop::collection::vec(iteration(), 1..4),
+        ) {
+            let device = common::device();
+            let pool = Arc::new(Pool::new(device.clone(), Config::default()).unwrap());
+            let s = Stream::DEFAULT;
+            let peak: usize = iterations.iter().map(|i| i.layers.iter().sum::<usize>()).max()
+                .unwrap_or(1) * MIB;
+            let mut session = Session::new(pool.clone(), Settings {
+                target_bytes: peak * fraction / 100,
+                warmup_iterations: 1,
+                prefetch: 1,
+                preference: Preference::Performance,
+                d2h_bytes_per_s: 1 << 40,
+                h2d_bytes_per_s: 1 << 40,
+            }).unwrap();
+            let mut seed = 0u64;
+            // Each shape runs several times, so sessions reach their plans and then see the
+            // shape change.
+            for it in iterations.iter().flat_map(|i| std::iter::repeat_n(i, repeat + 2)) {
+                let _ = session.begin_iteration();
+                session.set_phase(Phase::Forward);
+                let mut acts = Vec::new();
+                for (layer, &mib) in it.layers.iter().enumerate() {
+                    let _ = session.begin_op("layer", s);
+                    let a = pool.malloc(mib * MIB, s).unwrap();
+                    let _ = session.tensor(a, mib * MIB);
+                    seed += 1;
+                    common::write_pattern(&device, a, mib * MIB, seed);
+                    let _ = session.end_op();
+                    acts.push((a, mib * MIB, seed));
+                    if it.peek == Some(layer) {
+                        let _ = session.begin_op("peek", s);
+                        let (p, len, sd) = acts[0];
+                        if session.tensor(p, len).is_ok() {
+                            prop_assert!(common::has_pattern(&device, p, len, sd));
+                        }
+                        let _ = session.end_op();
+                    }
+                }
+                if it.stray_end {
+                    let _ = session.end_op();
+                }
+                if it.stray_begin {
+                    let _ = session.begin_op("stray", s);
+                }
+                session.set_phase(Phase::Backward);
+                for &(a, len, sd) in acts.iter().rev() {
+                    let _ = session.begin_op("layer_grad", s);
+                    if session.tensor(a, len).is_ok() {
+                        prop_assert!(common::has_pattern(&device, a, len, sd));
+                    }
+                    pool.free(a).unwrap();
+                    let _ = session.end_op();
+                }
+                let _ = session.end_iteration();
+                prop_assert!(pool.check_invariants().is_ok());
+            }
+            drop(session);
+            prop_assert_eq!(pool.stats().swapped_bytes.current, 0);
+            pool.empty_cache().unwrap();
+            prop_assert_eq!(pool.stats().reserved_bytes.all.current, 0);
+        }
+    }
 }

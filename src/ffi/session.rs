@@ -25,8 +25,8 @@ pub struct glake_smartswap {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct glake_smartswap_settings {
-    /// Peak bytes of an iteration (the pool's memory) the plan must stay within; the pool is
-    /// capped there while the plan runs.
+    /// Peak bytes of an iteration (the pool's memory) the plan must stay within; the pool's
+    /// soft limit while the plan runs.
     pub target_bytes: u64,
     /// Iterations run as written before the profiled one.
     pub warmup_iterations: u64,
@@ -62,8 +62,8 @@ pub struct glake_smartswap_report {
     pub swapped_in: u64,
     /// Returns to warm-up after an iteration left the profile.
     pub restarts: u64,
-    /// Swap-ins off the plan that needed memory beyond the target.
-    pub over_target: u64,
+    /// Swap-ins the plan did not schedule (an op touched a tensor while it was out).
+    pub off_plan: u64,
 }
 const_assert_eq!(std::mem::size_of::<glake_smartswap_report>(), 80);
 
@@ -83,7 +83,9 @@ fn with_session(
 }
 
 /// Creates a session on `pool` with `settings`; the pool reports its allocations to it and
-/// makes the planned ones swappable (replacing a profiler or session made on it before).
+/// makes the planned ones swappable (replacing a profiler or session made on it before). While
+/// the plan runs, the pool's soft limit is the target: it gives cached memory back before it
+/// grows past it, and never fails a request because of it.
 /// `GLAKE_STATUS_INVALID_ARGUMENT` for a zero target or bandwidth or an unknown preference.
 ///
 /// # Safety
@@ -235,7 +237,7 @@ pub unsafe extern "C" fn glake_smartswap_get_report(
             swapped_out: r.swapped_out,
             swapped_in: r.swapped_in,
             restarts: r.restarts,
-            over_target: r.over_target,
+            off_plan: r.off_plan,
         };
         // SAFETY: non-NULL, valid under this function's contract.
         unsafe { write_out(out, "out", report) }

@@ -14,6 +14,28 @@ impl Inner {
         self.cap.fits(self.capped_bytes(), bytes)
     }
 
+    /// Before creating `bytes` of physical memory past the soft limit, gives cached memory
+    /// back (once per request; nothing when nothing is cached). Unlike the cap, the soft limit
+    /// never makes a request fail.
+    pub(super) fn respect_soft_limit(
+        &mut self,
+        device: &dyn crate::device::Device,
+        bytes: usize,
+    ) -> Result<()> {
+        let Some(soft) = self.soft_limit else {
+            return Ok(());
+        };
+        let over = self.capped_bytes().saturating_add(bytes) > soft;
+        if over && self.routing == 0 && self.has_cached_memory() {
+            self.release_cached(device)?;
+        }
+        Ok(())
+    }
+
+    fn has_cached_memory(&self) -> bool {
+        self.stitch.idle_count() > 0 || !self.map.idle_segments().is_empty()
+    }
+
     /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`] and
     /// [`blocks::chunk_limit`]), mapped at a new range with access set once. Returns its free
     /// block, or None when the cap or the device is full. Undoes every step if a later one
@@ -25,6 +47,7 @@ impl Inner {
         size: usize,
         tag: Tag,
     ) -> Result<Option<BlockId>> {
+        self.respect_soft_limit(device, size)?;
         if !self.fits_cap(size) {
             return Ok(None);
         }

@@ -112,6 +112,8 @@ struct Inner {
     observer: Option<observe::AllocationObserver>,
     /// Asked whether a shared-pool allocation should be swappable (SmartSwap's executor).
     placement: Option<observe::SwapPlacement>,
+    /// Reserved bytes past which cached memory is given back before more is created.
+    soft_limit: Option<usize>,
 }
 
 /// A thread-safe caching allocator for one device.
@@ -171,6 +173,7 @@ impl Pool {
                 outside: 0,
                 observer: None,
                 placement: None,
+                soft_limit: None,
             }),
         })
     }
@@ -353,6 +356,14 @@ impl Pool {
         inner.config.memory_fraction = 1.0;
         inner.config.memory_limit = Some(bytes);
         Ok(())
+    }
+
+    /// Sets (or, with None, removes) a soft limit: creating physical memory past it first gives
+    /// the pool's cached memory back (a device-wide wait and release, as under the cap), but
+    /// unlike the cap it never makes a request fail. SmartSwap sets it at its target, so memory
+    /// a plan frees is memory the pool reuses.
+    pub fn set_soft_limit(&self, bytes: Option<usize>) {
+        lock(&self.inner).soft_limit = bytes;
     }
 
     /// The cap on physical memory, in bytes.

@@ -200,6 +200,7 @@ impl Inner {
                 )));
             }
         }
+        self.respect_soft_limit(device, t.size)?;
         if !self.fits_cap(t.size) {
             self.release_cached(device)?;
         }

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 
 use super::Profiler;
 use crate::device::{DevicePtr, Stream};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::pool::{AllocationEvent, Pool};
 use crate::swap::{plan, Choice, Phase, Preference, SimConfig, SimResult, SwapError, TensorKind};
 use crate::sync::lock;
@@ -63,8 +63,8 @@ pub struct Report {
     pub swapped_in: u64,
     /// Times the session went back to warm-up because an iteration left the profile.
     pub restarts: u64,
-    /// Swap-ins off the plan that needed memory beyond the target.
-    pub over_target: u64,
+    /// Swap-ins the plan did not schedule: an op touched a tensor while it was out.
+    pub off_plan: u64,
 }
 
 /// The plan in the executor's terms: allocation ordinals by op index.
@@ -113,8 +113,6 @@ pub struct Session {
     out: HashMap<usize, DevicePtr>,
     /// Allocated bytes when the iteration began: the planner counts them in every peak.
     base_bytes: usize,
-    /// The pool's cap before the plan lowered it to the target (restored when it ends).
-    outer_limit: Option<usize>,
     report: Report,
 }
 
@@ -177,7 +175,6 @@ impl Session {
             stage: None,
             out: HashMap::new(),
             base_bytes: 0,
-            outer_limit: None,
             report: Report::default(),
         })
     }
@@ -276,7 +273,10 @@ impl Session {
                     .find(|(_, &p)| p == base)
                     .map(|(&ordinal, _)| ordinal);
                 match found {
-                    Some(ordinal) => self.bring_back(ordinal),
+                    Some(ordinal) => {
+                        self.report.off_plan += 1;
+                        self.bring_back(ordinal)
+                    }
                     None => Ok(()),
                 }
             }
@@ -419,15 +419,12 @@ impl Session {
         lock(&self.tracking).planned = planned_bytes;
         self.schedule = schedule;
         self.phase = SessionPhase::Stable;
-        // The unplanned iterations left their memory cached: give it back once, and cap the
-        // pool at the target, so memory the plan frees is memory the pool reuses (it releases
-        // cached memory before it would grow past the target).
+        // The unplanned iterations left their memory cached: give it back once, and set the
+        // pool's soft limit at the target, so memory the plan frees is memory the pool reuses
+        // (it gives cached memory back before it grows past the target, and never fails a
+        // request for it: an iteration off the plan still runs).
         self.pool.empty_cache()?;
-        let limit = self.pool.memory_limit();
-        if self.settings.target_bytes < limit {
-            self.pool.set_memory_limit(self.settings.target_bytes)?;
-            self.outer_limit = Some(limit);
-        }
+        self.pool.set_soft_limit(Some(self.settings.target_bytes));
         Ok(())
     }
 
@@ -435,19 +432,7 @@ impl Session {
         let Some(ptr) = self.out.remove(&ordinal) else {
             return Ok(());
         };
-        let mut result = self.pool.swap_in(ptr);
-        if let (Err(err), Some(outer)) = (&result, self.outer_limit) {
-            if err.kind() == ErrorKind::OutOfMemory {
-                // Off the plan (an op touched a tensor the plan had out): the memory is the
-                // caller's before the target is, so the pool's own cap applies for this one.
-                log::warn!("glake smartswap: a swap-in off the plan goes over the target");
-                self.pool.set_memory_limit(outer)?;
-                result = self.pool.swap_in(ptr);
-                self.pool.set_memory_limit(self.settings.target_bytes)?;
-                self.report.over_target += 1;
-            }
-        }
-        if let Err(err) = result {
+        if let Err(err) = self.pool.swap_in(ptr) {
             self.out.insert(ordinal, ptr);
             return Err(err);
         }
@@ -471,18 +456,11 @@ impl Session {
         t.executing = false;
         t.planned.clear();
         drop(t);
-        self.restore_limit()?;
+        self.pool.set_soft_limit(None);
         self.phase = SessionPhase::Warmup;
         self.warm = 0;
         self.report.restarts += 1;
         Ok(())
-    }
-
-    fn restore_limit(&mut self) -> Result<()> {
-        match self.outer_limit.take() {
-            Some(limit) => self.pool.set_memory_limit(limit),
-            None => Ok(()),
-        }
     }
 }
 
@@ -491,9 +469,7 @@ impl Drop for Session {
         if let Err(err) = self.bring_all_back() {
             log::warn!("glake smartswap: bringing swapped memory back failed: {err}");
         }
-        if let Err(err) = self.restore_limit() {
-            log::warn!("glake smartswap: restoring the pool's cap failed: {err}");
-        }
+        self.pool.set_soft_limit(None);
         self.pool.set_swap_placement(None);
         self.pool.set_observer(None);
     }

@@ -236,23 +236,40 @@ class SmartSwap:
             self._splitting = True
             try:
                 for ids in [rest] + parts:
-                    sub = [dict(g, params=[p for p in g["params"] if id(p) in ids])
-                           for g in groups]
-                    sub = [g for g in sub if g["params"]]
-                    if not sub:
+                    pairs = [(g, dict(g, params=[p for p in g["params"] if id(p) in ids]))
+                             for g in groups]
+                    pairs = [(g, sub) for g, sub in pairs if sub["params"]]
+                    if not pairs:
                         continue
-                    optimizer.param_groups = sub
+                    optimizer.param_groups = [sub for _, sub in pairs]
                     try:
                         whole()
                     finally:
                         optimizer.param_groups = groups
+                        # A step that writes its group's settings writes them to the real group.
+                        for g, sub in pairs:
+                            for key, value in sub.items():
+                                if key != "params" and g.get(key) is not value:
+                                    g[key] = value
             finally:
                 self._splitting = False
             self._after_step(optimizer, (), {})
             return None
 
+        # A learning-rate scheduler made before checks that the step it wrapped is still
+        # the one called; it still is, inside this one.
+        if hasattr(whole, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True
+        previous = vars(optimizer).get("step")  # a scheduler's wrapper, say
+
+        def unwrap():
+            if previous is None:
+                vars(optimizer).pop("step", None)
+            else:
+                optimizer.step = previous
+
         optimizer.step = step
-        self._unwrap_optimizer = lambda: vars(optimizer).pop("step", None)
+        self._unwrap_optimizer = unwrap
 
     def _before_step(self, optimizer, args, kwargs):
         if self._splitting:

@@ -292,3 +292,28 @@ def test_memory_preference_plans_optimizer_states_through_every_phase():
     assert smart.report()["plan"]["swapped_bytes"] > 0 and smart.states.bytes_out > 0
     smart.remove()
     assert "step" not in vars(opt)
+
+
+def test_block_by_block_optimizer_step_follows_a_learning_rate_schedule():
+    """The split step reads each group's settings as they are at each step (a scheduler changes
+    the learning rate between steps) and gives the unsplit step's parameters, bit for bit."""
+
+    def run(model, split):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        smart = swap.apply(model, optimizer=opt, preference="memory") if split else None
+        for _ in range(5):
+            model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        if smart is not None:
+            smart.remove()  # the scheduler's own wrapper of the step is back
+            assert hasattr(opt.step, "_wrapped_by_lr_sched") and "step" in vars(opt)
+        return [p.detach().clone() for p in model.parameters()], opt.param_groups[0]["lr"]
+
+    ref, ref_lr = run(fresh(), False)
+    got, lr = run(fresh(), True)
+    assert lr == ref_lr == 1e-2 * 0.5 ** 5
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

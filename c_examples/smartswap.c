@@ -55,12 +55,14 @@ int main(void) {
     CHECK(glake_smartswap_end_iteration(session));
     CHECK(glake_get_stats(pool, &stats));
     CHECK(glake_smartswap_get_report(session, &report));
-    printf("step %d: %s, peak reserved %lld MiB (target %llu MiB), swapped out %llu so far\n",
+    printf("step %d: peak reserved %lld MiB (target %llu MiB), swapped out %llu so far, then %s\n",
            step,
-           report.phase == GLAKE_SMARTSWAP_STABLE ? "planned" : "warm-up/profile",
            (long long)(stats.reserved_bytes.all.peak >> 20),
            (unsigned long long)(settings.target_bytes >> 20),
-           (unsigned long long)report.swapped_out);
+           (unsigned long long)report.swapped_out,
+           report.phase == GLAKE_SMARTSWAP_STABLE    ? "under the plan"
+           : report.phase == GLAKE_SMARTSWAP_PROFILE ? "profiling"
+                                                     : "warming up");
     if (step >= 2 && (uint64_t)stats.reserved_bytes.all.peak > settings.target_bytes) failed = 1;
   }
   printf("plan: %llu activations (%llu MiB) swapped per step, predicted peak %llu MiB\n",

@@ -914,3 +914,45 @@ fn a_soft_limit_releases_cache_before_growing_and_never_fails() {
     p.free(c).unwrap();
     p.check_invariants().unwrap();
 }
+
+/// A swappable allocation reuses a whole idle segment of its size, but never one that a cached
+/// stitched range maps (swapping it out would release memory that range still maps).
+#[test]
+fn swappable_allocations_reuse_idle_segments_no_stitch_maps() {
+    let device = common::device();
+    let p = pool(&device);
+    let s = Stream::DEFAULT;
+    let seg = 6 * MIB;
+    let first: Vec<u64> = (0..3)
+        .map(|_| p.malloc_swappable(seg, s).unwrap())
+        .collect();
+    for &a in &first {
+        p.free(a).unwrap();
+    }
+    let reserved = p.stats().reserved_bytes.all.current;
+    // An idle segment of the size is taken again: no growth.
+    let again = p.malloc_swappable(seg, s).unwrap();
+    assert!(first.contains(&again));
+    assert_eq!(p.stats().reserved_bytes.all.current, reserved);
+    p.free(again).unwrap();
+    // The three idle segments become the pieces of a stitched range, cached once freed.
+    let big = p.malloc(3 * seg, s).unwrap();
+    assert_eq!(p.stats().stitches, 1);
+    p.free(big).unwrap();
+    let fresh = p.malloc_swappable(seg, s).unwrap();
+    assert!(
+        !first.contains(&fresh),
+        "took a segment a cached stitch maps"
+    );
+    assert_eq!(p.stats().reserved_bytes.all.current, reserved + seg as i64);
+    p.swap_out(fresh).unwrap();
+    p.swap_in(fresh).unwrap();
+    // The cached stitched range is still whole and reused.
+    let big2 = p.malloc(3 * seg, s).unwrap();
+    assert_eq!((big2, p.stats().stitch_reuse_hits), (big, 1));
+    p.free(big2).unwrap();
+    p.free(fresh).unwrap();
+    p.check_invariants().unwrap();
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+}

@@ -25,6 +25,16 @@ pub(super) struct StitchBlocks {
 
 impl Inner {
     /// Serves `size` from an idle stitched range whose pieces are all free for `stream`.
+    /// Whether a stitched range (in use or cached) maps memory of `[va, va+size)`.
+    pub(super) fn stitched_over(&self, va: DevicePtr, size: usize) -> bool {
+        let end = va + size as u64;
+        self.stitch.blocks.iter().any(|(_, s)| {
+            s.pieces
+                .iter()
+                .any(|p| p.addr < end && va < p.addr + p.len as u64)
+        })
+    }
+
     pub(super) fn reuse_stitched(&mut self, size: usize, stream: Stream) -> Option<DevicePtr> {
         let max = ((size as f64) * self.config.reuse_limit) as usize;
         let found = self

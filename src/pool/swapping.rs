@@ -47,13 +47,16 @@ impl Inner {
         check_size(size)?;
         let rounded = align_up(size, self.granularity)?;
         // A whole idle segment of exactly this size (a swappable allocation freed earlier, as
-        // a training loop's next iteration makes again) is taken as it is: no new memory.
+        // a training loop's next iteration makes again) is taken as it is: no new memory. Not
+        // one a cached stitched range maps: swapping out would release physical memory that
+        // range still maps.
         let idle = self.map.idle_segments().into_iter().find(|&seg| {
             let segment = &self.map.segments[seg];
             let owner = self.map.blocks[segment.first].owner;
             segment.size == rounded
                 && segment.pool == PoolKind::Large
                 && owner.is_none_or(|s| s == stream)
+                && !self.stitched_over(segment.va, segment.size)
         });
         if let Some(seg) = idle {
             let id = self.map.segments[seg].first;

@@ -364,3 +364,129 @@ fn out_of_memory_from_the_driver_keeps_the_allocation_swapped() {
     assert!(has_pattern(&raw, a, 6 * MIB, 3));
     pool.free(a).expect("free");
 }
+
+/// The stream-ordered calls: a swap-out queues its copy and returns; the memory goes back once
+/// the copy is seen done; a swap-in queues the copy back that the allocation's stream waits
+/// for; a swap-in before the swap-out completed cancels it; a free while a copy is queued
+/// waits for it; pinned buffers are made once per size; nothing leaks.
+#[test]
+fn stream_ordered_swaps_round_trip_cancel_and_reuse_buffers() {
+    let host = host_device(256 * MIB);
+    let fault = Arc::new(FaultDevice::new(host.clone()));
+    let device: SharedDevice = fault.clone();
+    let pool = Pool::new(device.clone(), Config::default()).expect("pool");
+    let copy = device.create_stream().expect("copy stream");
+    let size = 8 * MIB;
+    let ptr = pool.malloc_swappable(size, S).expect("malloc");
+    write_pattern(&device, ptr, size, 11);
+    let reserved = pool.stats().reserved_bytes.all.current;
+    for round in 0..3u64 {
+        pool.swap_out_async(ptr, copy).expect("swap out");
+        assert_eq!(
+            pool.swap_out_async(ptr, copy).unwrap_err().kind(),
+            ErrorKind::InvalidState
+        );
+        assert_eq!(pool.is_swapped(ptr), Some(false), "out only once done");
+        assert_eq!(pool.finish_swap_outs(true).expect("finish"), 1);
+        assert_eq!(pool.is_swapped(ptr), Some(true));
+        let stats = pool.stats();
+        assert_eq!(stats.reserved_bytes.all.current, reserved - size as i64);
+        assert_eq!(stats.swapped_bytes.current, size as i64);
+        check(&pool);
+        pool.swap_in_async(ptr, copy).expect("swap in");
+        assert_eq!(pool.is_swapped(ptr), Some(false));
+        assert!(has_pattern(&device, ptr, size, 11), "round {round}");
+        assert_eq!(pool.stats().reserved_bytes.all.current, reserved);
+        check(&pool);
+    }
+    assert_eq!(
+        fault.calls(CallKind::Pinned),
+        1,
+        "one pinned buffer, reused"
+    );
+    // Cancelled: swapped in before the swap-out completed; the memory never left.
+    pool.swap_out_async(ptr, copy).expect("swap out");
+    pool.swap_in_async(ptr, copy).expect("cancel");
+    assert_eq!(pool.finish_swap_outs(true).expect("finish"), 0);
+    assert_eq!(pool.stats().swapped_bytes.current, 0);
+    assert!(has_pattern(&device, ptr, size, 11));
+    // Freed with a copy queued, and freed while out.
+    pool.swap_out_async(ptr, copy).expect("swap out");
+    pool.free(ptr).expect("free while leaving");
+    let other = pool.malloc_swappable(size, S).expect("malloc");
+    write_pattern(&device, other, size, 12);
+    pool.swap_out_async(other, copy).expect("swap out");
+    pool.finish_swap_outs(true).expect("finish");
+    pool.free(other).expect("free while out");
+    assert_eq!(pool.stats().swapped_bytes.current, 0);
+    check(&pool);
+    device.destroy_stream(copy).expect("destroy");
+    drop(pool);
+    assert_eq!(host.live_objects(), (0, 0, 0));
+    assert_eq!(host.created_bytes(), 0);
+}
+
+/// Each driver call of an asynchronous swap out and in failing in turn: the call reports it,
+/// nothing is lost, and a retry completes.
+#[test]
+fn stream_ordered_swaps_survive_each_driver_failure() {
+    let size = 4 * MIB;
+    let round = |pool: &Pool, io: &SharedDevice, ptr: DevicePtr, copy: Stream| {
+        let mut errors = 0;
+        let mut again = |f: &dyn Fn() -> glake::Result<()>| {
+            if f().is_err() {
+                errors += 1;
+                f().expect("the retry completes");
+            }
+        };
+        again(&|| pool.swap_out_async(ptr, copy));
+        again(&|| pool.finish_swap_outs(true).map(|_| ()));
+        again(&|| pool.swap_in_async(ptr, copy));
+        // The test's own wait goes to the device underneath (not counted, never failed).
+        io.synchronize_stream(S).expect("sync");
+        errors
+    };
+    let counts = {
+        let host = host_device(64 * MIB);
+        let fault = Arc::new(FaultDevice::new(host.clone()));
+        let device: SharedDevice = fault.clone();
+        let pool = Pool::new(device.clone(), Config::default()).expect("pool");
+        let io: SharedDevice = host.clone();
+        let copy = device.create_stream().expect("copy stream");
+        let ptr = pool.malloc_swappable(size, S).expect("malloc");
+        round(&pool, &io, ptr, copy); // the pinned buffer, made once
+        let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
+        round(&pool, &io, ptr, copy);
+        CallKind::ALL
+            .iter()
+            .zip(before)
+            .map(|(&k, b)| (k, fault.calls(k) - b))
+            .filter(|&(_, n)| n > 0)
+            .collect::<Vec<_>>()
+    };
+    for &(kind, total) in &counts {
+        for n in 1..=total {
+            let host = host_device(64 * MIB);
+            let fault = Arc::new(FaultDevice::new(host.clone()));
+            let device: SharedDevice = fault.clone();
+            let pool = Pool::new(device.clone(), Config::default()).expect("pool");
+            let io: SharedDevice = host.clone();
+            let copy = device.create_stream().expect("copy stream");
+            let ptr = pool.malloc_swappable(size, S).expect("malloc");
+            round(&pool, &io, ptr, copy);
+            write_pattern(&io, ptr, size, n);
+            fault.fail_nth(kind, n);
+            round(&pool, &io, ptr, copy);
+            let what = format!("{kind:?} call {n} of {total}");
+            assert_eq!(fault.injected(), 1, "{what}: did not fire");
+            assert!(has_pattern(&io, ptr, size, n), "{what}: bytes lost");
+            check(&pool);
+            pool.free(ptr).expect("free");
+            device.destroy_stream(copy).expect("destroy");
+            drop(pool);
+            assert_eq!(host.live_objects(), (0, 0, 0), "{what}");
+            assert_eq!(host.created_bytes(), 0, "{what}");
+        }
+    }
+    println!("swept {counts:?}");
+}

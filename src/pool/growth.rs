@@ -25,8 +25,12 @@ impl Inner {
         let Some(soft) = self.soft_limit else {
             return Ok(());
         };
-        let over = self.capped_bytes().saturating_add(bytes) > soft;
-        if over && self.routing == 0 && self.has_cached_memory() {
+        let over = |inner: &Self| inner.capped_bytes().saturating_add(bytes) > soft;
+        if over(self) && self.routing == 0 && self.swaps_leaving() {
+            // Memory on its way out comes back to the device first: wait for those copies.
+            self.finish_swap_outs(device, true)?;
+        }
+        if over(self) && self.routing == 0 && self.has_cached_memory() {
             self.release_cached(device)?;
         }
         Ok(())
@@ -208,6 +212,9 @@ impl Inner {
             return Ok(());
         }
         self.synchronize_all(device)?;
+        if self.swaps_leaving() {
+            self.finish_swap_outs(device, true)?;
+        }
         self.collect_stitched(device, true)?;
         for segment in self.map.idle_segments() {
             self.release_segment(device, segment)?;
@@ -220,6 +227,7 @@ impl Inner {
         // Nothing can capture once the pool is gone: private pools end here, and the frees
         // held back for them complete after the device wait that precedes every release.
         self.close_private();
+        self.settle_swaps(device);
         for live in std::mem::take(&mut self.deferred) {
             self.finish_free(live, None);
         }

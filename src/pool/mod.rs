@@ -41,6 +41,7 @@ mod private;
 mod sizes;
 mod stitching;
 mod streams;
+mod swap_async;
 mod swapping;
 
 use std::sync::Mutex;
@@ -114,6 +115,8 @@ struct Inner {
     placement: Option<observe::SwapPlacement>,
     /// Reserved bytes past which cached memory is given back before more is created.
     soft_limit: Option<usize>,
+    /// Pinned host buffers of the stream-ordered swaps.
+    pinned: swap_async::PinnedCache,
 }
 
 /// A thread-safe caching allocator for one device.
@@ -174,6 +177,7 @@ impl Pool {
                 observer: None,
                 placement: None,
                 soft_limit: None,
+                pinned: swap_async::PinnedCache::default(),
             }),
         })
     }
@@ -257,6 +261,30 @@ impl Pool {
     /// full) the allocation stays swapped out and its bytes stay on the host.
     pub fn swap_in(&self, ptr: DevicePtr) -> Result<()> {
         lock(&self.inner).swap_in(&*self.device, ptr)
+    }
+
+    /// Queues the copy of the swappable allocation at `ptr` to a pinned buffer of the pool's on
+    /// `copy`, after the work queued on the allocation's streams, and returns without waiting;
+    /// its physical memory goes back to the device when [`Pool::finish_swap_outs`] sees the
+    /// copy done. Until then it counts as resident. Errors as [`Pool::swap_out`] (nothing
+    /// changes), and `InvalidState` for one already on its way out.
+    pub fn swap_out_async(&self, ptr: DevicePtr, copy: Stream) -> Result<()> {
+        lock(&self.inner).swap_out_async(&*self.device, ptr, copy)
+    }
+
+    /// Completes the asynchronous swap-outs whose copies are done (with `wait`, all of them,
+    /// waiting for their copies): their physical memory goes back to the device. Returns how
+    /// many completed.
+    pub fn finish_swap_outs(&self, wait: bool) -> Result<usize> {
+        lock(&self.inner).finish_swap_outs(&*self.device, wait)
+    }
+
+    /// Brings the swappable allocation at `ptr` back without waiting: one still on its way
+    /// out is kept (its swap-out cancelled); one swapped out gets new memory at its address,
+    /// filled by a copy on `copy` that the allocation's streams wait for. Errors as
+    /// [`Pool::swap_in`].
+    pub fn swap_in_async(&self, ptr: DevicePtr, copy: Stream) -> Result<()> {
+        lock(&self.inner).swap_in_async(&*self.device, ptr, copy)
     }
 
     /// Whether the swappable allocation at `ptr` is swapped out; None for any other pointer.

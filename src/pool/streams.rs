@@ -67,6 +67,8 @@ impl Inner {
             if self.swappable.get(&ptr).is_some_and(|e| e.host.is_some()) {
                 return self.free_swapped(device, ptr);
             }
+            // A copy out may still read it: wait for it before the memory can be reused.
+            self.cancel_leaving(device, ptr);
             if self.live.contains_key(&ptr) {
                 // Resident: freed like any allocation, its memory joins the cache.
                 self.swappable.remove(&ptr);

@@ -8,6 +8,9 @@
 //! device memory afterwards leaves the allocation swapped out with its bytes on the host, the
 //! rest of the teardown kept as a zombie and retried (as for any released segment). Swapping in
 //! undoes what it created on any failure and stays swapped out.
+//!
+//! These calls wait for the device and copy through ordinary host memory; `swap_async.rs`
+//! has the stream-ordered ones (pinned buffers, copies on the caller's streams).
 
 use super::alloc::check_size;
 use super::blocks::{self, BlockId, PoolKind, SHARED};
@@ -16,25 +19,50 @@ use super::{Inner, Target};
 use crate::device::{align_up, DevicePtr, Stream};
 use crate::error::{Error, ErrorKind, Result};
 
-/// A swappable allocation: its host copy while swapped out.
+/// A swappable allocation: its host copy while swapped out, or the copy out under way.
 #[derive(Debug, Default)]
 pub(super) struct Swappable {
     pub(super) host: Option<HostCopy>,
+    pub(super) leaving: Option<super::swap_async::Leaving>,
 }
 
 /// The bytes of a swapped-out allocation and the chunk lengths to create again.
 #[derive(Debug)]
 pub(super) struct HostCopy {
-    pub(super) bytes: Vec<u8>,
+    pub(super) bytes: HostBytes,
     pub(super) layout: Vec<usize>,
 }
 
+/// Where a host copy lives: ordinary memory (the waiting calls) or a pinned buffer of the
+/// pool's (the stream-ordered ones).
+#[derive(Debug)]
+pub(super) enum HostBytes {
+    Pageable(Vec<u8>),
+    Pinned(super::swap_async::PinnedBuf),
+}
+
+impl HostBytes {
+    pub(super) fn ptr(&self) -> *const u8 {
+        match self {
+            HostBytes::Pageable(v) => v.as_ptr(),
+            HostBytes::Pinned(b) => b.ptr(),
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        match self {
+            HostBytes::Pageable(v) => v.len(),
+            HostBytes::Pinned(b) => b.len,
+        }
+    }
+}
+
 /// What swapping needs to know of a swappable allocation.
-struct SwapInfo {
-    block: BlockId,
-    size: usize,
-    stream: Stream,
-    extra_streams: Vec<Stream>,
+pub(super) struct SwapInfo {
+    pub(super) block: BlockId,
+    pub(super) size: usize,
+    pub(super) stream: Stream,
+    pub(super) extra_streams: Vec<Stream>,
 }
 
 impl Inner {
@@ -93,7 +121,7 @@ impl Inner {
     }
 
     /// The swappable allocation at `ptr`, which must be swapped out (`swapped`) or resident.
-    fn swap_target(&self, ptr: DevicePtr, swapped: bool) -> Result<SwapInfo> {
+    pub(super) fn swap_target(&self, ptr: DevicePtr, swapped: bool) -> Result<SwapInfo> {
         let Some(live) = self.live.get(&ptr) else {
             return Err(self.classify_unknown(ptr));
         };
@@ -108,6 +136,12 @@ impl Inner {
             return Err(Error::new(
                 ErrorKind::InvalidState,
                 format!("{ptr:#x} is already {state}"),
+            ));
+        }
+        if entry.leaving.is_some() && !swapped {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("{ptr:#x} is already on its way out"),
             ));
         }
         if self.routing > 0 {
@@ -153,17 +187,29 @@ impl Inner {
             std::mem::forget(bytes);
             return Err(err.context("waiting for a swap-out copy"));
         }
-        // The bytes are safe on the host: from here the allocation is swapped out whatever
-        // the teardown of its device memory does.
-        let segment = self.map.blocks[t.block].segment;
+        self.complete_swap_out(device, ptr, t.block, t.size, HostBytes::Pageable(bytes));
+        Ok(())
+    }
+
+    /// The bytes of the swappable allocation at `ptr` (block `block`, `size` bytes) are safe
+    /// in `bytes`: from here it is swapped out whatever the teardown of its device memory does.
+    pub(super) fn complete_swap_out(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+        block: BlockId,
+        size: usize,
+        bytes: HostBytes,
+    ) {
+        let segment = self.map.blocks[block].segment;
         let s = &mut self.map.segments[segment];
         let chunks = std::mem::take(&mut s.chunks);
         let pool = s.pool;
         let va = s.va;
         let layout: Vec<usize> = chunks.iter().map(|c| c.len).collect();
-        self.stats.reserved_bytes.add(pool, -(t.size as i64));
+        self.stats.reserved_bytes.add(pool, -(size as i64));
         self.stats.num_device_free += chunks.len() as i64;
-        self.stats.swapped_bytes.add(t.size as i64);
+        self.stats.swapped_bytes.add(size as i64);
         if let Some(entry) = self.swappable.get_mut(&ptr) {
             entry.host = Some(HostCopy { bytes, layout });
         }
@@ -176,7 +222,6 @@ impl Inner {
             reservation: None,
         };
         self.bury(device, zombie);
-        Ok(())
     }
 
     /// Whether a teardown still to be retried unmaps part of `[va, va+size)`.
@@ -194,63 +239,19 @@ impl Inner {
         ptr: DevicePtr,
     ) -> Result<()> {
         let t = self.swap_target(ptr, true)?;
-        if self.unmap_pending(ptr, t.size) {
-            // Its old mappings must be gone before new ones take the range.
-            let _ = self.retry_zombies(device);
-            if self.unmap_pending(ptr, t.size) {
-                return Err(Error::driver(format!(
-                    "the old mappings of {ptr:#x} could not be unmapped yet; swap in again later"
-                )));
-            }
-        }
-        self.respect_soft_limit(device, t.size)?;
-        if !self.fits_cap(t.size) {
-            self.release_cached(device)?;
-        }
-        let out_of_memory = |inner: &mut Self| {
-            inner.stats.num_ooms += 1;
-            Error::out_of_memory(format!(
-                "cannot swap in {} bytes on device {}: {} bytes reserved of a {} byte cap",
-                t.size,
-                device.ordinal(),
-                inner.reserved(),
-                inner.cap.bytes()
-            ))
-        };
-        if !self.fits_cap(t.size) {
-            return Err(out_of_memory(self));
-        }
-        let layout = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
-            Some(host) => host.layout.clone(),
-            None => return Err(Error::internal("swapped allocation without its host copy")),
-        };
-        let Some(chunks) = self.create_chunks(device, &layout)? else {
-            return Err(out_of_memory(self));
-        };
+        let chunks = self.swap_in_memory(device, ptr, t.size)?;
         let handles = blocks::handle_layout(&chunks);
-        if let Err((err, mut zombie)) = map_at(device, ptr, &handles, &self.access) {
-            zombie.handles = chunks.iter().map(|c| c.handle).collect();
-            self.bury(device, zombie);
-            return Err(err.context("mapping swapped-in memory"));
-        }
         let copied = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
             // SAFETY: the host copy stays in place (the allocation stays swapped out) at least
             // until the copy is known complete.
-            Some(host) => {
-                unsafe { device.copy_to_device(ptr, host.bytes.as_ptr(), t.size, t.stream) }
-                    .and_then(|()| wait_for_copy(device, t.stream))
-            }
+            Some(host) => unsafe { device.copy_to_device(ptr, host.bytes.ptr(), t.size, t.stream) }
+                .and_then(|()| wait_for_copy(device, t.stream)),
             None => Err(Error::internal("swapped allocation without its host copy")),
         };
         if let Err(err) = copied {
             // Either the copy was never queued, or neither its stream nor the device can be
             // waited for (the device is lost): nothing runs on the new memory any more.
-            let zombie = Zombie {
-                unmaps: super::growth::mappings(ptr, &handles),
-                handles: chunks.iter().map(|c| c.handle).collect(),
-                reservation: None,
-            };
-            self.bury(device, zombie);
+            self.bury_new(device, ptr, &handles, &chunks);
             return Err(err.context("copying a swapped allocation back"));
         }
         let segment = self.map.blocks[t.block].segment;
@@ -259,10 +260,87 @@ impl Inner {
         self.stats.num_device_alloc += chunks.len() as i64;
         self.stats.swapped_bytes.add(-(t.size as i64));
         self.map.segments[segment].chunks = chunks;
-        if let Some(entry) = self.swappable.get_mut(&ptr) {
-            entry.host = None;
+        if let Some(host) = self.swappable.get_mut(&ptr).and_then(|e| e.host.take()) {
+            self.recycle_host(host.bytes);
         }
         Ok(())
+    }
+
+    /// Room for swapped-out `ptr`'s `size` bytes: its old mappings gone, cached memory given
+    /// back past the soft limit or the cap; an out-of-memory error when the cap has no room.
+    fn prepare_swap_in(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<()> {
+        if self.unmap_pending(ptr, size) {
+            // Its old mappings must be gone before new ones take the range.
+            let _ = self.retry_zombies(device);
+            if self.unmap_pending(ptr, size) {
+                return Err(Error::driver(format!(
+                    "the old mappings of {ptr:#x} could not be unmapped yet; swap in again later"
+                )));
+            }
+        }
+        self.respect_soft_limit(device, size)?;
+        if !self.fits_cap(size) {
+            self.release_cached(device)?;
+        }
+        if !self.fits_cap(size) {
+            return Err(self.swap_in_out_of_memory(device, size));
+        }
+        Ok(())
+    }
+
+    fn swap_in_out_of_memory(&mut self, device: &dyn crate::device::Device, size: usize) -> Error {
+        self.stats.num_ooms += 1;
+        Error::out_of_memory(format!(
+            "cannot swap in {size} bytes on device {}: {} bytes reserved of a {} byte cap",
+            device.ordinal(),
+            self.reserved(),
+            self.cap.bytes()
+        ))
+    }
+
+    /// New physical memory for swapped-out `ptr`, mapped at its address with its access.
+    pub(super) fn swap_in_memory(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<Vec<blocks::Chunk>> {
+        self.prepare_swap_in(device, ptr, size)?;
+        let layout = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
+            Some(host) => host.layout.clone(),
+            None => return Err(Error::internal("swapped allocation without its host copy")),
+        };
+        let Some(chunks) = self.create_chunks(device, &layout)? else {
+            return Err(self.swap_in_out_of_memory(device, size));
+        };
+        let handles = blocks::handle_layout(&chunks);
+        if let Err((err, mut zombie)) = map_at(device, ptr, &handles, &self.access) {
+            zombie.handles = chunks.iter().map(|c| c.handle).collect();
+            self.bury(device, zombie);
+            return Err(err.context("mapping swapped-in memory"));
+        }
+        Ok(chunks)
+    }
+
+    /// Unmaps and releases memory a failed swap-in had mapped at `ptr`.
+    pub(super) fn bury_new(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+        handles: &[(crate::device::PhysHandle, usize)],
+        chunks: &[blocks::Chunk],
+    ) {
+        let zombie = Zombie {
+            unmaps: super::growth::mappings(ptr, handles),
+            handles: chunks.iter().map(|c| c.handle).collect(),
+            reservation: None,
+        };
+        self.bury(device, zombie);
     }
 
     /// Frees a swapped-out allocation: its host copy goes, and its range is released.
@@ -272,7 +350,9 @@ impl Inner {
         ptr: DevicePtr,
     ) -> Result<()> {
         let live = self.unregister(ptr)?;
-        self.swappable.remove(&ptr);
+        if let Some(host) = self.swappable.remove(&ptr).and_then(|e| e.host) {
+            self.recycle_host(host.bytes);
+        }
         let Target::Block(id) = live.target else {
             return Err(Error::internal("a swappable allocation is stitched"));
         };

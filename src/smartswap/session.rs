@@ -11,9 +11,11 @@
 //! another size where a planned one was expected) stops being executed: everything out comes
 //! back, and the session starts over with warm-up, with a log line saying why.
 //!
-//! Correct first: swaps use the pool's swap_out and swap_in, which wait for the allocation's
-//! streams and copy through host memory; a tensor the running op touches while out is brought
-//! back before the op's work is queued.
+//! Swaps are stream-ordered ([`Pool::swap_out_async`], [`Pool::swap_in_async`]) on two copy
+//! streams of the session's: a copy out waits for the work queued on the allocation's streams
+//! (and on the op's, which the session records), its physical memory goes back once the
+//! session sees it done (at the next hook), and the consumer's streams wait for a copy in. A
+//! tensor the running op touches while out is brought back before the op's work is queued.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -99,6 +101,11 @@ struct Tracking {
 pub struct Session {
     pool: Arc<Pool>,
     settings: Settings,
+    /// Copy streams: out (device to host) and in.
+    d2h: Stream,
+    h2d: Stream,
+    /// The stream of the op running.
+    stream: Stream,
     tracking: Arc<Mutex<Tracking>>,
     profiler: Arc<Mutex<Profiler>>,
     phase: SessionPhase,
@@ -123,6 +130,14 @@ impl Session {
         if settings.d2h_bytes_per_s == 0 || settings.h2d_bytes_per_s == 0 {
             return Err(Error::invalid_argument("copy bandwidths must be positive"));
         }
+        let d2h = pool.device().create_stream()?;
+        let h2d = match pool.device().create_stream() {
+            Ok(stream) => stream,
+            Err(err) => {
+                let _ = pool.device().destroy_stream(d2h);
+                return Err(err);
+            }
+        };
         let profiler = Arc::new(Mutex::new(Profiler::new(pool.device().clone())));
         let tracking = Arc::new(Mutex::new(Tracking {
             granularity: pool.device().granularity(),
@@ -165,6 +180,9 @@ impl Session {
         Ok(Session {
             pool,
             settings,
+            d2h,
+            h2d,
+            stream: Stream::DEFAULT,
             tracking,
             profiler,
             phase: SessionPhase::Warmup,
@@ -235,6 +253,11 @@ impl Session {
         }
         let op = self.op;
         self.op += 1;
+        self.stream = stream;
+        if !self.out.is_empty() {
+            // Copies out seen done give their memory back.
+            self.pool.finish_swap_outs(false)?;
+        }
         match self.phase {
             SessionPhase::Warmup => Ok(()),
             SessionPhase::Profile => lock(&self.profiler).begin_op(name, stream).map(|_| ()),
@@ -299,10 +322,11 @@ impl Session {
                 for ordinal in moves {
                     let ptr = lock(&self.tracking).ptrs.get(&ordinal).copied();
                     let Some(ptr) = ptr else { continue };
-                    if self.pool.is_swapped(ptr) != Some(false) {
-                        continue; // freed already, or not made swappable
+                    if self.out.contains_key(&ordinal) || self.pool.is_swapped(ptr) != Some(false) {
+                        continue; // out already, freed, or not made swappable
                     }
-                    self.pool.swap_out(ptr)?;
+                    self.order_with_op(ptr)?;
+                    self.pool.swap_out_async(ptr, self.d2h)?;
                     self.out.insert(ordinal, ptr);
                     self.report.swapped_out += 1;
                 }
@@ -432,12 +456,24 @@ impl Session {
         let Some(ptr) = self.out.remove(&ordinal) else {
             return Ok(());
         };
-        if let Err(err) = self.pool.swap_in(ptr) {
+        let back = self
+            .order_with_op(ptr)
+            .and_then(|()| self.pool.swap_in_async(ptr, self.h2d));
+        if let Err(err) = back {
             self.out.insert(ordinal, ptr);
             return Err(err);
         }
         self.report.swapped_in += 1;
         Ok(())
+    }
+
+    /// The running op's stream, when it is not the allocation's own, is recorded as a user of
+    /// it: copies out then wait for the op's work, and the op's stream waits for copies in.
+    fn order_with_op(&self, ptr: DevicePtr) -> Result<()> {
+        match self.pool.allocation_of(ptr) {
+            Some(info) if info.stream != self.stream => self.pool.record_stream(ptr, self.stream),
+            _ => Ok(()),
+        }
     }
 
     fn bring_all_back(&mut self) -> Result<()> {
@@ -468,6 +504,16 @@ impl Drop for Session {
     fn drop(&mut self) {
         if let Err(err) = self.bring_all_back() {
             log::warn!("glake smartswap: bringing swapped memory back failed: {err}");
+        }
+        // The copies in must be done before their streams go.
+        for stream in [self.d2h, self.h2d] {
+            let device = self.pool.device();
+            if let Err(err) = device
+                .synchronize_stream(stream)
+                .and_then(|()| device.destroy_stream(stream))
+            {
+                log::warn!("glake smartswap: ending a copy stream failed: {err}");
+            }
         }
         self.pool.set_soft_limit(None);
         self.pool.set_swap_placement(None);

@@ -54,6 +54,26 @@ TEST(Hpp, StreamsAndCopies) {
   EXPECT_NE(pool.snapshot_json().find("\"segments\""), std::string::npos);
 }
 
+TEST(Hpp, SwapsWaitingAndStreamOrdered) {
+  glake::Pool pool(cpp_config());
+  glake::Stream copy(pool);
+  void* p = pool.malloc_swappable(4 * MiB);
+  const std::string text = "bytes that leave and come back";
+  std::string back(text.size(), '\0');
+  pool.copy_to_device(p, text.data(), text.size());
+  pool.swap_out(p);
+  EXPECT_EQ(pool.stats().swapped_bytes.current, static_cast<int64_t>(4 * MiB));
+  pool.swap_in(p);
+  pool.swap_out_async(p, copy);
+  EXPECT_THROW(pool.swap_out_async(p, copy), glake::Error);  // already leaving
+  EXPECT_EQ(pool.swap_finish(true), 1u);
+  pool.swap_in_async(p, copy);
+  pool.copy_to_host(back.data(), p, back.size());
+  pool.synchronize();
+  EXPECT_EQ(back, text);
+  pool.free(p);
+}
+
 TEST(Hpp, PoolsMove) {
   glake::Pool first(cpp_config());
   glake::Pool second = std::move(first);

@@ -528,6 +528,27 @@ glake_status glake_swap_out(struct glake_pool *pool, void *ptr);
 // GLAKE_STATUS_INVALID_STATE when it is not swapped out.
 glake_status glake_swap_in(struct glake_pool *pool, void *ptr);
 
+// Queues the swap-out of the swappable allocation at `ptr` on `copy` (a stream of the pool's
+// device) and returns without waiting: the copy to a pinned buffer the pool keeps runs after
+// the work queued on the allocation's streams; its device memory goes back once
+// `glake_swap_finish` sees the copy done (until then it counts as resident).
+// GLAKE_STATUS_INVALID_STATE when it is swapped out or already on its way out.
+glake_status glake_swap_out_async(struct glake_pool *pool, void *ptr, glake_stream copy);
+
+// Completes the queued swap-outs whose copies are done (with `wait` nonzero, all of them,
+// waiting for their copies): their device memory goes back. Writes how many completed to
+// `completed` (may be NULL).
+//
+// # Safety
+// `completed` must be NULL or valid for a write.
+glake_status glake_swap_finish(struct glake_pool *pool, uint32_t wait, uint64_t *completed);
+
+// Brings the swappable allocation at `ptr` back without waiting: on its way out, the
+// swap-out is cancelled (its memory never left); swapped out, new memory is mapped at the
+// same address and filled by a copy on `copy` that the allocation's streams wait for. Errors
+// as `glake_swap_in`.
+glake_status glake_swap_in_async(struct glake_pool *pool, void *ptr, glake_stream copy);
+
 // Marks the allocation at `ptr` as used on `stream` as well (like `Tensor.record_stream`).
 glake_status glake_record_stream(struct glake_pool *pool, void *ptr, glake_stream stream);
 

@@ -157,6 +157,24 @@ class Pool {
   }
   void free(void* ptr) { check(glake_free(pool_, ptr)); }
   void record_stream(void* ptr, glake_stream stream) { check(glake_record_stream(pool_, ptr, stream)); }
+
+  /// A swappable allocation (memory of its own; pair with free()).
+  void* malloc_swappable(std::size_t size, glake_stream stream = nullptr) {
+    void* ptr = nullptr;
+    check(glake_malloc_swappable(pool_, size, stream, &ptr));
+    return ptr;
+  }
+  /// Waiting swaps: the bytes to host memory and the device memory back, and the reverse.
+  void swap_out(void* ptr) { check(glake_swap_out(pool_, ptr)); }
+  void swap_in(void* ptr) { check(glake_swap_in(pool_, ptr)); }
+  /// Stream-ordered swaps on `copy`; swap_finish() gives back the memory of finished ones.
+  void swap_out_async(void* ptr, glake_stream copy) { check(glake_swap_out_async(pool_, ptr, copy)); }
+  std::uint64_t swap_finish(bool wait) {
+    std::uint64_t completed = 0;
+    check(glake_swap_finish(pool_, wait ? 1u : 0u, &completed));
+    return completed;
+  }
+  void swap_in_async(void* ptr, glake_stream copy) { check(glake_swap_in_async(pool_, ptr, copy)); }
   void empty_cache() { check(glake_empty_cache(pool_)); }
   void set_memory_fraction(double fraction) { check(glake_set_memory_fraction(pool_, fraction)); }
   void set_memory_limit(std::uint64_t bytes) { check(glake_set_memory_limit(pool_, bytes)); }

@@ -822,3 +822,65 @@ fn smartswap_session_trains_under_its_target_through_the_c_api() {
     );
     ok(glake_pool_destroy(pool));
 }
+
+/// The stream-ordered swaps through the C API: queued out on a copy stream, completed by
+/// glake_swap_finish, brought back by a copy the allocation's stream waits for; bad input and
+/// states get their status.
+#[test]
+fn stream_ordered_swaps_through_the_c_api() {
+    let pool = create(&host_config());
+    let ok = |status| assert_eq!(status, GLAKE_STATUS_SUCCESS, "{}", message());
+    let mut copy = null_mut();
+    ok(unsafe { glake_stream_create(pool, &mut copy) });
+    let mut ptr: *mut c_void = null_mut();
+    ok(unsafe { glake_malloc_swappable(pool, 4 * MIB, null_mut(), &mut ptr) });
+    let data: Vec<u8> = (0..4 * MIB).map(|i| (i * 13 + 5) as u8).collect();
+    unsafe {
+        ok(glake_copy_to_device(
+            pool,
+            ptr,
+            data.as_ptr().cast(),
+            data.len(),
+            null_mut(),
+        ));
+    }
+    ok(glake_swap_out_async(pool, ptr, copy));
+    assert_eq!(
+        glake_swap_out_async(pool, ptr, copy),
+        GLAKE_STATUS_INVALID_STATE
+    );
+    assert_eq!(
+        glake_swap_out_async(pool, null_mut(), copy),
+        GLAKE_STATUS_NULL_POINTER
+    );
+    let mut completed = 0u64;
+    ok(unsafe { glake_swap_finish(pool, 1, &mut completed) });
+    assert_eq!(completed, 1);
+    ok(unsafe { glake_swap_finish(pool, 0, null_mut()) });
+    let mut stats = std::mem::MaybeUninit::<glake::stats::MemoryStats>::zeroed();
+    ok(unsafe { glake_get_stats(pool, stats.as_mut_ptr()) });
+    assert_eq!(
+        unsafe { stats.assume_init() }.swapped_bytes.current,
+        4 * MIB as i64
+    );
+    ok(glake_swap_in_async(pool, ptr, copy));
+    assert_eq!(
+        glake_swap_in_async(pool, ptr, copy),
+        GLAKE_STATUS_INVALID_STATE
+    );
+    let mut back = vec![0u8; data.len()];
+    unsafe {
+        ok(glake_copy_to_host(
+            pool,
+            back.as_mut_ptr().cast(),
+            ptr,
+            back.len(),
+            null_mut(),
+        ));
+        ok(glake_stream_synchronize(pool, null_mut()));
+    }
+    assert!(back == data);
+    ok(glake_free(pool, ptr));
+    ok(glake_stream_destroy(pool, copy));
+    ok(glake_pool_destroy(pool));
+}

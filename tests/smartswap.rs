@@ -460,10 +460,20 @@ fn a_session_survives_any_driver_failure_in_a_planned_iteration() {
             for seed in 0..2 {
                 iteration(&mut session, &pool, &device, seed * 10);
             }
+            let before = fault.calls(kind);
             fault.fail_nth(kind, n);
             let errors = iteration(&mut session, &pool, &device, 100);
             let what = format!("{kind:?} call {n} of {total}");
-            assert_eq!(fault.injected(), 1, "{what}: the failure did not fire");
+            // How many waits and queries an iteration makes depends on when copies finish:
+            // a failure planned past the calls this run made cannot fire.
+            let made = fault.calls(kind) - before;
+            assert!(
+                fault.injected() == 1 || made < n,
+                "{what}: the failure did not fire ({made} calls)"
+            );
+            if fault.injected() == 0 {
+                fault.clear();
+            }
             pool.check_invariants()
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             let errors_after = iteration(&mut session, &pool, &device, 200);

@@ -475,10 +475,18 @@ fn stream_ordered_swaps_survive_each_driver_failure() {
             let ptr = pool.malloc_swappable(size, S).expect("malloc");
             round(&pool, &io, ptr, copy);
             write_pattern(&io, ptr, size, n);
+            let before = fault.calls(kind);
             fault.fail_nth(kind, n);
             round(&pool, &io, ptr, copy);
             let what = format!("{kind:?} call {n} of {total}");
-            assert_eq!(fault.injected(), 1, "{what}: did not fire");
+            // Queries and waits depend on when copies finish: a failure planned past the
+            // calls this run made cannot fire.
+            let made = fault.calls(kind) - before;
+            assert!(
+                fault.injected() == 1 || made < n,
+                "{what}: did not fire ({made} calls)"
+            );
+            fault.clear();
             assert!(has_pattern(&io, ptr, size, n), "{what}: bytes lost");
             check(&pool);
             pool.free(ptr).expect("free");

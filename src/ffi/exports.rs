@@ -399,6 +399,56 @@ pub extern "C" fn glake_swap_in(pool: *mut glake_pool, ptr: *mut c_void) -> glak
     on_allocation(pool, ptr, Pool::swap_in)
 }
 
+/// Queues the swap-out of the swappable allocation at `ptr` on `copy` (a stream of the pool's
+/// device) and returns without waiting: the copy to a pinned buffer the pool keeps runs after
+/// the work queued on the allocation's streams; its device memory goes back once
+/// `glake_swap_finish` sees the copy done (until then it counts as resident).
+/// GLAKE_STATUS_INVALID_STATE when it is swapped out or already on its way out.
+#[no_mangle]
+pub extern "C" fn glake_swap_out_async(
+    pool: *mut glake_pool,
+    ptr: *mut c_void,
+    copy: glake_stream,
+) -> glake_status {
+    on_allocation(pool, ptr, |p, ptr| p.swap_out_async(ptr, stream_of(copy)))
+}
+
+/// Completes the queued swap-outs whose copies are done (with `wait` nonzero, all of them,
+/// waiting for their copies): their device memory goes back. Writes how many completed to
+/// `completed` (may be NULL).
+///
+/// # Safety
+/// `completed` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_swap_finish(
+    pool: *mut glake_pool,
+    wait: u32,
+    completed: *mut u64,
+) -> glake_status {
+    guard(|| {
+        let pool = handles::get(pool_id(pool))?;
+        let n = pool.finish_swap_outs(wait != 0)?;
+        if !completed.is_null() {
+            // SAFETY: non-NULL, valid under this function's contract.
+            unsafe { write_out(completed, "completed", n as u64)? };
+        }
+        Ok(())
+    })
+}
+
+/// Brings the swappable allocation at `ptr` back without waiting: on its way out, the
+/// swap-out is cancelled (its memory never left); swapped out, new memory is mapped at the
+/// same address and filled by a copy on `copy` that the allocation's streams wait for. Errors
+/// as `glake_swap_in`.
+#[no_mangle]
+pub extern "C" fn glake_swap_in_async(
+    pool: *mut glake_pool,
+    ptr: *mut c_void,
+    copy: glake_stream,
+) -> glake_status {
+    on_allocation(pool, ptr, |p, ptr| p.swap_in_async(ptr, stream_of(copy)))
+}
+
 /// Marks the allocation at `ptr` as used on `stream` as well (like `Tensor.record_stream`).
 #[no_mangle]
 pub extern "C" fn glake_record_stream(

@@ -552,6 +552,11 @@ glake_status glake_swap_in_async(struct glake_pool *pool, void *ptr, glake_strea
 // Marks the allocation at `ptr` as used on `stream` as well (like `Tensor.record_stream`).
 glake_status glake_record_stream(struct glake_pool *pool, void *ptr, glake_stream stream);
 
+// Checks the pool's own bookkeeping (blocks, segments, statistics, swapped allocations):
+// GLAKE_STATUS_INTERNAL with the first inconsistency found as the message. For tests and
+// fuzzing; it takes the pool's lock for a walk over all its blocks.
+glake_status glake_pool_check(struct glake_pool *pool);
+
 // Returns cached, unused memory to the driver (after waiting for the device).
 glake_status glake_empty_cache(struct glake_pool *pool);
 

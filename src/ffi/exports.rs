@@ -466,6 +466,18 @@ pub extern "C" fn glake_record_stream(
     })
 }
 
+/// Checks the pool's own bookkeeping (blocks, segments, statistics, swapped allocations):
+/// GLAKE_STATUS_INTERNAL with the first inconsistency found as the message. For tests and
+/// fuzzing; it takes the pool's lock for a walk over all its blocks.
+#[no_mangle]
+pub extern "C" fn glake_pool_check(pool: *mut glake_pool) -> glake_status {
+    guard(|| {
+        handles::get(pool_id(pool))?
+            .check_invariants()
+            .map_err(|m| Failure::new(glake_status::GLAKE_STATUS_INTERNAL, m))
+    })
+}
+
 /// Returns cached, unused memory to the driver (after waiting for the device).
 #[no_mangle]
 pub extern "C" fn glake_empty_cache(pool: *mut glake_pool) -> glake_status {

@@ -130,8 +130,13 @@ impl Inner {
                 self.idle_events.extend(pending.events);
                 self.finish_free(pending.live, None);
             }
+            return Err(err.context(
+                "recording a stream event for a free (the allocation is freed: the device was waited for instead)",
+            ));
         }
-        Err(err.context("recording a stream event for a free"))
+        Err(err.context(
+            "recording a stream event for a free (the allocation is freed; its memory waits for the streams it was used on)",
+        ))
     }
 
     fn set_target_pending(&mut self, target: Target) {

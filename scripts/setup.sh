@@ -61,6 +61,12 @@ setup() {
     fi
   fi
   rustup component add rustfmt clippy >/dev/null 2>&1 || true
+  # valgrind runs the C and C++ suites once more when it is there: installed as root, else the
+  # test command says it skips that part.
+  if ! command -v valgrind >/dev/null 2>&1 && [ $root = 1 ]; then
+    echo "setup: installing valgrind"
+    apt_install valgrind || true
+  fi
   if ! python_ready; then
     # pip first (the python3 on PATH may not be Debian's); where the system Python refuses pip
     # installs (PEP 668), Debian's packages.

@@ -38,6 +38,26 @@ cmake --build build/cpp_tests -j 2
 ctest --test-dir build/c_examples --output-on-failure
 ctest --test-dir build/cpp_tests --output-on-failure
 
+echo "== C++ tests with AddressSanitizer and UndefinedBehaviorSanitizer"
+if echo 'int main(void){return 0;}' | c++ -x c++ -fsanitize=address,undefined - -o build/asan_probe 2>/dev/null; then
+  cmake -S cpp_tests -B build/cpp_tests_asan -DCMAKE_PREFIX_PATH="$prefix" -DGLAKE_SANITIZE=ON
+  cmake --build build/cpp_tests_asan -j 2 --target glake_tests_shared
+  build/cpp_tests_asan/glake_tests_shared --gtest_brief=1
+else
+  echo "skipped: the C++ compiler here has no ASan/UBSan runtime"
+fi
+
+echo "== C examples and C++ tests under valgrind memcheck"
+if command -v valgrind >/dev/null 2>&1; then
+  for bin in build/c_examples/{alloc_free,fragment_stitch,multi_stream,smartswap,snapshot,transfer} \
+    build/cpp_tests/glake_tests_shared; do
+    valgrind -q --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite "$bin" >/dev/null
+    echo "valgrind clean: $bin"
+  done
+else
+  echo "skipped: no valgrind (scripts/setup.sh installs it when run as root)"
+fi
+
 echo "== pkg-config"
 export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
 # shellcheck disable=SC2046

@@ -884,3 +884,28 @@ fn stream_ordered_swaps_through_the_c_api() {
     ok(glake_stream_destroy(pool, copy));
     ok(glake_pool_destroy(pool));
 }
+
+/// Freeing memory used on a stream the caller has destroyed since: the free cannot order
+/// itself after that stream, waits for the device instead, frees, and says both.
+#[test]
+fn a_free_after_its_stream_was_destroyed_frees_and_says_so() {
+    let pool = create(&host_config());
+    let mut stream = null_mut();
+    assert_eq!(
+        unsafe { glake_stream_create(pool, &mut stream) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let (status, ptr) = malloc(pool, MIB);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_record_stream(pool, ptr, stream), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_stream_destroy(pool, stream), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_INVALID_ARGUMENT);
+    assert!(
+        message().contains("the allocation is freed"),
+        "{}",
+        message()
+    );
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_DOUBLE_FREE);
+    assert_eq!(glake_pool_check(pool), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+}

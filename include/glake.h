@@ -728,6 +728,16 @@ glake_status glake_profiler_end_op(struct glake_profiler *profiler);
 glake_status glake_profiler_end_iteration(struct glake_profiler *profiler,
                                           struct glake_profile_summary *out);
 
+// Writes the default settings for `pool`'s device to `out`, with the environment's
+// overrides (`GLAKE_SWAP_TARGET`: a fraction of the device when at most 1, else bytes;
+// `GLAKE_SWAP_PREFETCH`, `GLAKE_SWAP_PREFERENCE`, `GLAKE_SWAP_WARMUP`,
+// `GLAKE_SWAP_BANDWIDTH`). Without a target the whole device is the target.
+//
+// # Safety
+// `out` must be NULL or valid for a write.
+glake_status glake_smartswap_settings_default(struct glake_pool *pool,
+                                              struct glake_smartswap_settings *out);
+
 // Creates a session on `pool` with `settings`; the pool reports its allocations to it and
 // makes the planned ones swappable (replacing a profiler or session made on it before). While
 // the plan runs, the pool's soft limit is the target: it gives cached memory back before it

@@ -25,6 +25,11 @@ const ALL_NAMES: &[&str] = &[
     "GLAKE_HOST_MEMORY",
     "GLAKE_HOST_DEVICES",
     "GLAKE_COPY_STREAMING",
+    "GLAKE_SWAP_TARGET",
+    "GLAKE_SWAP_PREFETCH",
+    "GLAKE_SWAP_PREFERENCE",
+    "GLAKE_SWAP_WARMUP",
+    "GLAKE_SWAP_BANDWIDTH",
 ];
 
 fn clear() {
@@ -122,5 +127,39 @@ fn environment_names_and_aliases() {
         set("GLAKE_COPY_STREAMING", value);
         assert_eq!(copies(), expected, "GLAKE_COPY_STREAMING={value}");
     }
+    clear();
+
+    // SmartSwap sessions: a fraction of the device or bytes; bad values leave the defaults.
+    use glake::smartswap::Settings;
+    use glake::swap::Preference;
+    let gib = 1usize << 30;
+    let defaults = Settings::from_env(80 * gib);
+    assert_eq!(
+        defaults.target_bytes,
+        80 * gib,
+        "no target: the whole device"
+    );
+    assert_eq!(defaults.preference, Preference::Performance);
+    set("GLAKE_SWAP_TARGET", "0.6");
+    assert_eq!(Settings::from_env(100 * gib).target_bytes, 60 * gib);
+    set("GLAKE_SWAP_TARGET", "24G");
+    assert_eq!(Settings::from_env(100 * gib).target_bytes, 24 * gib);
+    set("GLAKE_SWAP_TARGET", "lots");
+    assert_eq!(Settings::from_env(100 * gib).target_bytes, 100 * gib);
+    set("GLAKE_SWAP_PREFETCH", "3");
+    set("GLAKE_SWAP_WARMUP", "2");
+    set("GLAKE_SWAP_PREFERENCE", "memory");
+    set("GLAKE_SWAP_BANDWIDTH", "25000000000");
+    let s = Settings::from_env(gib);
+    assert_eq!((s.prefetch, s.warmup_iterations), (3, 2));
+    assert_eq!(s.preference, Preference::MemorySaving);
+    assert_eq!(
+        (s.d2h_bytes_per_s, s.h2d_bytes_per_s),
+        (25_000_000_000, 25_000_000_000)
+    );
+    set("GLAKE_SWAP_PREFERENCE", "fast");
+    set("GLAKE_SWAP_PREFETCH", "-1");
+    let s = Settings::from_env(gib);
+    assert_eq!((s.preference, s.prefetch), (Preference::Performance, 1));
     clear();
 }

@@ -714,6 +714,18 @@ fn smartswap_session_trains_under_its_target_through_the_c_api() {
             preference: glake_swap_preference::GLAKE_SWAP_BETTER_PERFORMANCE as u32,
         },
     };
+    // The defaults: the whole device as the target (nothing moves), one warm-up iteration.
+    let mut defaults = std::mem::MaybeUninit::<glake_smartswap_settings>::zeroed();
+    assert_eq!(
+        unsafe { glake_smartswap_settings_default(pool, defaults.as_mut_ptr()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let defaults = unsafe { defaults.assume_init() };
+    assert!(defaults.target_bytes >= unplanned as u64 && defaults.warmup_iterations == 1);
+    assert_eq!(
+        unsafe { glake_smartswap_settings_default(pool, null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
     let mut session = null_mut();
     assert_eq!(
         unsafe { glake_smartswap_create(pool, null_mut(), &mut session) },

@@ -82,6 +82,43 @@ fn with_session(
     })
 }
 
+/// Writes the default settings for `pool`'s device to `out`, with the environment's
+/// overrides (`GLAKE_SWAP_TARGET`: a fraction of the device when at most 1, else bytes;
+/// `GLAKE_SWAP_PREFETCH`, `GLAKE_SWAP_PREFERENCE`, `GLAKE_SWAP_WARMUP`,
+/// `GLAKE_SWAP_BANDWIDTH`). Without a target the whole device is the target.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_smartswap_settings_default(
+    pool: *mut glake_pool,
+    out: *mut glake_smartswap_settings,
+) -> glake_status {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let pool = handles::get(pool as usize)?;
+        let total = pool.device().mem_info()?.total;
+        let s = Settings::from_env(total);
+        let settings = glake_smartswap_settings {
+            target_bytes: s.target_bytes as u64,
+            warmup_iterations: s.warmup_iterations as u64,
+            config: glake_swap_config {
+                d2h_bytes_per_s: s.d2h_bytes_per_s,
+                h2d_bytes_per_s: s.h2d_bytes_per_s,
+                prefetch: s.prefetch,
+                preference: match s.preference {
+                    crate::swap::Preference::Performance => 0,
+                    crate::swap::Preference::MemorySaving => 1,
+                },
+            },
+        };
+        // SAFETY: non-NULL, valid under this function's contract.
+        unsafe { write_out(out, "out", settings) }
+    })
+}
+
 /// Creates a session on `pool` with `settings`; the pool reports its allocations to it and
 /// makes the planned ones swappable (replacing a profiler or session made on it before). While
 /// the plan runs, the pool's soft limit is the target: it gives cached memory back before it

@@ -42,6 +42,58 @@ pub struct Settings {
     pub h2d_bytes_per_s: u64,
 }
 
+impl Settings {
+    /// The defaults for a device of `total_bytes`, overridden by the environment that
+    /// glake's PyTorch side reads too: `GLAKE_SWAP_TARGET` (a fraction of the device when at
+    /// most 1, else bytes; K/M/G suffixes allowed), `GLAKE_SWAP_PREFETCH` (ops ahead),
+    /// `GLAKE_SWAP_PREFERENCE` (`performance` or `memory`), `GLAKE_SWAP_WARMUP` (iterations)
+    /// and `GLAKE_SWAP_BANDWIDTH` (bytes per second each way). With no target the whole
+    /// device is the target: nothing is moved.
+    pub fn from_env(total_bytes: usize) -> Settings {
+        let mut s = Settings {
+            target_bytes: total_bytes,
+            warmup_iterations: 1,
+            prefetch: 1,
+            preference: Preference::Performance,
+            d2h_bytes_per_s: 50_000_000_000,
+            h2d_bytes_per_s: 50_000_000_000,
+        };
+        if let Ok(raw) = std::env::var("GLAKE_SWAP_TARGET") {
+            match raw.trim().parse::<f64>() {
+                Ok(f) if f > 0.0 && f <= 1.0 => s.target_bytes = (f * total_bytes as f64) as usize,
+                _ => match crate::config::env_bytes("GLAKE_SWAP_TARGET") {
+                    Some(bytes) if bytes > 0 => s.target_bytes = bytes,
+                    _ => log::warn!("glake smartswap: GLAKE_SWAP_TARGET={raw} ignored"),
+                },
+            }
+        }
+        let number = |name: &str| {
+            let raw = std::env::var(name).ok()?;
+            let parsed = raw.trim().parse::<u64>().ok();
+            if parsed.is_none() {
+                log::warn!("glake smartswap: {name}={raw} ignored");
+            }
+            parsed
+        };
+        if let Some(n) = number("GLAKE_SWAP_PREFETCH") {
+            s.prefetch = n as usize;
+        }
+        if let Some(n) = number("GLAKE_SWAP_WARMUP") {
+            s.warmup_iterations = n as usize;
+        }
+        if let Some(n) = number("GLAKE_SWAP_BANDWIDTH").filter(|&n| n > 0) {
+            s.d2h_bytes_per_s = n;
+            s.h2d_bytes_per_s = n;
+        }
+        match std::env::var("GLAKE_SWAP_PREFERENCE").as_deref() {
+            Ok("memory") => s.preference = Preference::MemorySaving,
+            Ok("performance") | Err(_) => {}
+            Ok(other) => log::warn!("glake smartswap: GLAKE_SWAP_PREFERENCE={other} ignored"),
+        }
+        s
+    }
+}
+
 /// Where a session stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SessionPhase {

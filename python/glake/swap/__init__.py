@@ -79,7 +79,8 @@ class Settings:
         for key, var in _ENV.items():
             raw = os.environ.get(var)
             if raw:
-                values[key] = raw if key == "preference" else float(raw)
+                values[key] = (raw if key == "preference" else
+                               _parse_size(raw, var) if key == "target" else float(raw))
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - set(cls.__dataclass_fields__)
         if unknown:
@@ -93,6 +94,20 @@ class Settings:
         if s.prefetch < 1 or s.search_steps < 1 or not 0 <= s.margin < 0.5:
             raise ValueError(f"bad SmartSwap settings: {s}")
         return s
+
+
+def _parse_size(raw, name):
+    """A fraction (at most 1) or bytes, with an optional K, M, G or T suffix (powers of 1024),
+    as the native side reads GLAKE_SWAP_TARGET."""
+    text = raw.strip().upper().removesuffix("B")
+    scale = 1
+    if text and text[-1] in "KMGT":
+        scale = 1024 ** ("KMGT".index(text[-1]) + 1)
+        text = text[:-1]
+    try:
+        return float(text) * scale
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: not a fraction or a byte count") from None
 
 
 def find_blocks(model):

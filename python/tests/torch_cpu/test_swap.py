@@ -172,6 +172,12 @@ def test_settings_come_from_keywords_and_environment(monkeypatch):
     monkeypatch.setenv("GLAKE_SWAP_PREFERENCE", "memory")
     s = swap.Settings.from_env(prefetch=2)
     assert (s.target, s.preference, s.prefetch) == (0.6, "memory", 2)
+    monkeypatch.setenv("GLAKE_SWAP_TARGET", "24G")
+    assert swap.Settings.from_env().target == 24 * 2**30
+    monkeypatch.setenv("GLAKE_SWAP_TARGET", "lots")
+    with pytest.raises(ValueError):
+        swap.Settings.from_env()
+    monkeypatch.setenv("GLAKE_SWAP_TARGET", "0.6")
     with pytest.raises(TypeError):
         swap.Settings.from_env(bogus=1)
     with pytest.raises(ValueError):

@@ -61,3 +61,13 @@ def test_the_correction_is_bounded():
     assert search.bandwidth_correction(huge, 50 * GB) == search.MIN_BANDWIDTH_SCALE
     small = trial([1000], wait_ms=10.5, swapped=100 * GB)
     assert search.bandwidth_correction(small, 50 * GB) == pytest.approx(0.9)
+
+
+def test_a_stable_step_that_waits_longer_than_its_trial_asks_for_less_bandwidth():
+    t = trial([200, 200], wait_ms=5, predicted_wait_ms=5, swapped=5 * GB)
+    same = search.Measurement(200, 6, 100, 0, 0)
+    assert search.stable_drift(t, same, 50 * GB) is None  # within the tolerance
+    slower = search.Measurement(230, 30, 100, 0, 0)
+    assert search.stable_drift(t, slower, 50 * GB) == pytest.approx(100 / 125)
+    assert search.stable_drift(None, slower, 50 * GB) is None  # recomputing: nothing to move
+    assert search.stable_drift(trial([200], swapped=0), slower, 50 * GB) is None

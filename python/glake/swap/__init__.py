@@ -17,8 +17,9 @@ bytes, each block's forward and backward time, memory at the block boundaries), 
 and for each block's cheap outputs, to meet the target at the best predicted step; each plan
 is tried for a few steps: a step over the goal plans again for less, copies slower than
 predicted plan again with the bandwidth they showed, and the fastest plan measured, or full
-recomputation if it was faster, is kept), stable. New input shapes send it back to warm-up,
-with a log line saying so.
+recomputation if it was faster, is kept), stable (every 20th step is measured; one that
+waits for copies longer than its plan's trial did plans again at the bandwidth it showed and
+searches from there). New input shapes send it back to warm-up, with a log line saying so.
 
 The blocks are the entries of the model's largest ModuleList of one class (the transformer
 layers). A block whose plan keeps everything runs as written; the others run under
@@ -40,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper
-from .search import Measurement, Trial, bandwidth_correction, fastest
+from .search import Measurement, Trial, bandwidth_correction, fastest, stable_drift
 from .states import StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -193,6 +194,7 @@ class SmartSwap:
         self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
         self.recompute_ms = None    # measured step with every block recomputed (warm-up)
         self.reprofiled = False     # profiled again since the last warm-up
+        self.chosen = None          # the trial whose plan runs in stable (None: recomputing)
         self.step_start = None
         self.step_cpu = None
         self.history = []
@@ -355,13 +357,14 @@ class SmartSwap:
         self.phase, self.decisions, self.bandwidth = "warmup", None, None
         self._stop_moving_states()
         self.trials, self.correction, self.corrections = [], 0, 0
+        self.chosen = None
 
     def _restart(self):
         self.phase, self.iteration = "warmup", 0
         self.reprofiled = False
         self.decisions, self.marks, self.expected = None, None, {}
         self.measured, self.correction, self.corrections = [], 0, 0
-        self.trials, self.recompute_ms = [], None
+        self.trials, self.recompute_ms, self.chosen = [], None, None
         self.swapper.forget()
         self._stop_moving_states()
 
@@ -757,6 +760,18 @@ class SmartSwap:
             return
         if self.phase == "stable":
             self.measured.append(m)
+            factor = stable_drift(self.chosen, m, self.bandwidth[1])
+            if factor is not None and self.target_bytes is not None:
+                # Fed back: plan again at the bandwidth the stable step's waits imply, and
+                # search from there (the plan in use stays among the candidates).
+                log.info("glake.swap: a stable step waited %.1f ms for copies (its plan's "
+                         "trial %.1f): planning again", m.wait_ms, self.chosen.wait_ms)
+                kept = self.chosen
+                kept.steps = [m]  # what the plan in use measures now
+                self.bandwidth_scale = kept.bandwidth_scale * factor
+                self.trials = [kept]
+                self._replan()
+                self.phase = "search"
             return
         trial = self.trials[-1]
         trial.seen += 1
@@ -797,6 +812,7 @@ class SmartSwap:
                 return
             self.trials.pop()
         best = fastest(self.trials, self.recompute_ms)
+        self.chosen = best
         if best is None:
             choices = self._full_recompute_choices()
             self._adopt(choices, 1.0)

@@ -68,6 +68,18 @@ def bandwidth_correction(trial, h2d_bytes_per_s):
     return max(MIN_BANDWIDTH_SCALE, min(0.9, copy_ms / (copy_ms + extra_ms)))
 
 
+def stable_drift(trial, measurement, h2d_bytes_per_s):
+    """The bandwidth factor a stable step asks for: its waits for copies grew past what the
+    plan's own trial measured (the link got slower, or other traffic shares it), else None."""
+    if trial is None or not trial.steps or trial.summary["swapped_bytes"] == 0:
+        return None
+    if measurement.wait_ms <= trial.wait_ms + WAIT_TOLERANCE * measurement.step_ms:
+        return None
+    later = Trial(trial.summary, trial.choices, trial.decisions, trial.prediction,
+                  trial.bandwidth_scale, steps=[measurement])
+    return bandwidth_correction(later, h2d_bytes_per_s)
+
+
 def fastest(trials, recompute_ms):
     """The trial that ran fastest, or None when full recomputation (measured at `recompute_ms`,
     None if unmeasured) was faster than every trial."""

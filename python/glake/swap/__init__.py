@@ -32,17 +32,16 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                    register_optimizer_step_pre_hook)
 from torch.utils.checkpoint import checkpoint
 
 from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper
+from .profiling import Marks, ProfilingMixin
 from .search import Measurement, Trial, bandwidth_correction, fastest, stable_drift
-from .states import StateSwapper, state_tensors
+from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
 _STABLE_EVERY = 20  # stable steps between two measured ones (measuring waits for the GPU)
@@ -138,22 +137,9 @@ def _shapes(args, kwargs):
     return tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))
 
 
-@dataclass
-class _Marks:
-    """Events and memory figures taken at block boundaries in the profiled step."""
-    fwd: dict = field(default_factory=dict)      # block -> (start event, end event)
-    bwd: dict = field(default_factory=dict)      # block -> (event, allocated, peak before)
-    alloc_before: dict = field(default_factory=dict)
-    alloc_after: dict = field(default_factory=dict)
-    end: tuple = None                            # (event, allocated, peak before)
-    next_start: object = None
-    records: dict = field(default_factory=dict)  # block -> [OpRecord]
-    cycles_per_ms: float = None                  # of torch.cuda._sleep on this device
-    issue_ms: float = None                       # host time the last block took to issue
-
-
-class SmartSwap:
-    """Plans and runs the blocks of one model; see the module's documentation."""
+class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
+    """Plans and runs the blocks of one model; see the module's documentation. Profiling lives
+    in profiling.py, the optimizer's side in states.py."""
 
     def __init__(self, blocks, settings=None, device=None, optimizer=None):
         self.blocks = list(blocks)
@@ -166,15 +152,9 @@ class SmartSwap:
         self.states = StateSwapper(self.swapper)
         self.optimizer = None       # the optimizer stepping the blocks' parameters, once seen
         self.state_release = {}     # block -> block before whose forward its states are freed
-        self._optimizer_hooks = []
         self._splitting = False     # inside the block-by-block optimizer step
         self._unwrap_optimizer = None
-        if self.settings.preference == "memory":
-            self._optimizer_hooks = [
-                register_optimizer_step_pre_hook(self._before_step),
-                register_optimizer_step_post_hook(self._after_step)]
-            if optimizer is not None:
-                self._adopt_optimizer(optimizer)
+        self._hook_optimizers(optimizer)
         self.phase = "warmup"
         self.iteration = 0
         self.signature = None
@@ -207,104 +187,8 @@ class SmartSwap:
         for block in self.blocks:
             vars(block).pop("forward", None)
         self.states.restore()
-        for hook in self._optimizer_hooks:
-            hook.remove()
-        self._optimizer_hooks = []
-        if self._unwrap_optimizer is not None:
-            self._unwrap_optimizer()
-            self._unwrap_optimizer = None
+        self._unhook_optimizers()
         self.enabled = False
-
-    # -- optimizer states ("memory" preference) -------------------------------------------
-
-    def _moves_states(self):
-        return self.optimizer is not None and self.settings.preference == "memory"
-
-    def _stop_moving_states(self):
-        """Until the next plan: under the "memory" preference every block's optimizer states
-        leave the device before the first block and come back during the backward (so warm-up
-        fits in the least memory the executor can give it); otherwise they stay."""
-        if self._moves_states():
-            groups = {b: state_tensors(self.optimizer, block.parameters())
-                      for b, block in enumerate(self.blocks)}
-            groups = {b: g for b, g in groups.items() if g}
-            self.states.plan(groups)
-            self.state_release = {b: 0 for b in groups}
-        else:
-            self.states.plan({})
-            self.state_release = {}
-
-    def _adopt_optimizer(self, optimizer):
-        """Makes `optimizer` the one whose states are planned, and runs its step block by
-        block from now on: one call per block's parameters (and one for the rest), so the
-        step's temporaries (a foreach AdamW makes several of its parameters' size) are one
-        block's, not the model's. A step given a closure runs whole."""
-        self.optimizer = optimizer
-        parts = [{id(p) for p in block.parameters()} for block in self.blocks]
-        in_blocks = set().union(*parts)
-        whole = optimizer.step
-
-        def step(closure=None):
-            if closure is not None or not self.enabled:
-                return whole(closure)
-            groups = optimizer.param_groups
-            rest = {id(p) for g in groups for p in g["params"]} - in_blocks
-            self._before_step(optimizer, (), {})
-            self._splitting = True
-            try:
-                for ids in [rest] + parts:
-                    pairs = [(g, dict(g, params=[p for p in g["params"] if id(p) in ids]))
-                             for g in groups]
-                    pairs = [(g, sub) for g, sub in pairs if sub["params"]]
-                    if not pairs:
-                        continue
-                    optimizer.param_groups = [sub for _, sub in pairs]
-                    try:
-                        whole()
-                    finally:
-                        optimizer.param_groups = groups
-                        # A step that writes its group's settings writes them to the real group.
-                        for g, sub in pairs:
-                            for key, value in sub.items():
-                                if key != "params" and g.get(key) is not value:
-                                    g[key] = value
-            finally:
-                self._splitting = False
-            self._after_step(optimizer, (), {})
-            return None
-
-        # A learning-rate scheduler made before checks that the step it wrapped is still
-        # the one called; it still is, inside this one.
-        if hasattr(whole, "_wrapped_by_lr_sched"):
-            step._wrapped_by_lr_sched = True
-        previous = vars(optimizer).get("step")  # a scheduler's wrapper, say
-
-        def unwrap():
-            if previous is None:
-                vars(optimizer).pop("step", None)
-            else:
-                optimizer.step = previous
-
-        optimizer.step = step
-        self._unwrap_optimizer = unwrap
-
-    def _before_step(self, optimizer, args, kwargs):
-        if self._splitting:
-            return
-        if self.optimizer is None and self.enabled:
-            mine = {id(p) for block in self.blocks for p in block.parameters()}
-            if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-                self._adopt_optimizer(optimizer)  # block by block from its next step
-        if optimizer is self.optimizer:
-            self.states.before_step()
-
-    def _after_step(self, optimizer, args, kwargs):
-        if self._splitting:
-            return
-        if optimizer is self.optimizer and self.enabled:
-            if self.phase in ("warmup", "profile") and not self.states.groups:
-                self._stop_moving_states()  # the states exist now (made by the first step)
-            self.states.after_step()
 
     # -- phases ---------------------------------------------------------------------------
 
@@ -341,7 +225,7 @@ class SmartSwap:
             self._plan()
         elif self.phase == "warmup" and self.iteration >= _WARMUP_STEPS:
             self.phase = "profile"
-            self.marks = _Marks()
+            self.marks = Marks()
         self.iteration += 1
         self.step_start, self.step_cpu = now, time.perf_counter()
         measured = self.phase == "search" or (self.phase == "stable"
@@ -367,26 +251,6 @@ class SmartSwap:
         self.trials, self.recompute_ms, self.chosen = [], None, None
         self.swapper.forget()
         self._stop_moving_states()
-
-    def _event(self):
-        if not self.cuda:
-            return None
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def _memory(self):
-        """Allocated and peak allocated bytes for the profile's marks; when optimizer states
-        are planned, less the states on the device at the time (they enter the plan as
-        tensors of their own, wherever they were during the profiled step)."""
-        if not self.cuda:
-            return 0, 0
-        resident = 0
-        if self._moves_states():
-            resident = sum(t.untyped_storage().nbytes() for block in self.blocks
-                           for t in state_tensors(self.optimizer, block.parameters()))
-        return (torch.cuda.memory_allocated(self.device) - resident,
-                torch.cuda.max_memory_allocated(self.device) - resident)
 
     # -- the wrapped forward ----------------------------------------------------------------
 
@@ -453,23 +317,6 @@ class SmartSwap:
             self.swapper.prefetch(b)
         return out
 
-    def _head_start(self):
-        """Holds the device back before a profiled block, long enough for the host to issue the
-        whole block: the timed ops then run back to back, so their events measure device time,
-        not the host's pace (issuing ops with their events is slower than running the small
-        ones)."""
-        if not self.cuda:
-            return
-        if self.marks.cycles_per_ms is None:
-            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            torch.cuda._sleep(1_000_000)
-            z.record()
-            z.synchronize()
-            self.marks.cycles_per_ms = 1_000_000 / max(a.elapsed_time(z), 1e-3)
-        ms = 20.0 if self.marks.issue_ms is None else 1.5 * self.marks.issue_ms + 1.0
-        torch.cuda._sleep(int(ms * self.marks.cycles_per_ms))
-
     def _on_backward(self, b):
         """The backward of block `b` starts: bring back what the next blocks swapped out."""
         for ahead in range(b, max(-1, b - self.settings.prefetch - 1), -1):
@@ -481,129 +328,7 @@ class SmartSwap:
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _on_backward_end(self):
-        if self.phase == "profile" and self.marks is not None:
-            alloc, peak = self._memory()
-            self.marks.end = (self._event(), alloc, peak)
-            if self.cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-
     # -- profile -> plan ----------------------------------------------------------------------
-
-    def _measure_bandwidth(self):
-        """Device-to-host and host-to-device bytes per second of pinned copies, the best of
-        three rounds on an idle device (a copy that shares the link with other traffic would
-        have the planner underrate it for the rest of the run)."""
-        if not self.cuda:
-            return 10e9, 10e9
-        torch.cuda.synchronize(self.device)
-        n = 64 << 20
-        dev = torch.empty(n, dtype=torch.uint8, device=self.device)
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        rates = []
-        for src, dst in ((dev, host), (host, dev)):
-            stream = torch.cuda.Stream(self.device)
-            best = 0.0
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-                for _ in range(3):
-                    a = torch.cuda.Event(enable_timing=True)
-                    z = torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    for _ in range(4):
-                        dst.copy_(src, non_blocking=True)
-                    z.record()
-                    z.synchronize()
-                    best = max(best, 4 * n / (a.elapsed_time(z) / 1e3))
-            rates.append(best)
-        return rates[0], rates[1]
-
-    def _build_profile(self):
-        """The block-level iteration the planner sees, and per tensor which (block, op indexes)
-        it stands for."""
-        m, n_blocks = self.marks, len(self.blocks)
-        ns = (lambda a, z: int(a.elapsed_time(z) * 1e6)) if self.cuda else (lambda a, z: 1000)
-        fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]
-        ops = [(t, planner.FORWARD) for t in fwd_ns]
-        head = n_blocks
-        ops.append((ns(m.fwd[n_blocks - 1][1], m.bwd[n_blocks - 1][0]) if self.cuda else 1000,
-                    planner.OTHER))
-        bwd_op = {}
-        for b in range(n_blocks - 1, -1, -1):
-            nxt = m.bwd.get(b - 1) if b > 0 else m.end
-            total = ns(m.bwd[b][0], nxt[0]) if (self.cuda and nxt) else 2 * fwd_ns[b]
-            bwd_op[b] = len(ops)
-            ops.append((max(total - fwd_ns[b], fwd_ns[b]), planner.BACKWARD))
-        tail = len(ops)
-        last = m.end or m.bwd[0]
-        ops.append((ns(last[0], m.next_start) if self.cuda else 1000, planner.OPTIMIZER))
-
-        tensors, meaning = [], []
-        base = m.alloc_before[0]
-        fwd_end = m.alloc_after[n_blocks - 1]
-        head_persist = max(0, m.bwd[n_blocks - 1][1] - fwd_end)
-        head_peak = max(0, m.bwd[n_blocks - 1][2] - fwd_end)
-        tensors.append(planner.Tensor(head_persist, head, tail, [head], kind=planner.OTHER_KIND))
-        tensors.append(planner.Tensor(max(0, head_peak - head_persist), head, head, [head],
-                                      kind=planner.OTHER_KIND))
-        meaning += [None, None]
-        # Cheap outputs: one group per block unless swap_bucket_size asks for smaller buckets
-        # (each group is one more tensor for the planner, whose search grows with the square).
-        bucket = self.settings.swap_bucket_size or float("inf")
-        for b in range(n_blocks):
-            grew = max(0, m.alloc_after[b] - m.alloc_before[b])
-            tensors.append(planner.Tensor(grew, b, bwd_op[b], [bwd_op[b]],
-                                          kind=planner.OTHER_KIND))
-            meaning.append(None)
-            candidates = 0
-            group, group_bytes, group_ns = [], 0, 0
-            for i, r in enumerate(m.records.get(b, [])):
-                if r.mutated or r.bytes == 0:
-                    continue
-                if r.heavy:
-                    tensors.append(planner.Tensor(r.bytes, b, bwd_op[b], [bwd_op[b]],
-                                                  recompute_ns=max(r.gpu_ns, 1)))
-                    meaning.append((b, [i]))
-                    candidates += r.bytes
-                    continue
-                group.append(i)
-                group_bytes += r.bytes
-                group_ns += r.gpu_ns
-                if group_bytes >= bucket:
-                    tensors.append(planner.Tensor(group_bytes, b, bwd_op[b], [bwd_op[b]],
-                                                  recompute_ns=max(group_ns, 1)))
-                    meaning.append((b, group))
-                    candidates += group_bytes
-                    group, group_bytes, group_ns = [], 0, 0
-            if group:
-                tensors.append(planner.Tensor(group_bytes, b, bwd_op[b], [bwd_op[b]],
-                                              recompute_ns=max(group_ns, 1)))
-                meaning.append((b, group))
-                candidates += group_bytes
-            nxt = m.bwd.get(b - 1) if b > 0 else m.end
-            if nxt is not None:
-                persist = max(0, nxt[1] - m.bwd[b][1])
-                transient = max(0, nxt[2] - m.bwd[b][1])
-                # Weight gradients: counted, never moved (the executor moves activations only).
-                tensors.append(planner.Tensor(persist, bwd_op[b], tail, [bwd_op[b]],
-                                              kind=planner.OTHER_KIND))
-                tensors.append(planner.Tensor(max(0, transient - persist - candidates),
-                                              bwd_op[b], bwd_op[b], [bwd_op[b]],
-                                              kind=planner.OTHER_KIND))
-                meaning += [None, None]
-        if self._moves_states():
-            # Each block's optimizer states: on the device from the step's start (op 0) and
-            # needed from the block's backward to the optimizer step, so the one window the
-            # planner can choose is out during the forward, in ahead of that backward.
-            for b in range(n_blocks):
-                nbytes = sum(t.untyped_storage().nbytes() for t in
-                             state_tensors(self.optimizer, self.blocks[b].parameters()))
-                if nbytes:
-                    tensors.append(planner.Tensor(nbytes, 0, tail,
-                                                  list(range(bwd_op[b], tail + 1)),
-                                                  kind=planner.OPTIMIZER_STATE))
-                    meaning.append(("state", b))
-        return planner.Profile(ops=ops, tensors=tensors, base_bytes=max(0, base)), meaning
 
     def _plan(self):
         self.expected = {b: [r.func for r in recs] for b, recs in self.marks.records.items()}

@@ -10,6 +10,8 @@ moved state has no storage: code that reads optimizer states inside the step mus
 then."""
 
 import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                    register_optimizer_step_pre_hook)
 
 
 def state_tensors(optimizer, params):
@@ -126,3 +128,117 @@ class StateSwapper:
         """Every state back on the device now (a plan change, a removal, an abandoned step)."""
         self.before_step()
         self.groups = {}
+
+
+class OptimizerStatesMixin:
+    """SmartSwap's side of the "memory" preference: finding the optimizer, running its step
+    block by block, and which states move in warm-up. A mixin of SmartSwap: it uses the
+    instance's blocks, settings, phase and StateSwapper."""
+
+    def _hook_optimizers(self, optimizer):
+        """Under the "memory" preference, watches every optimizer step (PyTorch's global
+        hooks) and adopts `optimizer` at once when given."""
+        self._optimizer_hooks = []
+        if self.settings.preference == "memory":
+            self._optimizer_hooks = [
+                register_optimizer_step_pre_hook(self._before_step),
+                register_optimizer_step_post_hook(self._after_step)]
+            if optimizer is not None:
+                self._adopt_optimizer(optimizer)
+
+    def _unhook_optimizers(self):
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks = []
+        if self._unwrap_optimizer is not None:
+            self._unwrap_optimizer()
+            self._unwrap_optimizer = None
+
+    def _moves_states(self):
+        return self.optimizer is not None and self.settings.preference == "memory"
+
+    def _stop_moving_states(self):
+        """Until the next plan: under the "memory" preference every block's optimizer states
+        leave the device before the first block and come back during the backward (so warm-up
+        fits in the least memory the executor can give it); otherwise they stay."""
+        if self._moves_states():
+            groups = {b: state_tensors(self.optimizer, block.parameters())
+                      for b, block in enumerate(self.blocks)}
+            groups = {b: g for b, g in groups.items() if g}
+            self.states.plan(groups)
+            self.state_release = {b: 0 for b in groups}
+        else:
+            self.states.plan({})
+            self.state_release = {}
+
+    def _adopt_optimizer(self, optimizer):
+        """Makes `optimizer` the one whose states are planned, and runs its step block by
+        block from now on: one call per block's parameters (and one for the rest), so the
+        step's temporaries (a foreach AdamW makes several of its parameters' size) are one
+        block's, not the model's. A step given a closure runs whole."""
+        self.optimizer = optimizer
+        parts = [{id(p) for p in block.parameters()} for block in self.blocks]
+        in_blocks = set().union(*parts)
+        whole = optimizer.step
+
+        def step(closure=None):
+            if closure is not None or not self.enabled:
+                return whole(closure)
+            groups = optimizer.param_groups
+            rest = {id(p) for g in groups for p in g["params"]} - in_blocks
+            self._before_step(optimizer, (), {})
+            self._splitting = True
+            try:
+                for ids in [rest] + parts:
+                    pairs = [(g, dict(g, params=[p for p in g["params"] if id(p) in ids]))
+                             for g in groups]
+                    pairs = [(g, sub) for g, sub in pairs if sub["params"]]
+                    if not pairs:
+                        continue
+                    optimizer.param_groups = [sub for _, sub in pairs]
+                    try:
+                        whole()
+                    finally:
+                        optimizer.param_groups = groups
+                        # A step that writes its group's settings writes them to the real group.
+                        for g, sub in pairs:
+                            for key, value in sub.items():
+                                if key != "params" and g.get(key) is not value:
+                                    g[key] = value
+            finally:
+                self._splitting = False
+            self._after_step(optimizer, (), {})
+            return None
+
+        # A learning-rate scheduler made before checks that the step it wrapped is still
+        # the one called; it still is, inside this one.
+        if hasattr(whole, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True
+        previous = vars(optimizer).get("step")  # a scheduler's wrapper, say
+
+        def unwrap():
+            if previous is None:
+                vars(optimizer).pop("step", None)
+            else:
+                optimizer.step = previous
+
+        optimizer.step = step
+        self._unwrap_optimizer = unwrap
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self._splitting:
+            return
+        if self.optimizer is None and self.enabled:
+            mine = {id(p) for block in self.blocks for p in block.parameters()}
+            if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+                self._adopt_optimizer(optimizer)  # block by block from its next step
+        if optimizer is self.optimizer:
+            self.states.before_step()
+
+    def _after_step(self, optimizer, args, kwargs):
+        if self._splitting:
+            return
+        if optimizer is self.optimizer and self.enabled:
+            if self.phase in ("warmup", "profile") and not self.states.groups:
+                self._stop_moving_states()  # the states exist now (made by the first step)
+            self.states.after_step()

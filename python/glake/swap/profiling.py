@@ -1,0 +1,188 @@
+"""SmartSwap's profiled step: events and memory at block boundaries, each op's device time
+(with the device held back so that events time the device, not the host's pace), the copy
+bandwidth, and the block-level iteration the planner reads. A mixin of SmartSwap: it uses the
+instance's blocks, marks, swapper and settings."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import planner
+from .states import state_tensors
+
+
+@dataclass
+class Marks:
+    """Events and memory figures taken at block boundaries in the profiled step."""
+    fwd: dict = field(default_factory=dict)      # block -> (start event, end event)
+    bwd: dict = field(default_factory=dict)      # block -> (event, allocated, peak before)
+    alloc_before: dict = field(default_factory=dict)
+    alloc_after: dict = field(default_factory=dict)
+    end: tuple = None                            # (event, allocated, peak before)
+    next_start: object = None
+    records: dict = field(default_factory=dict)  # block -> [OpRecord]
+    cycles_per_ms: float = None                  # of torch.cuda._sleep on this device
+    issue_ms: float = None                       # host time the last block took to issue
+
+
+class ProfilingMixin:
+    """The profiling half of SmartSwap (see the module's documentation)."""
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _memory(self):
+        """Allocated and peak allocated bytes for the profile's marks; when optimizer states
+        are planned, less the states on the device at the time (they enter the plan as
+        tensors of their own, wherever they were during the profiled step)."""
+        if not self.cuda:
+            return 0, 0
+        resident = 0
+        if self._moves_states():
+            resident = sum(t.untyped_storage().nbytes() for block in self.blocks
+                           for t in state_tensors(self.optimizer, block.parameters()))
+        return (torch.cuda.memory_allocated(self.device) - resident,
+                torch.cuda.max_memory_allocated(self.device) - resident)
+
+    def _head_start(self):
+        """Holds the device back before a profiled block, long enough for the host to issue the
+        whole block: the timed ops then run back to back, so their events measure device time,
+        not the host's pace (issuing ops with their events is slower than running the small
+        ones)."""
+        if not self.cuda:
+            return
+        if self.marks.cycles_per_ms is None:
+            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(1_000_000)
+            z.record()
+            z.synchronize()
+            self.marks.cycles_per_ms = 1_000_000 / max(a.elapsed_time(z), 1e-3)
+        ms = 20.0 if self.marks.issue_ms is None else 1.5 * self.marks.issue_ms + 1.0
+        torch.cuda._sleep(int(ms * self.marks.cycles_per_ms))
+
+    def _on_backward_end(self):
+        if self.phase == "profile" and self.marks is not None:
+            alloc, peak = self._memory()
+            self.marks.end = (self._event(), alloc, peak)
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _measure_bandwidth(self):
+        """Device-to-host and host-to-device bytes per second of pinned copies, the best of
+        three rounds on an idle device (a copy that shares the link with other traffic would
+        have the planner underrate it for the rest of the run)."""
+        if not self.cuda:
+            return 10e9, 10e9
+        torch.cuda.synchronize(self.device)
+        n = 64 << 20
+        dev = torch.empty(n, dtype=torch.uint8, device=self.device)
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        rates = []
+        for src, dst in ((dev, host), (host, dev)):
+            stream = torch.cuda.Stream(self.device)
+            best = 0.0
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                for _ in range(3):
+                    a = torch.cuda.Event(enable_timing=True)
+                    z = torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(4):
+                        dst.copy_(src, non_blocking=True)
+                    z.record()
+                    z.synchronize()
+                    best = max(best, 4 * n / (a.elapsed_time(z) / 1e3))
+            rates.append(best)
+        return rates[0], rates[1]
+
+    def _build_profile(self):
+        """The block-level iteration the planner sees, and per tensor which (block, op indexes)
+        it stands for."""
+        m, n_blocks = self.marks, len(self.blocks)
+        ns = (lambda a, z: int(a.elapsed_time(z) * 1e6)) if self.cuda else (lambda a, z: 1000)
+        fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]
+        ops = [(t, planner.FORWARD) for t in fwd_ns]
+        head = n_blocks
+        ops.append((ns(m.fwd[n_blocks - 1][1], m.bwd[n_blocks - 1][0]) if self.cuda else 1000,
+                    planner.OTHER))
+        bwd_op = {}
+        for b in range(n_blocks - 1, -1, -1):
+            nxt = m.bwd.get(b - 1) if b > 0 else m.end
+            total = ns(m.bwd[b][0], nxt[0]) if (self.cuda and nxt) else 2 * fwd_ns[b]
+            bwd_op[b] = len(ops)
+            ops.append((max(total - fwd_ns[b], fwd_ns[b]), planner.BACKWARD))
+        tail = len(ops)
+        last = m.end or m.bwd[0]
+        ops.append((ns(last[0], m.next_start) if self.cuda else 1000, planner.OPTIMIZER))
+
+        tensors, meaning = [], []
+        base = m.alloc_before[0]
+        fwd_end = m.alloc_after[n_blocks - 1]
+        head_persist = max(0, m.bwd[n_blocks - 1][1] - fwd_end)
+        head_peak = max(0, m.bwd[n_blocks - 1][2] - fwd_end)
+        tensors.append(planner.Tensor(head_persist, head, tail, [head], kind=planner.OTHER_KIND))
+        tensors.append(planner.Tensor(max(0, head_peak - head_persist), head, head, [head],
+                                      kind=planner.OTHER_KIND))
+        meaning += [None, None]
+        # Cheap outputs: one group per block unless swap_bucket_size asks for smaller buckets
+        # (each group is one more tensor for the planner, whose search grows with the square).
+        bucket = self.settings.swap_bucket_size or float("inf")
+        for b in range(n_blocks):
+            grew = max(0, m.alloc_after[b] - m.alloc_before[b])
+            tensors.append(planner.Tensor(grew, b, bwd_op[b], [bwd_op[b]],
+                                          kind=planner.OTHER_KIND))
+            meaning.append(None)
+            candidates = 0
+            group, group_bytes, group_ns = [], 0, 0
+            for i, r in enumerate(m.records.get(b, [])):
+                if r.mutated or r.bytes == 0:
+                    continue
+                if r.heavy:
+                    tensors.append(planner.Tensor(r.bytes, b, bwd_op[b], [bwd_op[b]],
+                                                  recompute_ns=max(r.gpu_ns, 1)))
+                    meaning.append((b, [i]))
+                    candidates += r.bytes
+                    continue
+                group.append(i)
+                group_bytes += r.bytes
+                group_ns += r.gpu_ns
+                if group_bytes >= bucket:
+                    tensors.append(planner.Tensor(group_bytes, b, bwd_op[b], [bwd_op[b]],
+                                                  recompute_ns=max(group_ns, 1)))
+                    meaning.append((b, group))
+                    candidates += group_bytes
+                    group, group_bytes, group_ns = [], 0, 0
+            if group:
+                tensors.append(planner.Tensor(group_bytes, b, bwd_op[b], [bwd_op[b]],
+                                              recompute_ns=max(group_ns, 1)))
+                meaning.append((b, group))
+                candidates += group_bytes
+            nxt = m.bwd.get(b - 1) if b > 0 else m.end
+            if nxt is not None:
+                persist = max(0, nxt[1] - m.bwd[b][1])
+                transient = max(0, nxt[2] - m.bwd[b][1])
+                # Weight gradients: counted, never moved (the executor moves activations only).
+                tensors.append(planner.Tensor(persist, bwd_op[b], tail, [bwd_op[b]],
+                                              kind=planner.OTHER_KIND))
+                tensors.append(planner.Tensor(max(0, transient - persist - candidates),
+                                              bwd_op[b], bwd_op[b], [bwd_op[b]],
+                                              kind=planner.OTHER_KIND))
+                meaning += [None, None]
+        if self._moves_states():
+            # Each block's optimizer states: on the device from the step's start (op 0) and
+            # needed from the block's backward to the optimizer step, so the one window the
+            # planner can choose is out during the forward, in ahead of that backward.
+            for b in range(n_blocks):
+                nbytes = sum(t.untyped_storage().nbytes() for t in
+                             state_tensors(self.optimizer, self.blocks[b].parameters()))
+                if nbytes:
+                    tensors.append(planner.Tensor(nbytes, 0, tail,
+                                                  list(range(bwd_op[b], tail + 1)),
+                                                  kind=planner.OPTIMIZER_STATE))
+                    meaning.append(("state", b))
+        return planner.Profile(ops=ops, tensors=tensors, base_bytes=max(0, base)), meaning

@@ -1,5 +1,7 @@
 //! The C API: status codes and messages for each bad input, and a full round trip.
 
+mod common;
+
 use std::ffi::{c_void, CStr};
 use std::ptr::null_mut;
 
@@ -15,14 +17,7 @@ fn message() -> String {
 }
 
 fn host_config() -> glake_config {
-    let mut config = std::mem::MaybeUninit::<glake_config>::zeroed();
-    assert_eq!(
-        unsafe { glake_config_default(config.as_mut_ptr()) },
-        GLAKE_STATUS_SUCCESS
-    );
-    let mut config = unsafe { config.assume_init() };
-    config.backend = glake_backend::GLAKE_BACKEND_HOST as u32;
-    config
+    common::c_host_config()
 }
 
 fn create(config: &glake_config) -> *mut glake_pool {

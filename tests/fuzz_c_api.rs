@@ -8,6 +8,8 @@
 //! Bounded by default (CI); `GLAKE_FUZZ_OPS=10000000 cargo test --release --test fuzz_c_api
 //! -- --nocapture` is the long mode, `GLAKE_FUZZ_SEED` picks the sequence.
 
+mod common;
+
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -79,13 +81,7 @@ impl Fuzz {
     }
 
     fn create_pool(&mut self) {
-        let mut config = std::mem::MaybeUninit::<glake_config>::zeroed();
-        assert_eq!(
-            unsafe { glake_config_default(config.as_mut_ptr()) },
-            GLAKE_STATUS_SUCCESS
-        );
-        let mut config = unsafe { config.assume_init() };
-        config.backend = glake_backend::GLAKE_BACKEND_HOST as u32;
+        let mut config = common::c_host_config();
         config.stitch = self.rng.below(2) as u32;
         let mut handle = null_mut();
         let status = unsafe { glake_pool_create(&config, &mut handle) };
@@ -477,4 +473,17 @@ fn random_c_api_sequences_never_panic_lose_bytes_or_leak() {
         "{ops} steps, {} C calls, seed {seed:#x}: {statuses:?}",
         fuzz.calls
     );
+    // The run reached both sides: calls that worked and each kind of refusal it aims at.
+    for status in [
+        GLAKE_STATUS_SUCCESS,
+        GLAKE_STATUS_INVALID_ARGUMENT,
+        GLAKE_STATUS_INVALID_POINTER,
+        GLAKE_STATUS_DOUBLE_FREE,
+        GLAKE_STATUS_OUT_OF_MEMORY,
+        GLAKE_STATUS_INVALID_STATE,
+        GLAKE_STATUS_INVALID_HANDLE,
+    ] {
+        let seen = fuzz.statuses.get(&(status as u32)).copied().unwrap_or(0);
+        assert!(seen > 0, "no {status:?} in the run");
+    }
 }

@@ -430,6 +430,22 @@ fn stream_ordered_swaps_round_trip_cancel_and_reuse_buffers() {
 /// nothing is lost, and a retry completes.
 #[test]
 fn stream_ordered_swaps_survive_each_driver_failure() {
+    /// A pool on a fault-injecting device over a 64 MiB host device; `io` is the device
+    /// underneath, for the test's own reads and waits (never failed, never counted).
+    fn faulty() -> (
+        Arc<HostDevice>,
+        Arc<FaultDevice>,
+        SharedDevice,
+        SharedDevice,
+        Pool,
+    ) {
+        let host = host_device(64 * MIB);
+        let fault = Arc::new(FaultDevice::new(host.clone()));
+        let device: SharedDevice = fault.clone();
+        let pool = Pool::new(device.clone(), Config::default()).expect("pool");
+        let io: SharedDevice = host.clone();
+        (host, fault, device, io, pool)
+    }
     let size = 4 * MIB;
     let round = |pool: &Pool, io: &SharedDevice, ptr: DevicePtr, copy: Stream| {
         let mut errors = 0;
@@ -447,11 +463,7 @@ fn stream_ordered_swaps_survive_each_driver_failure() {
         errors
     };
     let counts = {
-        let host = host_device(64 * MIB);
-        let fault = Arc::new(FaultDevice::new(host.clone()));
-        let device: SharedDevice = fault.clone();
-        let pool = Pool::new(device.clone(), Config::default()).expect("pool");
-        let io: SharedDevice = host.clone();
+        let (_host, fault, device, io, pool) = faulty();
         let copy = device.create_stream().expect("copy stream");
         let ptr = pool.malloc_swappable(size, S).expect("malloc");
         round(&pool, &io, ptr, copy); // the pinned buffer, made once
@@ -464,13 +476,10 @@ fn stream_ordered_swaps_survive_each_driver_failure() {
             .filter(|&(_, n)| n > 0)
             .collect::<Vec<_>>()
     };
+    let mut fired = 0;
     for &(kind, total) in &counts {
         for n in 1..=total {
-            let host = host_device(64 * MIB);
-            let fault = Arc::new(FaultDevice::new(host.clone()));
-            let device: SharedDevice = fault.clone();
-            let pool = Pool::new(device.clone(), Config::default()).expect("pool");
-            let io: SharedDevice = host.clone();
+            let (host, fault, device, io, pool) = faulty();
             let copy = device.create_stream().expect("copy stream");
             let ptr = pool.malloc_swappable(size, S).expect("malloc");
             round(&pool, &io, ptr, copy);
@@ -486,6 +495,7 @@ fn stream_ordered_swaps_survive_each_driver_failure() {
                 fault.injected() == 1 || made < n,
                 "{what}: did not fire ({made} calls)"
             );
+            fired += fault.injected();
             fault.clear();
             assert!(has_pattern(&io, ptr, size, n), "{what}: bytes lost");
             check(&pool);
@@ -496,5 +506,6 @@ fn stream_ordered_swaps_survive_each_driver_failure() {
             assert_eq!(host.created_bytes(), 0, "{what}");
         }
     }
-    println!("swept {counts:?}");
+    println!("swept {counts:?}: {fired} failures fired");
+    assert!(fired >= 10, "only {fired} failures fired over {counts:?}");
 }

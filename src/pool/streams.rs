@@ -97,15 +97,12 @@ impl Inner {
     ) -> Result<()> {
         let mut events = Vec::with_capacity(live.extra_streams.len());
         for &stream in &live.extra_streams {
-            let event = match self.idle_events.pop() {
-                Some(event) => event,
-                None => match device.create_event() {
-                    Ok(event) => event,
-                    Err(err) => {
-                        self.pending.push(PendingFree { live, events });
-                        return self.fail_pending(device, err);
-                    }
-                },
+            let event = match self.take_event(device) {
+                Ok(event) => event,
+                Err(err) => {
+                    self.pending.push(PendingFree { live, events });
+                    return self.fail_pending(device, err);
+                }
             };
             if let Err(err) = device.record_event(event, stream) {
                 self.idle_events.push(event);
@@ -117,6 +114,14 @@ impl Inner {
         self.set_target_pending(live.target);
         self.pending.push(PendingFree { live, events });
         Ok(())
+    }
+
+    /// An event from the pool's idle ones, or a new one.
+    pub(super) fn take_event(&mut self, device: &dyn crate::device::Device) -> Result<Event> {
+        match self.idle_events.pop() {
+            Some(event) => Ok(event),
+            None => device.create_event(),
+        }
     }
 
     /// A free whose events could not be recorded: wait for the device instead, so the memory is

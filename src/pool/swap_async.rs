@@ -10,7 +10,7 @@
 //! recorded waits for its copy and completes at once. A swap-in of an allocation still on its
 //! way out cancels the swap-out: its memory never left.
 
-use super::swapping::HostBytes;
+use super::swapping::{wait_for_copy, HostBytes, HostCopy};
 use super::Inner;
 use crate::device::{DevicePtr, Event, Stream};
 use crate::error::{Error, Result};
@@ -92,7 +92,7 @@ impl Inner {
             Err(err) => {
                 // No event to look for later: wait for the copy and complete now.
                 log::warn!("glake: a swap-out event failed ({err}); waiting for its copy");
-                if let Err(err) = wait_for(device, copy) {
+                if let Err(err) = wait_for_copy(device, copy) {
                     // The copy may still write into the buffer: it never goes back to the cache.
                     log::error!("glake: a swap-out copy cannot be waited for; leaking its buffer");
                     return Err(err.context("waiting for a swap-out copy"));
@@ -167,56 +167,50 @@ impl Inner {
             return Ok(());
         }
         let t = self.swap_target(ptr, true)?;
+        let buf = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
+            Some(HostCopy {
+                bytes: HostBytes::Pinned(buf),
+                ..
+            }) => *buf,
+            // Swapped out by the waiting call: its pageable copy comes back the same way.
+            _ => return self.swap_in(device, ptr),
+        };
         let chunks = self.swap_in_memory(device, ptr, t.size)?;
         let handles = super::blocks::handle_layout(&chunks);
-        let Some(HostBytes::Pinned(buf)) = self
-            .swappable
-            .get(&ptr)
-            .and_then(|e| e.host.as_ref())
-            .map(|h| match &h.bytes {
-                HostBytes::Pinned(b) => HostBytes::Pinned(*b),
-                HostBytes::Pageable(_) => HostBytes::Pageable(Vec::new()),
-            })
-        else {
-            // Swapped out by the waiting call: its pageable copy cannot be copied
-            // asynchronously; undo and let the waiting call bring it back.
-            self.bury_new(device, ptr, &handles, &chunks);
-            return self.swap_in(device, ptr);
-        };
         // SAFETY: the buffer stays the pool's until the copy is known done (busy below).
         let queued = unsafe { device.copy_to_device(ptr, buf.ptr(), t.size, copy) };
         if let Err(err) = queued {
             self.bury_new(device, ptr, &handles, &chunks);
             return Err(err.context("queueing a swap-in"));
         }
-        let ready = self.take_event(device).and_then(|e| {
-            device.record_event(e, copy)?;
-            for &stream in std::iter::once(&t.stream).chain(&t.extra_streams) {
-                device.stream_wait_event(stream, e)?;
+        let ordered = self.take_event(device).and_then(|e| {
+            let result = device.record_event(e, copy).and_then(|()| {
+                std::iter::once(&t.stream)
+                    .chain(&t.extra_streams)
+                    .try_for_each(|&stream| device.stream_wait_event(stream, e))
+            });
+            match result {
+                Ok(()) => Ok(e),
+                Err(err) => {
+                    self.idle_events.push(e);
+                    Err(err)
+                }
             }
-            Ok(e)
         });
-        match ready {
+        match ordered {
             Ok(ready) => self.cache_busy(ready, buf),
             Err(err) => {
                 // The streams cannot be ordered after the copy: wait for it here instead.
                 log::warn!("glake: ordering a swap-in failed ({err}); waiting for its copy");
-                if let Err(err) = wait_for(device, copy) {
+                if let Err(err) = wait_for_copy(device, copy) {
                     self.bury_new(device, ptr, &handles, &chunks);
                     return Err(err.context("waiting for a swap-in copy"));
                 }
                 self.pinned.free.push(buf);
             }
         }
-        let segment = self.map.blocks[t.block].segment;
-        let pool = self.map.segments[segment].pool;
-        self.stats.reserved_bytes.add(pool, t.size as i64);
-        self.stats.num_device_alloc += chunks.len() as i64;
-        self.stats.swapped_bytes.add(-(t.size as i64));
-        self.map.segments[segment].chunks = chunks;
-        if let Some(entry) = self.swappable.get_mut(&ptr) {
-            entry.host = None;
-        }
+        // The buffer is accounted for above (busy until the copy is done, or free).
+        let _ = self.complete_swap_in(ptr, t.block, t.size, chunks);
         Ok(())
     }
 
@@ -297,7 +291,7 @@ impl Inner {
         buf: PinnedBuf,
         copy: Stream,
     ) {
-        if wait_for(device, copy).is_ok() {
+        if wait_for_copy(device, copy).is_ok() {
             self.pinned.free.push(buf);
         } else {
             log::error!("glake: a swap copy cannot be waited for; leaking its buffer");
@@ -328,18 +322,4 @@ impl Inner {
         }
         self.pinned.busy = still;
     }
-
-    fn take_event(&mut self, device: &dyn crate::device::Device) -> Result<Event> {
-        match self.idle_events.pop() {
-            Some(event) => Ok(event),
-            None => device.create_event(),
-        }
-    }
-}
-
-/// Waits for `stream`, or for the device when the stream cannot be waited for.
-fn wait_for(device: &dyn crate::device::Device, stream: Stream) -> Result<()> {
-    device
-        .synchronize_stream(stream)
-        .or_else(|err| device.synchronize_device().map_err(|_| err))
 }

@@ -254,16 +254,32 @@ impl Inner {
             self.bury_new(device, ptr, &handles, &chunks);
             return Err(err.context("copying a swapped allocation back"));
         }
-        let segment = self.map.blocks[t.block].segment;
-        let pool = self.map.segments[segment].pool;
-        self.stats.reserved_bytes.add(pool, t.size as i64);
-        self.stats.num_device_alloc += chunks.len() as i64;
-        self.stats.swapped_bytes.add(-(t.size as i64));
-        self.map.segments[segment].chunks = chunks;
-        if let Some(host) = self.swappable.get_mut(&ptr).and_then(|e| e.host.take()) {
-            self.recycle_host(host.bytes);
+        if let Some(bytes) = self.complete_swap_in(ptr, t.block, t.size, chunks) {
+            self.recycle_host(bytes); // the copy was waited for
         }
         Ok(())
+    }
+
+    /// The swapped-out allocation at `ptr` (block `block`, `size` bytes) has its memory back
+    /// in `chunks`: resident from here. Returns its host copy, for the caller to recycle once
+    /// no queued copy reads it.
+    pub(super) fn complete_swap_in(
+        &mut self,
+        ptr: DevicePtr,
+        block: BlockId,
+        size: usize,
+        chunks: Vec<blocks::Chunk>,
+    ) -> Option<HostBytes> {
+        let segment = self.map.blocks[block].segment;
+        let pool = self.map.segments[segment].pool;
+        self.stats.reserved_bytes.add(pool, size as i64);
+        self.stats.num_device_alloc += chunks.len() as i64;
+        self.stats.swapped_bytes.add(-(size as i64));
+        self.map.segments[segment].chunks = chunks;
+        self.swappable
+            .get_mut(&ptr)
+            .and_then(|e| e.host.take())
+            .map(|h| h.bytes)
     }
 
     /// Room for swapped-out `ptr`'s `size` bytes: its old mappings gone, cached memory given
@@ -420,7 +436,7 @@ impl Inner {
 
 /// Waits for a copy queued on `stream`; when the stream cannot be waited for, the whole
 /// device is (a failed wait must not leave a copy running into memory about to go).
-fn wait_for_copy(device: &dyn crate::device::Device, stream: Stream) -> Result<()> {
+pub(super) fn wait_for_copy(device: &dyn crate::device::Device, stream: Stream) -> Result<()> {
     device.synchronize_stream(stream).or_else(|err| {
         log::warn!("glake: waiting for a swap copy failed, waiting for the device: {err}");
         device.synchronize_device().map_err(|_| err)

@@ -105,3 +105,15 @@ pub fn write(device: &SharedDevice, ptr: DevicePtr, bytes: &[u8]) {
     }
     device.synchronize_stream(Stream::DEFAULT).expect("sync");
 }
+
+/// The C API's default pool configuration on the host backend.
+pub fn c_host_config() -> glake::ffi::glake_config {
+    let mut config = std::mem::MaybeUninit::<glake::ffi::glake_config>::zeroed();
+    // SAFETY: a valid place for one config.
+    let status = unsafe { glake::ffi::glake_config_default(config.as_mut_ptr()) };
+    assert_eq!(status, glake::ffi::glake_status::GLAKE_STATUS_SUCCESS);
+    // SAFETY: written by glake_config_default.
+    let mut config = unsafe { config.assume_init() };
+    config.backend = glake::ffi::glake_backend::GLAKE_BACKEND_HOST as u32;
+    config
+}

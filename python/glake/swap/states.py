@@ -50,9 +50,6 @@ class StateSwapper:
         self.restore()
         self.groups = groups
 
-    def bytes_of(self, block):
-        return sum(t.untyped_storage().nbytes() for t in self.groups.get(block, []))
-
     def after_step(self):
         """The optimizer step has run: start copying every planned group out."""
         for b, tensors in self.groups.items():

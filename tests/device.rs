@@ -54,10 +54,13 @@ fn timed_events_measure_the_work_between_them() {
     device.destroy_event(plain).unwrap();
     device.destroy_event(start).unwrap();
     device.destroy_event(end).unwrap();
-    assert!(
-        device.elapsed_ns(start, end).is_err(),
-        "destroyed events are unknown"
-    );
+    if !common::backend_is_cuda() {
+        // The driver's event handles are pointers: passing a destroyed one is undefined.
+        assert!(
+            device.elapsed_ns(start, end).is_err(),
+            "destroyed events are unknown"
+        );
+    }
     device.unmap(va, len).unwrap();
     device.release_physical(handle).unwrap();
     device.unreserve(va, len).unwrap();

@@ -166,6 +166,8 @@ pub trait Device: Send + Sync {
     /// Nanoseconds from the completion of `start` to that of `end`, both timed events whose
     /// last records have completed (an error otherwise); 0 when `end` completed first.
     fn elapsed_ns(&self, start: Event, end: Event) -> Result<u64>;
+    /// After this, `event` must not be passed again: the host backend refuses it, but the
+    /// driver's handles are pointers (a destroyed one is undefined behaviour there).
     fn destroy_event(&self, event: Event) -> Result<()>;
     fn record_event(&self, event: Event, stream: Stream) -> Result<()>;
     /// True once all work captured by the event's last record has completed.

@@ -9,6 +9,8 @@ state_dict see the same tensors. Between the first block's forward and the optim
 moved state has no storage: code that reads optimizer states inside the step must not run
 then."""
 
+import weakref
+
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                     register_optimizer_step_pre_hook)
@@ -127,6 +129,19 @@ class StateSwapper:
         self.groups = {}
 
 
+def _weakly(method):
+    """A global hook calling `method` while its object lives: PyTorch's global optimizer
+    hooks would otherwise keep a dropped SmartSwap, and its model, alive for good."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
 class OptimizerStatesMixin:
     """SmartSwap's side of the "memory" preference: finding the optimizer, running its step
     block by block, and which states move in warm-up. A mixin of SmartSwap: it uses the
@@ -138,8 +153,8 @@ class OptimizerStatesMixin:
         self._optimizer_hooks = []
         if self.settings.preference == "memory":
             self._optimizer_hooks = [
-                register_optimizer_step_pre_hook(self._before_step),
-                register_optimizer_step_post_hook(self._after_step)]
+                register_optimizer_step_pre_hook(_weakly(self._before_step)),
+                register_optimizer_step_post_hook(_weakly(self._after_step))]
             if optimizer is not None:
                 self._adopt_optimizer(optimizer)
 

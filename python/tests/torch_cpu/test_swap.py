@@ -3,6 +3,9 @@ memory): the executor's keep, swap and recompute paths and the
 planned run compute bit-identical losses and gradients to the unplanned run (dropout included:
 checkpoint restores the RNG state), and the planner's choices reach the executor."""
 
+import gc
+import weakref
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -104,7 +107,11 @@ def test_planned_run_is_bit_identical_and_moves_bytes():
                                  2).peak_bytes
     assert full < baseline
     target = full + (baseline - full) // 2
-    del first, probe  # the planned run must not carry the probe's model in its base bytes
+    # The planned run must not carry the probe's model in its base bytes: the probe's blocks
+    # and its SmartSwap refer to each other, so only remove() or a collection frees them.
+    first.remove()
+    del first, probe
+    gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     model = fresh()
@@ -260,6 +267,22 @@ def test_optimizer_states_leave_the_device_between_steps_and_the_step_stays_exac
     for p, q in zip(model.parameters(), ref_opt.param_groups[0]["params"]):
         for key, value in opt.state[p].items():
             assert torch.equal(value, ref_opt.state[q][key]), key
+
+
+def test_a_dropped_smartswap_and_its_model_are_collected():
+    """PyTorch's global optimizer hooks do not keep a dropped SmartSwap (nor its model and
+    optimizer, nor the states it holds) alive; its hooks then do nothing."""
+    model = fresh()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    smart = swap.apply(model, optimizer=opt, preference="memory")
+    gone = weakref.ref(smart), weakref.ref(model)
+    del smart, model, opt
+    gc.collect()
+    assert gone[0]() is None and gone[1]() is None
+    other = fresh()  # a later optimizer step runs past the dead hooks
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    other(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
+    opt.step()
 
 
 def test_memory_preference_plans_optimizer_states_through_every_phase():

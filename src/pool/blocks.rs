@@ -26,6 +26,14 @@ pub type BlockId = usize;
 pub type Tag = u32;
 /// The shared pool.
 pub const SHARED: Tag = 0;
+/// Tags from here on name sleep regions (private pools count up from 1).
+pub const FIRST_REGION: Tag = 1 << 31;
+
+/// Whether `tag` names a sleep region: memory kept apart so it can sleep and wake as one, but
+/// cached and released like the shared pool's.
+pub fn is_region(tag: Tag) -> bool {
+    tag >= FIRST_REGION
+}
 
 /// The small pool (requests up to `small_limit`) or the large pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -252,6 +260,26 @@ impl BlockMap {
         (segment, block)
     }
 
+    /// The byte ranges of segment `id` that hold allocations (allocated or pending blocks,
+    /// neighbours merged), as (offset into the segment, length).
+    pub fn used_ranges(&self, id: SegmentId) -> Vec<(usize, usize)> {
+        let s = &self.segments[id];
+        let mut ranges: Vec<(usize, usize)> = Vec::new();
+        let mut at = Some(s.first);
+        while let Some(b) = at {
+            let block = &self.blocks[b];
+            if block.state != BlockState::Free {
+                let offset = (block.addr - s.va) as usize;
+                match ranges.last_mut() {
+                    Some(last) if last.0 + last.1 == offset => last.1 += block.size,
+                    _ => ranges.push((offset, block.size)),
+                }
+            }
+            at = block.next;
+        }
+        ranges
+    }
+
     /// The run of whole chunks inside block `id`, as (start, length).
     pub fn whole_chunks_of(&self, id: BlockId) -> Option<(DevicePtr, usize)> {
         let b = self.blocks.get(id)?;
@@ -275,12 +303,12 @@ impl BlockMap {
         Some(removed)
     }
 
-    /// Segments of the shared pool whose whole range is one free block. (A private pool's
-    /// free memory is still the memory its graph replays use.)
+    /// Segments of the shared pool or of a sleep region whose whole range is one free block.
+    /// (A private pool's free memory is still the memory its graph replays use.)
     pub fn idle_segments(&self) -> Vec<SegmentId> {
         self.segments
             .iter()
-            .filter(|(_, s)| s.tag == SHARED)
+            .filter(|(_, s)| s.tag == SHARED || is_region(s.tag))
             .filter(|(_, s)| {
                 let b = &self.blocks[s.first];
                 b.state == BlockState::Free && b.next.is_none()

@@ -227,6 +227,7 @@ impl Inner {
         // Nothing can capture once the pool is gone: private pools end here, and the frees
         // held back for them complete after the device wait that precedes every release.
         self.close_private();
+        self.settle_regions(device);
         self.settle_swaps(device);
         for live in std::mem::take(&mut self.deferred) {
             self.finish_free(live, None);

@@ -147,6 +147,7 @@ impl Inner {
                 return Err(format!("stitched block {id} use flag out of step"));
             }
         }
-        self.check_swappable()
+        self.check_swappable()?;
+        self.check_regions()
     }
 }

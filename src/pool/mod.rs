@@ -39,6 +39,8 @@ pub use observe::{AllocationEvent, AllocationObserver, SwapPlacement};
 mod outside;
 mod private;
 mod sizes;
+mod sleep;
+pub use sleep::{RegionInfo, SleepMode, MAX_REGION_NAME};
 mod stitching;
 mod streams;
 mod swap_async;
@@ -115,9 +117,19 @@ struct Inner {
     placement: Option<observe::SwapPlacement>,
     /// Reserved bytes past which cached memory is given back before more is created.
     soft_limit: Option<usize>,
-    /// Pinned host buffers of the stream-ordered swaps.
+    /// Pinned host buffers of the stream-ordered swaps and of sleeping regions.
     pinned: swap_async::PinnedCache,
+    /// This pool's number, unique in the process: threads name the regions they allocate in
+    /// by pool number.
+    id: u64,
+    /// Sleep regions, in the order they were made.
+    regions: Vec<sleep::Region>,
+    /// The stream of sleep and wake copies, made on first use.
+    sleep_stream: Option<Stream>,
 }
+
+/// Numbers pools for the thread-local region routing.
+static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// A thread-safe caching allocator for one device.
 pub struct Pool {
@@ -178,6 +190,9 @@ impl Pool {
                 placement: None,
                 soft_limit: None,
                 pinned: swap_async::PinnedCache::default(),
+                id: NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                regions: Vec::new(),
+                sleep_stream: None,
             }),
         })
     }
@@ -236,6 +251,50 @@ impl Pool {
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
         lock(&self.inner).malloc_at_in(&*self.device, addr, size, stream, private)
+    }
+
+    /// Makes the calling thread allocate from region `name` (made on first use) until the
+    /// matching [`Pool::end_region`]: the region's memory can then sleep and wake as one
+    /// ([`Pool::sleep`]). Regions nest; other threads are not affected; graph-pool routing
+    /// takes precedence.
+    pub fn begin_region(&self, name: &str) -> Result<()> {
+        let (id, tag) = {
+            let mut inner = lock(&self.inner);
+            (inner.id, inner.region_tag(name)?)
+        };
+        sleep::push_region(id, tag);
+        Ok(())
+    }
+
+    /// Ends the calling thread's innermost region of this pool.
+    pub fn end_region(&self) -> Result<()> {
+        let id = lock(&self.inner).id;
+        sleep::pop_region(id)
+    }
+
+    /// Gives the physical memory of region `name` back to the device, keeping every address
+    /// reserved and, in [`SleepMode::Keep`], the allocated bytes on the host. Waits for the
+    /// device first and for its copies before returning. Allocations in the region are refused
+    /// until [`Pool::wake`]. On an error nothing is lost: call again to finish, or wake.
+    pub fn sleep(&self, name: &str, mode: SleepMode) -> Result<()> {
+        lock(&self.inner).sleep(&*self.device, name, mode)
+    }
+
+    /// Maps region `name`'s memory back at the same addresses and restores its bytes (kept
+    /// mode); returns once the copies are done. On an error the segments not yet restored
+    /// stay asleep with their bytes: call again to finish.
+    pub fn wake(&self, name: &str) -> Result<()> {
+        lock(&self.inner).wake(&*self.device, name)
+    }
+
+    /// What region `name` holds now (an `InvalidArgument` error for an unknown name).
+    pub fn region_info(&self, name: &str) -> Result<RegionInfo> {
+        lock(&self.inner).region_info(name)
+    }
+
+    /// The names of this pool's regions, in the order they were made.
+    pub fn region_names(&self) -> Vec<String> {
+        lock(&self.inner).region_names()
     }
 
     /// Allocates `size` bytes (rounded up to the mapping granularity) for use on `stream`, in a

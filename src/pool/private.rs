@@ -31,9 +31,18 @@ impl Inner {
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
-        let tag = self.tag_of(private)?;
+        let tag = match private {
+            None => match super::sleep::current_region(self.id) {
+                Some(region) => {
+                    self.check_region_awake(region)?;
+                    region
+                }
+                None => SHARED,
+            },
+            Some(_) => self.tag_of(private)?,
+        };
         if self.routing == 0 {
-            if private.is_none() && self.wants_swappable(size) {
+            if tag == SHARED && self.wants_swappable(size) {
                 return self.malloc_swappable(device, size, stream);
             }
             return self.malloc(device, size, stream, tag);

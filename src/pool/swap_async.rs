@@ -265,7 +265,7 @@ impl Inner {
     }
 
     /// A pinned buffer of exactly `len` bytes: a cached one, else a new one.
-    fn pinned_buffer(
+    pub(super) fn pinned_buffer(
         &mut self,
         device: &dyn crate::device::Device,
         len: usize,

@@ -81,7 +81,8 @@ impl Inner {
         let idle = self.map.idle_segments().into_iter().find(|&seg| {
             let segment = &self.map.segments[seg];
             let owner = self.map.blocks[segment.first].owner;
-            segment.size == rounded
+            segment.tag == SHARED
+                && segment.size == rounded
                 && segment.pool == PoolKind::Large
                 && owner.is_none_or(|s| s == stream)
                 && !self.stitched_over(segment.va, segment.size)
@@ -282,9 +283,10 @@ impl Inner {
             .map(|h| h.bytes)
     }
 
-    /// Room for swapped-out `ptr`'s `size` bytes: its old mappings gone, cached memory given
-    /// back past the soft limit or the cap; an out-of-memory error when the cap has no room.
-    fn prepare_swap_in(
+    /// Room for `size` bytes mapped again at `ptr` (a swap-in, a wake): its old mappings
+    /// gone, cached memory given back past the soft limit or the cap; an out-of-memory error
+    /// when the cap has no room.
+    pub(super) fn prepare_remap(
         &mut self,
         device: &dyn crate::device::Device,
         ptr: DevicePtr,
@@ -295,7 +297,7 @@ impl Inner {
             let _ = self.retry_zombies(device);
             if self.unmap_pending(ptr, size) {
                 return Err(Error::driver(format!(
-                    "the old mappings of {ptr:#x} could not be unmapped yet; swap in again later"
+                    "the old mappings of {ptr:#x} could not be unmapped yet; try again later"
                 )));
             }
         }
@@ -304,15 +306,19 @@ impl Inner {
             self.release_cached(device)?;
         }
         if !self.fits_cap(size) {
-            return Err(self.swap_in_out_of_memory(device, size));
+            return Err(self.remap_out_of_memory(device, size));
         }
         Ok(())
     }
 
-    fn swap_in_out_of_memory(&mut self, device: &dyn crate::device::Device, size: usize) -> Error {
+    pub(super) fn remap_out_of_memory(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+    ) -> Error {
         self.stats.num_ooms += 1;
         Error::out_of_memory(format!(
-            "cannot swap in {size} bytes on device {}: {} bytes reserved of a {} byte cap",
+            "cannot map {size} bytes back on device {}: {} bytes reserved of a {} byte cap",
             device.ordinal(),
             self.reserved(),
             self.cap.bytes()
@@ -326,13 +332,13 @@ impl Inner {
         ptr: DevicePtr,
         size: usize,
     ) -> Result<Vec<blocks::Chunk>> {
-        self.prepare_swap_in(device, ptr, size)?;
+        self.prepare_remap(device, ptr, size)?;
         let layout = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
             Some(host) => host.layout.clone(),
             None => return Err(Error::internal("swapped allocation without its host copy")),
         };
         let Some(chunks) = self.create_chunks(device, &layout)? else {
-            return Err(self.swap_in_out_of_memory(device, size));
+            return Err(self.remap_out_of_memory(device, size));
         };
         let handles = blocks::handle_layout(&chunks);
         if let Err((err, mut zombie)) = map_at(device, ptr, &handles, &self.access) {
@@ -422,7 +428,7 @@ impl Inner {
             .map
             .segments
             .iter()
-            .filter(|(_, s)| s.chunks.is_empty())
+            .filter(|(_, s)| s.chunks.is_empty() && !blocks::is_region(s.tag))
             .count();
         let held = self.swappable.values().filter(|e| e.host.is_some()).count();
         if empty != held {

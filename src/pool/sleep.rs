@@ -1,0 +1,559 @@
+//! Sleep regions: memory allocated inside a named region (weights, a KV cache) lives in
+//! segments of its own, so the whole region can give its physical memory back to the device
+//! (sleep) while every virtual address stays reserved, and get it back at the same addresses
+//! (wake), with its bytes when it slept in `Keep` mode. Pointers held anywhere, C++ operators'
+//! and captured graphs' included, stay valid across a sleep and a wake.
+//!
+//! A region's free memory is cached and released like the shared pool's, but never lent to
+//! other allocations or stitched with theirs: its segments are exactly the memory that sleeps.
+//!
+//! Sleep waits for the device, gives back the region's cached free segments, copies every
+//! allocated byte range to pinned host buffers (kept in the pool's cache afterwards, so a
+//! later sleep does not pin again) and then unmaps and releases the segments; a failure before
+//! the copies are done changes no segment, so a retry starts over. Wake maps new memory at each
+//! sleeping segment's range and copies the bytes back; a failure leaves the segments not yet
+//! restored asleep with their bytes, and a retry goes on from there. Both return once their
+//! copies are done, so work queued afterwards on any stream sees the bytes.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::blocks::{self, SegmentId, Tag, FIRST_REGION};
+use super::growth::{map_at, Zombie};
+use super::swap_async::PinnedBuf;
+use super::swapping::{wait_for_copy, HostBytes};
+use super::Inner;
+use crate::device::{DevicePtr, Stream};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Longest region name accepted (names are labels, not data).
+pub const MAX_REGION_NAME: usize = 255;
+
+/// What a sleeping region keeps of its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SleepMode {
+    /// A host copy, restored on wake (weights).
+    Keep,
+    /// Nothing: after wake the memory holds undefined bytes (KV caches, scratch).
+    Drop,
+}
+
+/// What [`super::Pool::region_info`] reports of a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RegionInfo {
+    /// Sleep was asked for and wake has not completed.
+    pub asleep: bool,
+    /// Segments of the region, awake or asleep.
+    pub segments: usize,
+    /// Bytes of the region's segments that hold physical memory now.
+    pub resident_bytes: usize,
+    /// Bytes of the region's segments whose physical memory is given back.
+    pub asleep_bytes: usize,
+    /// Bytes allocated in the region (live allocations).
+    pub allocated_bytes: usize,
+    /// Bytes of host copies held for the sleeping segments.
+    pub host_bytes: usize,
+}
+
+/// A named region of a pool.
+#[derive(Debug)]
+pub(super) struct Region {
+    name: String,
+    tag: Tag,
+    /// Sleep was asked for and wake has not completed: allocations in the region are refused.
+    asleep: bool,
+    sleepers: Vec<Sleeper>,
+}
+
+/// A segment of a region whose physical memory is given back.
+#[derive(Debug)]
+struct Sleeper {
+    segment: SegmentId,
+    va: DevicePtr,
+    size: usize,
+    /// The chunk lengths to create again.
+    layout: Vec<usize>,
+    /// The allocated ranges copied out (offset, length), and the buffer holding them at the
+    /// same offsets; None in `Drop` mode.
+    saved: Option<(Vec<(usize, usize)>, PinnedBuf)>,
+}
+
+/// Regions begun and not ended, process-wide: while zero, allocations skip the thread-local
+/// lookup.
+static OPEN_REGIONS: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// This thread's open regions, innermost last: (pool id, region tag).
+    static THREAD_REGIONS: RefCell<Vec<(u64, Tag)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The region this thread allocates in from pool `pool_id`, if any.
+pub(super) fn current_region(pool_id: u64) -> Option<Tag> {
+    if OPEN_REGIONS.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    THREAD_REGIONS.with(|r| {
+        r.borrow()
+            .iter()
+            .rev()
+            .find(|(p, _)| *p == pool_id)
+            .map(|&(_, t)| t)
+    })
+}
+
+/// Opens region `tag` of pool `pool_id` on this thread.
+pub(super) fn push_region(pool_id: u64, tag: Tag) {
+    THREAD_REGIONS.with(|r| r.borrow_mut().push((pool_id, tag)));
+    OPEN_REGIONS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Closes this thread's innermost region of pool `pool_id`.
+pub(super) fn pop_region(pool_id: u64) -> Result<()> {
+    let popped = THREAD_REGIONS.with(|r| {
+        let mut r = r.borrow_mut();
+        let at = r.iter().rposition(|(p, _)| *p == pool_id)?;
+        Some(r.remove(at))
+    });
+    match popped {
+        Some(_) => {
+            OPEN_REGIONS.fetch_sub(1, Ordering::Relaxed);
+            Ok(())
+        }
+        None => Err(Error::new(
+            ErrorKind::InvalidState,
+            "no region of this pool is open on this thread",
+        )),
+    }
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > MAX_REGION_NAME {
+        return Err(Error::invalid_argument(format!(
+            "a region name has 1 to {MAX_REGION_NAME} bytes, not {}",
+            name.len()
+        )));
+    }
+    Ok(())
+}
+
+impl Inner {
+    /// The tag of region `name`, made on first use.
+    pub(super) fn region_tag(&mut self, name: &str) -> Result<Tag> {
+        check_name(name)?;
+        if let Some(r) = self.regions.iter().find(|r| r.name == name) {
+            return Ok(r.tag);
+        }
+        let tag = FIRST_REGION
+            .checked_add(self.regions.len() as Tag)
+            .ok_or_else(|| Error::new(ErrorKind::ResourceLimit, "too many regions"))?;
+        self.regions.push(Region {
+            name: name.to_owned(),
+            tag,
+            asleep: false,
+            sleepers: Vec::new(),
+        });
+        Ok(tag)
+    }
+
+    fn region_index(&self, name: &str) -> Result<usize> {
+        check_name(name)?;
+        self.regions
+            .iter()
+            .position(|r| r.name == name)
+            .ok_or_else(|| {
+                Error::invalid_argument(format!("no region named {name:?} in this pool"))
+            })
+    }
+
+    /// Refuses allocations in a region that is asleep (or half asleep after a failure).
+    pub(super) fn check_region_awake(&self, tag: Tag) -> Result<()> {
+        match self.regions.iter().find(|r| r.tag == tag) {
+            Some(r) if r.asleep => Err(Error::new(
+                ErrorKind::InvalidState,
+                format!(
+                    "region {:?} is asleep: wake it before allocating in it",
+                    r.name
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Puts region `name` to sleep; see the module's documentation.
+    pub(super) fn sleep(
+        &mut self,
+        device: &dyn crate::device::Device,
+        name: &str,
+        mode: SleepMode,
+    ) -> Result<()> {
+        let index = self.region_index(name)?;
+        let (tag, asleep) = (self.regions[index].tag, self.regions[index].asleep);
+        if self.routing > 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                "cannot sleep while a graph capture may be under way",
+            ));
+        }
+        let awake = self.awake_segments(tag);
+        if asleep && awake.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("region {name:?} is already asleep"),
+            ));
+        }
+        // Nothing is unmapped while queued work may touch it.
+        self.synchronize_all(device)?;
+        if self.swaps_leaving() {
+            self.finish_swap_outs(device, true)?;
+        }
+        self.regions[index].asleep = true;
+        let result = self.sleep_segments(device, index, mode);
+        if result.is_err() && self.regions[index].sleepers.is_empty() {
+            self.regions[index].asleep = false;
+        }
+        result
+    }
+
+    /// The region's segments that hold physical memory.
+    fn awake_segments(&self, tag: Tag) -> Vec<SegmentId> {
+        self.map
+            .segments
+            .iter()
+            .filter(|(_, s)| s.tag == tag && !s.chunks.is_empty())
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    fn sleep_segments(
+        &mut self,
+        device: &dyn crate::device::Device,
+        index: usize,
+        mode: SleepMode,
+    ) -> Result<()> {
+        let tag = self.regions[index].tag;
+        // Cached free memory of the region goes back whole, range included.
+        for segment in self.map.idle_segments() {
+            if self.map.segments[segment].tag == tag {
+                self.release_segment(device, segment)?;
+            }
+        }
+        let segments = self.awake_segments(tag);
+        let saved = match mode {
+            SleepMode::Keep => Some(self.copy_out(device, &segments)?),
+            SleepMode::Drop => None,
+        };
+        let mut saved = saved.map(|v| v.into_iter());
+        for segment in segments {
+            let s = &mut self.map.segments[segment];
+            let chunks = std::mem::take(&mut s.chunks);
+            let (va, size, pool) = (s.va, s.size, s.pool);
+            let physical: usize = chunks.iter().map(|c| c.len).sum();
+            self.stats.reserved_bytes.add(pool, -(physical as i64));
+            self.stats.num_device_free += chunks.len() as i64;
+            self.regions[index].sleepers.push(Sleeper {
+                segment,
+                va,
+                size,
+                layout: chunks.iter().map(|c| c.len).collect(),
+                saved: saved.as_mut().and_then(|s| s.next()),
+            });
+            let zombie = Zombie {
+                unmaps: chunks
+                    .iter()
+                    .map(|c| (va + c.offset as u64, c.len))
+                    .collect(),
+                handles: chunks.iter().map(|c| c.handle).collect(),
+                reservation: None,
+            };
+            self.bury(device, zombie);
+        }
+        Ok(())
+    }
+
+    /// Copies the allocated ranges of `segments` to pinned buffers (one per segment, of its
+    /// size, from the pool's cache) and waits for the copies. On failure no buffer is kept
+    /// and no segment changes.
+    fn copy_out(
+        &mut self,
+        device: &dyn crate::device::Device,
+        segments: &[SegmentId],
+    ) -> Result<Vec<(Vec<(usize, usize)>, PinnedBuf)>> {
+        let stream = self.sleep_stream(device)?;
+        let mut saved = Vec::with_capacity(segments.len());
+        let mut queued = Ok(());
+        for &segment in segments {
+            let (va, size) = (
+                self.map.segments[segment].va,
+                self.map.segments[segment].size,
+            );
+            let ranges = self.map.used_ranges(segment);
+            let buf = match self.pinned_buffer(device, size) {
+                Ok(buf) => buf,
+                Err(err) => {
+                    queued = Err(err);
+                    break;
+                }
+            };
+            saved.push((ranges, buf));
+            let (ranges, buf) = &saved[saved.len() - 1];
+            for &(offset, len) in ranges {
+                // SAFETY: the buffer holds `size` bytes, of which `[offset, offset+len)` lies
+                // inside; it stays the pool's until the copy is known done.
+                let copied = unsafe {
+                    device.copy_to_host(
+                        (buf.ptr() as *mut u8).add(offset),
+                        va + offset as u64,
+                        len,
+                        stream,
+                    )
+                };
+                if let Err(err) = copied {
+                    queued = Err(err);
+                    break;
+                }
+            }
+            if queued.is_err() {
+                break;
+            }
+        }
+        let waited = wait_for_copy(device, stream);
+        if let Err(err) = waited {
+            log::error!("glake: sleep copies cannot be waited for; leaking their buffers");
+            return Err(err.context("waiting for a sleeping region's copies"));
+        }
+        if let Err(err) = queued {
+            for (_, buf) in saved {
+                self.recycle_host(HostBytes::Pinned(buf));
+            }
+            return Err(err.context("copying a sleeping region to the host"));
+        }
+        Ok(saved)
+    }
+
+    /// The pool's stream for sleep and wake copies, made on first use.
+    fn sleep_stream(&mut self, device: &dyn crate::device::Device) -> Result<Stream> {
+        if let Some(stream) = self.sleep_stream {
+            return Ok(stream);
+        }
+        let stream = device
+            .create_stream()
+            .map_err(|e| e.context("creating the sleep stream"))?;
+        self.sleep_stream = Some(stream);
+        Ok(stream)
+    }
+
+    /// Wakes region `name`; see the module's documentation.
+    pub(super) fn wake(&mut self, device: &dyn crate::device::Device, name: &str) -> Result<()> {
+        let index = self.region_index(name)?;
+        if !self.regions[index].asleep {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                format!("region {name:?} is awake"),
+            ));
+        }
+        self.drop_freed_sleepers(device, index)?;
+        while let Some(sleeper) = self.regions[index].sleepers.pop() {
+            if let Err((err, sleeper)) = self.wake_one(device, sleeper) {
+                self.regions[index].sleepers.push(sleeper);
+                return Err(err);
+            }
+        }
+        self.regions[index].asleep = false;
+        Ok(())
+    }
+
+    /// Forgets sleepers whose segment no longer holds allocations (freed while asleep): an
+    /// idle one is released now; one released already (by `empty_cache`) is gone.
+    fn drop_freed_sleepers(
+        &mut self,
+        device: &dyn crate::device::Device,
+        index: usize,
+    ) -> Result<()> {
+        let tag = self.regions[index].tag;
+        let idle = self.map.idle_segments();
+        let mut kept = Vec::new();
+        for sleeper in std::mem::take(&mut self.regions[index].sleepers) {
+            let alive = self
+                .map
+                .segments
+                .get(sleeper.segment)
+                .is_some_and(|s| s.tag == tag && s.va == sleeper.va && s.chunks.is_empty());
+            if alive && !idle.contains(&sleeper.segment) {
+                kept.push(sleeper);
+                continue;
+            }
+            if alive {
+                self.release_segment(device, sleeper.segment)?;
+            }
+            if let Some((_, buf)) = sleeper.saved {
+                self.recycle_host(HostBytes::Pinned(buf));
+            }
+        }
+        self.regions[index].sleepers = kept;
+        Ok(())
+    }
+
+    /// Maps new memory at a sleeping segment's range and copies its bytes back. On failure
+    /// nothing stays mapped and the sleeper comes back, still asleep, with its bytes.
+    fn wake_one(
+        &mut self,
+        device: &dyn crate::device::Device,
+        sleeper: Sleeper,
+    ) -> std::result::Result<(), (Error, Sleeper)> {
+        let chunks = match self.map_for_wake(device, &sleeper) {
+            Ok(chunks) => chunks,
+            Err(err) => return Err((err, sleeper)),
+        };
+        let handles = blocks::handle_layout(&chunks);
+        if let Some((ranges, buf)) = &sleeper.saved {
+            let copied = self.sleep_stream(device).and_then(|stream| {
+                for &(offset, len) in ranges {
+                    // SAFETY: the buffer holds the segment's bytes at their offsets and stays
+                    // the sleeper's until the copy is known done.
+                    unsafe {
+                        device.copy_to_device(
+                            sleeper.va + offset as u64,
+                            buf.ptr().add(offset),
+                            len,
+                            stream,
+                        )
+                    }?;
+                }
+                wait_for_copy(device, stream)
+            });
+            if let Err(err) = copied {
+                // The copy was never queued or cannot be waited for (the device is lost):
+                // nothing runs on the new memory any more.
+                self.bury_new(device, sleeper.va, &handles, &chunks);
+                return Err((err.context("copying a sleeping region back"), sleeper));
+            }
+        }
+        let segment = &mut self.map.segments[sleeper.segment];
+        let pool = segment.pool;
+        segment.chunks = chunks;
+        let count = segment.chunks.len() as i64;
+        self.stats.reserved_bytes.add(pool, sleeper.size as i64);
+        self.stats.num_device_alloc += count;
+        if let Some((_, buf)) = sleeper.saved {
+            self.recycle_host(HostBytes::Pinned(buf));
+        }
+        Ok(())
+    }
+
+    /// New physical memory for a sleeping segment, mapped at its range with the pool's access.
+    fn map_for_wake(
+        &mut self,
+        device: &dyn crate::device::Device,
+        sleeper: &Sleeper,
+    ) -> Result<Vec<blocks::Chunk>> {
+        self.prepare_remap(device, sleeper.va, sleeper.size)?;
+        let Some(chunks) = self.create_chunks(device, &sleeper.layout)? else {
+            return Err(self.remap_out_of_memory(device, sleeper.size));
+        };
+        let handles = blocks::handle_layout(&chunks);
+        if let Err((err, mut zombie)) = map_at(device, sleeper.va, &handles, &self.access) {
+            zombie.handles = chunks.iter().map(|c| c.handle).collect();
+            self.bury(device, zombie);
+            return Err(err.context("mapping a waking region's memory"));
+        }
+        Ok(chunks)
+    }
+
+    /// What region `name` holds now.
+    pub(super) fn region_info(&self, name: &str) -> Result<RegionInfo> {
+        let region = &self.regions[self.region_index(name)?];
+        let mut info = RegionInfo {
+            asleep: region.asleep,
+            ..RegionInfo::default()
+        };
+        for (_, s) in self
+            .map
+            .segments
+            .iter()
+            .filter(|(_, s)| s.tag == region.tag)
+        {
+            info.segments += 1;
+            if s.chunks.is_empty() {
+                info.asleep_bytes += s.size;
+            } else {
+                info.resident_bytes += s.size;
+            }
+        }
+        info.allocated_bytes = self
+            .live
+            .values()
+            .filter(|l| match l.target {
+                super::Target::Block(b) => {
+                    self.map.segments[self.map.blocks[b].segment].tag == region.tag
+                }
+                super::Target::Stitched(_) => false,
+            })
+            .map(|l| l.size)
+            .sum();
+        info.host_bytes = region
+            .sleepers
+            .iter()
+            .filter_map(|s| s.saved.as_ref().map(|(_, b)| b.len))
+            .sum();
+        Ok(info)
+    }
+
+    /// The names of the pool's regions, in the order they were made.
+    pub(super) fn region_names(&self) -> Vec<String> {
+        self.regions.iter().map(|r| r.name.clone()).collect()
+    }
+
+    /// Gives the sleeping regions' host buffers to the pinned cache (the pool is going; their
+    /// segments go with the rest) and the sleep stream back.
+    pub(super) fn settle_regions(&mut self, device: &dyn crate::device::Device) {
+        for index in 0..self.regions.len() {
+            for sleeper in std::mem::take(&mut self.regions[index].sleepers) {
+                if let Some((_, buf)) = sleeper.saved {
+                    self.recycle_host(HostBytes::Pinned(buf));
+                }
+            }
+        }
+        if let Some(stream) = self.sleep_stream.take() {
+            if let Err(err) = device.destroy_stream(stream) {
+                log::warn!("glake: destroying the sleep stream failed: {err}");
+            }
+        }
+    }
+
+    /// Region segments' invariants: a segment without chunks is a swapped-out swappable
+    /// allocation or a sleeper of its region, and every sleeper names such a segment.
+    pub(super) fn check_regions(&self) -> std::result::Result<(), String> {
+        for region in &self.regions {
+            for sleeper in &region.sleepers {
+                let Some(s) = self.map.segments.get(sleeper.segment) else {
+                    continue; // released while asleep; forgotten at wake
+                };
+                if s.va == sleeper.va && s.tag == region.tag && !s.chunks.is_empty() {
+                    return Err(format!(
+                        "region {:?}: sleeping segment at {:#x} holds memory",
+                        region.name, s.va
+                    ));
+                }
+            }
+            if !region.asleep && !region.sleepers.is_empty() {
+                return Err(format!("region {:?} is awake with sleepers", region.name));
+            }
+        }
+        for (id, s) in self.map.segments.iter() {
+            if !blocks::is_region(s.tag) || !s.chunks.is_empty() {
+                continue;
+            }
+            let known = self
+                .regions
+                .iter()
+                .any(|r| r.tag == s.tag && r.sleepers.iter().any(|z| z.segment == id));
+            if !known {
+                return Err(format!(
+                    "region segment at {:#x} has no memory and no sleeper",
+                    s.va
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,376 @@
+//! Sleep regions on the host backend (and on CUDA with GLAKE_TEST_BACKEND=cuda where the test
+//! does not need the host backend's counters): memory allocated in a region gives its
+//! physical memory back on sleep and comes back at the same addresses with the same bytes on
+//! wake; faults at each driver call of a sleep or a wake lose no byte and a retry completes.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{has_pattern, host_device, pattern, read, write_pattern};
+use glake::config::Config;
+use glake::device::fault::FaultDevice;
+use glake::device::host::HostDevice;
+use glake::device::{CallKind, DevicePtr, SharedDevice, Stream};
+use glake::pool::SleepMode;
+use glake::{ErrorKind, Pool};
+
+const MIB: usize = 1 << 20;
+const S: Stream = Stream::DEFAULT;
+
+fn setup(total: usize) -> (Arc<HostDevice>, SharedDevice, Pool) {
+    let host = host_device(total);
+    let device: SharedDevice = host.clone();
+    let pool = Pool::new(device.clone(), Config::default()).expect("pool");
+    (host, device, pool)
+}
+
+fn check(pool: &Pool) {
+    pool.check_invariants().expect("invariants");
+}
+
+/// Allocates `sizes` in region `name` and writes a pattern seeded `seed + i` into each.
+fn fill(
+    pool: &Pool,
+    device: &SharedDevice,
+    name: &str,
+    sizes: &[usize],
+    seed: u64,
+) -> Vec<(DevicePtr, usize)> {
+    pool.begin_region(name).expect("begin");
+    let ptrs: Vec<(DevicePtr, usize)> = sizes
+        .iter()
+        .map(|&n| (pool.malloc(n, S).expect("malloc"), n))
+        .collect();
+    pool.end_region().expect("end");
+    for (i, &(p, n)) in ptrs.iter().enumerate() {
+        write_pattern(device, p, n, seed + i as u64);
+    }
+    ptrs
+}
+
+fn intact(device: &SharedDevice, ptrs: &[(DevicePtr, usize)], seed: u64) -> bool {
+    ptrs.iter()
+        .enumerate()
+        .all(|(i, &(p, n))| has_pattern(device, p, n, seed + i as u64))
+}
+
+#[test]
+fn sleep_gives_memory_back_and_wake_restores_bytes_at_the_same_addresses() {
+    let (host, device, pool) = setup(512 * MIB);
+    // Large and small allocations, one freed so the region's segments have holes.
+    let sizes = [24 * MIB, 6 * MIB + 5, 4096, 700, 40 * MIB];
+    let weights = fill(&pool, &device, "weights", &sizes, 1);
+    let other = pool.malloc(8 * MIB, S).expect("outside the region");
+    write_pattern(&device, other, 8 * MIB, 99);
+    pool.begin_region("weights").expect("begin");
+    let hole = pool.malloc(2 * MIB, S).expect("hole");
+    pool.end_region().expect("end");
+    pool.free(hole).expect("free");
+    let before = pool.stats().reserved_bytes.all.current;
+    let info = pool.region_info("weights").expect("info");
+    assert!(!info.asleep);
+    assert!(info.allocated_bytes >= sizes.iter().sum::<usize>());
+    let created = host.created_bytes();
+
+    for cycle in 0..100 {
+        pool.sleep("weights", SleepMode::Keep).expect("sleep");
+        check(&pool);
+        let asleep = pool.region_info("weights").expect("info");
+        assert!(asleep.asleep && asleep.resident_bytes == 0, "{asleep:?}");
+        assert_eq!(
+            host.created_bytes(),
+            created - info.resident_bytes,
+            "cycle {cycle}: every byte of the region's physical memory is back"
+        );
+        assert_eq!(
+            pool.stats().reserved_bytes.all.current,
+            before - info.resident_bytes as i64
+        );
+        assert!(has_pattern(&device, other, 8 * MIB, 99), "others untouched");
+        pool.wake("weights").expect("wake");
+        check(&pool);
+        assert!(intact(&device, &weights, 1), "cycle {cycle}: bytes differ");
+        // All but the hole's cached segment, which sleep gave back for good.
+        assert_eq!(
+            pool.stats().reserved_bytes.all.current,
+            before - 2 * MIB as i64
+        );
+    }
+    // Whole allocations compared once, not only sampled.
+    for (i, &(p, n)) in weights.iter().enumerate() {
+        if n <= 6 * MIB + 5 {
+            let bytes = read(&device, p, n);
+            pool.sleep("weights", SleepMode::Keep).expect("sleep");
+            pool.wake("weights").expect("wake");
+            assert_eq!(read(&device, p, n), bytes, "allocation {i}");
+        }
+    }
+    for (p, _) in weights {
+        pool.free(p).expect("free");
+    }
+    pool.free(other).expect("free");
+    pool.empty_cache().expect("empty_cache");
+    check(&pool);
+    assert_eq!(pool.stats().reserved_bytes.all.current, 0);
+    drop(pool);
+    assert_eq!(host.live_objects(), (0, 0, 0));
+    assert_eq!(host.live_pinned(), 0, "host buffers freed with the pool");
+}
+
+#[test]
+fn regions_sleep_apart_and_drop_mode_keeps_no_bytes() {
+    let (host, device, pool) = setup(512 * MIB);
+    let weights = fill(&pool, &device, "weights", &[16 * MIB, 3 * MIB], 10);
+    let cache = fill(&pool, &device, "kv", &[32 * MIB], 20);
+    assert_eq!(pool.region_names(), ["weights", "kv"]);
+    let pinned = host.live_pinned();
+    pool.sleep("kv", SleepMode::Drop).expect("sleep kv");
+    assert_eq!(host.live_pinned(), pinned, "drop mode copies nothing");
+    assert_eq!(pool.region_info("kv").expect("kv").host_bytes, 0);
+    assert!(
+        intact(&device, &weights, 10),
+        "the other region stays awake"
+    );
+    pool.sleep("weights", SleepMode::Keep)
+        .expect("sleep weights");
+    assert!(pool.region_info("weights").expect("w").host_bytes >= 19 * MIB);
+    pool.wake("kv").expect("wake kv");
+    // The KV cache's memory is usable again at the same address; its bytes were dropped.
+    write_pattern(&device, cache[0].0, 32 * MIB, 21);
+    assert!(has_pattern(&device, cache[0].0, 32 * MIB, 21));
+    pool.wake("weights").expect("wake weights");
+    assert!(intact(&device, &weights, 10));
+    check(&pool);
+}
+
+#[test]
+fn misuse_gets_a_clear_status_and_changes_nothing() {
+    let (_host, device, pool) = setup(256 * MIB);
+    let kind = |r: glake::Result<()>| r.expect_err("refused").kind();
+    assert_eq!(
+        kind(pool.sleep("nothing", SleepMode::Keep)),
+        ErrorKind::InvalidArgument
+    );
+    assert_eq!(kind(pool.wake("nothing")), ErrorKind::InvalidArgument);
+    assert_eq!(kind(pool.begin_region("")), ErrorKind::InvalidArgument);
+    assert_eq!(
+        kind(pool.begin_region(&"x".repeat(256))),
+        ErrorKind::InvalidArgument
+    );
+    assert_eq!(kind(pool.end_region()), ErrorKind::InvalidState);
+    let weights = fill(&pool, &device, "w", &[4 * MIB], 3);
+    assert_eq!(kind(pool.wake("w")), ErrorKind::InvalidState, "awake");
+    pool.sleep("w", SleepMode::Keep).expect("sleep");
+    assert_eq!(
+        kind(pool.sleep("w", SleepMode::Keep)),
+        ErrorKind::InvalidState,
+        "double sleep"
+    );
+    // No allocation in a sleeping region; the shared pool is not affected.
+    pool.begin_region("w").expect("begin");
+    let refused = pool.malloc(MIB, S).expect_err("asleep");
+    assert_eq!(refused.kind(), ErrorKind::InvalidState);
+    assert!(refused.to_string().contains("asleep"), "{refused}");
+    pool.end_region().expect("end");
+    let shared = pool.malloc(MIB, S).expect("shared pool");
+    pool.free(shared).expect("free");
+    pool.wake("w").expect("wake");
+    assert!(intact(&device, &weights, 3));
+    check(&pool);
+}
+
+#[test]
+fn regions_are_per_thread_and_nest() {
+    let (_host, _device, pool) = setup(256 * MIB);
+    let pool = Arc::new(pool);
+    pool.begin_region("outer").expect("begin");
+    pool.begin_region("inner").expect("begin");
+    let a = pool.malloc(2 * MIB, S).expect("a");
+    // Another thread allocates in the shared pool meanwhile.
+    let other = {
+        let pool = pool.clone();
+        std::thread::spawn(move || pool.malloc(2 * MIB, S).expect("b"))
+            .join()
+            .expect("thread")
+    };
+    pool.end_region().expect("end inner");
+    let b = pool.malloc(2 * MIB, S).expect("c");
+    pool.end_region().expect("end outer");
+    let info = |n: &str| pool.region_info(n).expect("info").allocated_bytes;
+    assert_eq!(info("inner"), 2 * MIB);
+    assert_eq!(info("outer"), 2 * MIB);
+    pool.sleep("inner", SleepMode::Drop).expect("sleep");
+    assert_eq!(
+        pool.region_info("outer").expect("o").resident_bytes,
+        2 * MIB
+    );
+    for p in [a, b, other] {
+        pool.free(p).expect("free");
+    }
+    // `a` was freed while asleep: wake forgets its segment instead of mapping it again.
+    pool.wake("inner").expect("wake");
+    assert_eq!(pool.region_info("inner").expect("i").segments, 0);
+    check(&pool);
+}
+
+#[test]
+fn sleep_waits_for_queued_work_and_empty_cache_leaves_sleepers_alone() {
+    let (host, device, pool) = setup(256 * MIB);
+    let stream = device.create_stream().expect("stream");
+    pool.begin_region("w").expect("begin");
+    let p = pool.malloc(8 * MIB, stream).expect("malloc");
+    pool.end_region().expect("end");
+    // A copy held behind a slow host function on the allocation's stream: sleep must see it.
+    let bytes = pattern(5, 8 * MIB);
+    host.enqueue_host_fn(
+        stream,
+        Box::new(|| std::thread::sleep(Duration::from_millis(100))),
+    )
+    .expect("gate");
+    unsafe { device.copy_to_device(p, bytes.as_ptr(), bytes.len(), stream) }.expect("copy");
+    pool.sleep("w", SleepMode::Keep).expect("sleep");
+    pool.empty_cache().expect("empty_cache");
+    check(&pool);
+    pool.wake("w").expect("wake");
+    assert_eq!(read(&device, p, 8 * MIB), bytes);
+    pool.free(p).expect("free");
+    device.destroy_stream(stream).expect("destroy");
+}
+
+/// One sleep and wake of a two-segment region with the `n`-th call of `kind` failing during
+/// the sleep (`in_wake`: during the wake): the call reports an error or completes, nothing is
+/// lost, the pool stays consistent, a retry completes and nothing leaks.
+fn fault_run(kind: CallKind, n: u64, in_wake: bool) -> bool {
+    let host = host_device(256 * MIB);
+    let raw: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(raw.clone()));
+    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    let weights = fill(&pool, &raw, "w", &[6 * MIB, 20 * MIB, 3000], 40);
+    let idle = {
+        pool.begin_region("w").expect("begin");
+        let p = pool.malloc(10 * MIB, S).expect("idle");
+        pool.end_region().expect("end");
+        p
+    };
+    pool.free(idle).expect("free"); // a cached free segment, released by sleep
+    if in_wake {
+        pool.sleep("w", SleepMode::Keep).expect("sleep");
+    }
+    let before = fault.injected();
+    fault.fail_nth(kind, n);
+    let result = if in_wake {
+        pool.wake("w")
+    } else {
+        pool.sleep("w", SleepMode::Keep)
+    };
+    let fired = fault.injected() > before;
+    fault.clear();
+    let what = format!(
+        "{kind:?} #{n} of {}",
+        if in_wake { "wake" } else { "sleep" }
+    );
+    pool.check_invariants()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let asleep = pool.region_info("w").expect("info").asleep;
+    if in_wake {
+        assert_eq!(result.is_err(), asleep, "{what}: {result:?}");
+    } else if result.is_err() {
+        // A failed sleep is finished by sleeping again.
+        pool.sleep("w", SleepMode::Keep)
+            .unwrap_or_else(|e| panic!("{what}: sleep again: {e}"));
+    }
+    if pool.region_info("w").expect("info").asleep {
+        pool.wake("w")
+            .unwrap_or_else(|e| panic!("{what}: wake after the fault: {e}"));
+    }
+    pool.check_invariants()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(intact(&raw, &weights, 40), "{what}: bytes lost");
+    for (p, _) in weights {
+        pool.free(p).expect("free");
+    }
+    pool.empty_cache().expect("empty_cache");
+    assert_eq!(pool.stats().reserved_bytes.all.current, 0, "{what}");
+    drop(pool);
+    assert_eq!(
+        host.live_objects(),
+        (0, 0, 0),
+        "{what}: driver objects leaked"
+    );
+    assert_eq!(host.created_bytes(), 0, "{what}");
+    assert_eq!(host.live_pinned(), 0, "{what}: pinned buffers leaked");
+    fired
+}
+
+/// The calls of each kind one sleep (or wake) makes, counted on a clean run.
+fn calls_of(in_wake: bool) -> Vec<(CallKind, u64)> {
+    let host = host_device(256 * MIB);
+    let raw: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(raw.clone()));
+    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    let _weights = fill(&pool, &raw, "w", &[6 * MIB, 20 * MIB, 3000], 40);
+    pool.begin_region("w").expect("begin");
+    let idle = pool.malloc(10 * MIB, S).expect("idle");
+    pool.end_region().expect("end");
+    pool.free(idle).expect("free");
+    if in_wake {
+        pool.sleep("w", SleepMode::Keep).expect("sleep");
+    }
+    let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
+    if in_wake {
+        pool.wake("w").expect("wake");
+    } else {
+        pool.sleep("w", SleepMode::Keep).expect("sleep");
+    }
+    CallKind::ALL
+        .iter()
+        .zip(before)
+        .map(|(&k, b)| (k, fault.calls(k) - b))
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+#[test]
+fn a_fault_at_each_driver_call_of_a_sleep_or_a_wake_loses_nothing() {
+    for in_wake in [false, true] {
+        let calls = calls_of(in_wake);
+        let kinds: Vec<CallKind> = calls.iter().map(|&(k, _)| k).collect();
+        let expected: &[CallKind] = if in_wake {
+            &[
+                CallKind::CreatePhysical,
+                CallKind::Map,
+                CallKind::SetAccess,
+                CallKind::Copy,
+                CallKind::SynchronizeStream,
+            ]
+        } else {
+            &[
+                CallKind::SynchronizeDevice,
+                CallKind::Copy,
+                CallKind::SynchronizeStream,
+                CallKind::Unmap,
+                CallKind::ReleasePhysical,
+                CallKind::Unreserve,
+            ]
+        };
+        for kind in expected {
+            assert!(
+                kinds.contains(kind),
+                "wake={in_wake}: no {kind:?} in {calls:?}"
+            );
+        }
+        let mut fired = 0;
+        for &(kind, count) in &calls {
+            for n in 1..=count {
+                fired += u64::from(fault_run(kind, n, in_wake));
+            }
+        }
+        let total: u64 = calls.iter().map(|&(_, n)| n).sum();
+        assert_eq!(
+            fired, total,
+            "wake={in_wake}: every planned failure fires ({calls:?})"
+        );
+    }
+}

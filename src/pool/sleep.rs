@@ -73,9 +73,17 @@ struct Sleeper {
     size: usize,
     /// The chunk lengths to create again.
     layout: Vec<usize>,
-    /// The allocated ranges copied out (offset, length), and the buffer holding them at the
-    /// same offsets; None in `Drop` mode.
-    saved: Option<(Vec<(usize, usize)>, PinnedBuf)>,
+    /// None in `Drop` mode.
+    saved: Option<Saved>,
+}
+
+/// A sleeping segment's bytes on the host.
+#[derive(Debug)]
+struct Saved {
+    /// The allocated ranges copied out, as (offset, length).
+    ranges: Vec<(usize, usize)>,
+    /// A buffer of the segment's size holding them at the same offsets.
+    buf: PinnedBuf,
 }
 
 /// Regions begun and not ended, process-wide: while zero, allocations skip the thread-local
@@ -277,7 +285,7 @@ impl Inner {
         &mut self,
         device: &dyn crate::device::Device,
         segments: &[SegmentId],
-    ) -> Result<Vec<(Vec<(usize, usize)>, PinnedBuf)>> {
+    ) -> Result<Vec<Saved>> {
         let stream = self.sleep_stream(device)?;
         let mut saved = Vec::with_capacity(segments.len());
         let mut queued = Ok(());
@@ -294,9 +302,7 @@ impl Inner {
                     break;
                 }
             };
-            saved.push((ranges, buf));
-            let (ranges, buf) = &saved[saved.len() - 1];
-            for &(offset, len) in ranges {
+            for &(offset, len) in &ranges {
                 // SAFETY: the buffer holds `size` bytes, of which `[offset, offset+len)` lies
                 // inside; it stays the pool's until the copy is known done.
                 let copied = unsafe {
@@ -312,6 +318,7 @@ impl Inner {
                     break;
                 }
             }
+            saved.push(Saved { ranges, buf });
             if queued.is_err() {
                 break;
             }
@@ -322,8 +329,8 @@ impl Inner {
             return Err(err.context("waiting for a sleeping region's copies"));
         }
         if let Err(err) = queued {
-            for (_, buf) in saved {
-                self.recycle_host(HostBytes::Pinned(buf));
+            for s in saved {
+                self.recycle_host(HostBytes::Pinned(s.buf));
             }
             return Err(err.context("copying a sleeping region to the host"));
         }
@@ -385,8 +392,8 @@ impl Inner {
             if alive {
                 self.release_segment(device, sleeper.segment)?;
             }
-            if let Some((_, buf)) = sleeper.saved {
-                self.recycle_host(HostBytes::Pinned(buf));
+            if let Some(saved) = sleeper.saved {
+                self.recycle_host(HostBytes::Pinned(saved.buf));
             }
         }
         self.regions[index].sleepers = kept;
@@ -405,7 +412,7 @@ impl Inner {
             Err(err) => return Err((err, sleeper)),
         };
         let handles = blocks::handle_layout(&chunks);
-        if let Some((ranges, buf)) = &sleeper.saved {
+        if let Some(Saved { ranges, buf }) = &sleeper.saved {
             let copied = self.sleep_stream(device).and_then(|stream| {
                 for &(offset, len) in ranges {
                     // SAFETY: the buffer holds the segment's bytes at their offsets and stays
@@ -434,8 +441,8 @@ impl Inner {
         let count = segment.chunks.len() as i64;
         self.stats.reserved_bytes.add(pool, sleeper.size as i64);
         self.stats.num_device_alloc += count;
-        if let Some((_, buf)) = sleeper.saved {
-            self.recycle_host(HostBytes::Pinned(buf));
+        if let Some(saved) = sleeper.saved {
+            self.recycle_host(HostBytes::Pinned(saved.buf));
         }
         Ok(())
     }
@@ -493,7 +500,7 @@ impl Inner {
         info.host_bytes = region
             .sleepers
             .iter()
-            .filter_map(|s| s.saved.as_ref().map(|(_, b)| b.len))
+            .filter_map(|s| s.saved.as_ref().map(|saved| saved.buf.len))
             .sum();
         Ok(info)
     }
@@ -508,8 +515,8 @@ impl Inner {
     pub(super) fn settle_regions(&mut self, device: &dyn crate::device::Device) {
         for index in 0..self.regions.len() {
             for sleeper in std::mem::take(&mut self.regions[index].sleepers) {
-                if let Some((_, buf)) = sleeper.saved {
-                    self.recycle_host(HostBytes::Pinned(buf));
+                if let Some(saved) = sleeper.saved {
+                    self.recycle_host(HostBytes::Pinned(saved.buf));
                 }
             }
         }

@@ -74,6 +74,38 @@ TEST(Hpp, SwapsWaitingAndStreamOrdered) {
   pool.free(p);
 }
 
+TEST(Hpp, RegionsSleepAndWake) {
+  glake::Pool pool(cpp_config());
+  void* p = nullptr;
+  {
+    glake::Region region(pool, "weights");
+    p = pool.malloc(6 * MiB);
+  }
+  void* shared = pool.malloc(MiB);  // after the region: the shared pool
+  const std::string text = "weights that sleep and wake";
+  std::string back(text.size(), '\0');
+  pool.copy_to_device(p, text.data(), text.size());
+  pool.synchronize();
+  const int64_t awake = pool.stats().reserved_bytes.all.current;
+  pool.sleep("weights");
+  EXPECT_EQ(pool.region_info("weights").asleep, 1u);
+  EXPECT_LE(pool.stats().reserved_bytes.all.current, awake - static_cast<int64_t>(6 * MiB));
+  EXPECT_THROW(pool.sleep("weights"), glake::Error);  // already asleep
+  pool.wake("weights");
+  EXPECT_EQ(pool.region_info("weights").allocated_bytes, 6 * MiB);
+  pool.copy_to_host(back.data(), p, back.size());
+  pool.synchronize();
+  EXPECT_EQ(back, text);
+  try {
+    pool.wake("nothing");
+    FAIL() << "expected an error";
+  } catch (const glake::Error& e) {
+    EXPECT_EQ(e.status(), GLAKE_STATUS_INVALID_ARGUMENT);
+  }
+  pool.free(p);
+  pool.free(shared);
+}
+
 TEST(Hpp, PoolsMove) {
   glake::Pool first(cpp_config());
   glake::Pool second = std::move(first);

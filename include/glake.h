@@ -217,6 +217,26 @@ typedef uint32_t glake_smartswap_phase;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// What a sleeping region keeps of its bytes (passed to `glake_sleep` as a `uint32_t`, so a
+// value outside the enum is refused rather than undefined).
+enum glake_sleep_mode
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // A host copy (pinned, kept for the next sleep), restored by `glake_wake`.
+  GLAKE_SLEEP_KEEP = 0,
+  // Nothing: after `glake_wake` the memory holds undefined bytes (KV caches, scratch).
+  GLAKE_SLEEP_DROP = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum glake_sleep_mode glake_sleep_mode;
+#else
+typedef uint32_t glake_sleep_mode;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // Opaque pool handle.
 typedef struct glake_pool glake_pool;
 
@@ -428,6 +448,22 @@ typedef struct glake_smartswap_report {
   // Swap-ins the plan did not schedule (an op touched a tensor while it was out).
   uint64_t off_plan;
 } glake_smartswap_report;
+
+// What `glake_region_info` reports.
+typedef struct glake_region_info {
+  // 1 from `glake_sleep` until a `glake_wake` completes, else 0.
+  uint32_t asleep;
+  // Segments of the region, awake or asleep.
+  uint64_t segments;
+  // Bytes of the region's segments that hold physical memory now.
+  uint64_t resident_bytes;
+  // Bytes of the region's segments whose physical memory is given back.
+  uint64_t asleep_bytes;
+  // Bytes of live allocations in the region.
+  uint64_t allocated_bytes;
+  // Bytes of host copies held for the sleeping segments.
+  uint64_t host_bytes;
+} glake_region_info;
 
 // An opaque copy engine of one target device.
 typedef struct glake_transfer {
@@ -785,6 +821,47 @@ glake_status glake_smartswap_end_iteration(struct glake_smartswap *session);
 // `out` must be NULL or valid for a write.
 glake_status glake_smartswap_get_report(struct glake_smartswap *session,
                                         struct glake_smartswap_report *out);
+
+// Makes the calling thread's allocations from `pool` go to region `name` (1 to 255 bytes of
+// UTF-8; made on first use) until the matching `glake_region_end`. Regions nest; other
+// threads are not affected.
+//
+// # Safety
+// `name` must be NULL or NUL-terminated.
+glake_status glake_region_begin(struct glake_pool *pool, const char *name);
+
+// Ends the calling thread's innermost region of `pool`. GLAKE_STATUS_INVALID_STATE when this
+// thread has none open.
+glake_status glake_region_end(struct glake_pool *pool);
+
+// Gives the physical memory of region `name` back to the device, every address staying
+// reserved: cached free memory of the region goes back whole, allocated bytes are copied to
+// host memory (GLAKE_SLEEP_KEEP) or dropped. Waits for all work queued on the device first,
+// and returns once the copies are done. Until `glake_wake`, allocations in the region fail
+// with GLAKE_STATUS_INVALID_STATE. GLAKE_STATUS_INVALID_ARGUMENT for an unknown region,
+// GLAKE_STATUS_INVALID_STATE when it is already asleep. On another error no byte is lost:
+// call again to finish, or wake.
+//
+// # Safety
+// `name` must be NULL or NUL-terminated.
+glake_status glake_sleep(struct glake_pool *pool, const char *name, uint32_t mode);
+
+// Maps region `name`'s memory back at the same addresses and restores the bytes it kept;
+// returns once the copies are done, so work queued afterwards on any stream sees them.
+// GLAKE_STATUS_INVALID_STATE when it is awake; GLAKE_STATUS_OUT_OF_MEMORY when the device or
+// the cap has no room (the rest stays asleep with its bytes: free memory and call again).
+//
+// # Safety
+// `name` must be NULL or NUL-terminated.
+glake_status glake_wake(struct glake_pool *pool, const char *name);
+
+// What region `name` holds now.
+//
+// # Safety
+// `name` must be NULL or NUL-terminated; `out` NULL or valid for a write.
+glake_status glake_region_info(struct glake_pool *pool,
+                               const char *name,
+                               struct glake_region_info *out);
 
 // Creates a copy engine for device `device` of `backend` (a `glake_backend` value), relaying
 // through every other device of that backend that can reach it unless

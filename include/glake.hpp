@@ -176,6 +176,21 @@ class Pool {
   }
   void swap_in_async(void* ptr, glake_stream copy) { check(glake_swap_in_async(pool_, ptr, copy)); }
   void empty_cache() { check(glake_empty_cache(pool_)); }
+
+  /// Sleep regions: this thread's allocations go to region `name` between begin_region and
+  /// end_region (or for the life of a glake::Region); sleep() gives the region's physical
+  /// memory back with every address kept, wake() brings it back with the same bytes.
+  void begin_region(const std::string& name) { check(glake_region_begin(pool_, name.c_str())); }
+  void end_region() { check(glake_region_end(pool_)); }
+  void sleep(const std::string& name, glake_sleep_mode mode = GLAKE_SLEEP_KEEP) {
+    check(glake_sleep(pool_, name.c_str(), static_cast<std::uint32_t>(mode)));
+  }
+  void wake(const std::string& name) { check(glake_wake(pool_, name.c_str())); }
+  glake_region_info region_info(const std::string& name) const {
+    glake_region_info out{};
+    check(glake_region_info(pool_, name.c_str(), &out));
+    return out;
+  }
   void set_memory_fraction(double fraction) { check(glake_set_memory_fraction(pool_, fraction)); }
   void set_memory_limit(std::uint64_t bytes) { check(glake_set_memory_limit(pool_, bytes)); }
   std::uint64_t memory_limit() const {
@@ -215,6 +230,18 @@ class Pool {
   }
 
   glake_pool* pool_ = nullptr;
+};
+
+/// Allocations of this thread from `pool` go to region `name` while this object lives.
+class Region {
+ public:
+  Region(Pool& pool, const std::string& name) : pool_(pool) { pool_.begin_region(name); }
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+  ~Region() { (void)glake_region_end(pool_.handle()); }
+
+ private:
+  Pool& pool_;
 };
 
 /// A stream created on a pool's device, destroyed with this object.

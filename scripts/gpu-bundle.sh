@@ -24,7 +24,7 @@ if [ -d build/cpp_tests ] && [ -d build/c_examples ]; then
   mkdir -p gpu-bundle/lib
   cp -a build/relocated/lib/libglake.so* gpu-bundle/lib/
   cp build/cpp_tests/glake_tests_static build/cpp_tests/glake_tests_shared gpu-bundle/
-  for e in alloc_free fragment_stitch multi_stream smartswap snapshot transfer; do cp "build/c_examples/$e" "gpu-bundle/c-$e"; done
+  for e in alloc_free fragment_stitch multi_stream sleep_wake smartswap snapshot transfer; do cp "build/c_examples/$e" "gpu-bundle/c-$e"; done
 else
   echo "run scripts/test.sh first to include the C examples and C++ tests" >&2
 fi

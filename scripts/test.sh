@@ -49,9 +49,9 @@ fi
 
 echo "== C examples and C++ tests under valgrind memcheck"
 if command -v valgrind >/dev/null 2>&1; then
-  for bin in build/c_examples/{alloc_free,fragment_stitch,multi_stream,smartswap,snapshot,transfer} \
+  for bin in build/c_examples/{alloc_free,fragment_stitch,multi_stream,sleep_wake,smartswap,snapshot,transfer} \
     build/cpp_tests/glake_tests_shared; do
-    valgrind -q --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite "$bin" >/dev/null
+    GLAKE_EXAMPLE_SLEEP_MIB=16 valgrind -q --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite "$bin" >/dev/null
     echo "valgrind clean: $bin"
   done
 else

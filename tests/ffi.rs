@@ -571,6 +571,80 @@ fn swappable_allocations_round_trip() {
     assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
 }
 
+#[test]
+fn regions_sleep_and_wake_through_the_c_api() {
+    let pool = create(&host_config());
+    let name = c"weights";
+    assert_eq!(
+        unsafe { glake_region_begin(pool, name.as_ptr()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    let (status, ptr) = malloc(pool, 5 * MIB);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_region_end(pool), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_region_end(pool), GLAKE_STATUS_INVALID_STATE);
+    let data: Vec<u8> = (0..8192u32).map(|i| (i * 13 + 1) as u8).collect();
+    unsafe {
+        glake_copy_to_device(pool, ptr, data.as_ptr().cast(), data.len(), null_mut());
+        glake_stream_synchronize(pool, null_mut());
+    }
+    let sleep = |mode: u32| unsafe { glake_sleep(pool, name.as_ptr(), mode) };
+    assert_eq!(sleep(7), GLAKE_STATUS_INVALID_ARGUMENT);
+    assert!(message().contains("sleep mode 7"), "{}", message());
+    assert_eq!(
+        sleep(glake_sleep_mode::GLAKE_SLEEP_KEEP as u32),
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(
+        sleep(glake_sleep_mode::GLAKE_SLEEP_KEEP as u32),
+        GLAKE_STATUS_INVALID_STATE
+    );
+    let mut info = glake_region_info::default();
+    assert_eq!(
+        unsafe { glake_region_info(pool, name.as_ptr(), &mut info) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!((info.asleep, info.resident_bytes), (1, 0));
+    assert!(info.asleep_bytes >= 5 * MIB as u64 && info.host_bytes == info.asleep_bytes);
+    assert_eq!(
+        unsafe { glake_region_info(pool, name.as_ptr(), null_mut()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert_eq!(
+        unsafe { glake_wake(pool, std::ptr::null()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert_eq!(
+        unsafe { glake_wake(pool, c"unknown".as_ptr()) },
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    let bad = [0xffu8, 0xfe, 0];
+    assert_eq!(
+        unsafe { glake_region_begin(pool, bad.as_ptr().cast()) },
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    assert_eq!(
+        unsafe { glake_region_begin(null_mut(), name.as_ptr()) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert_eq!(
+        unsafe { glake_wake(pool, name.as_ptr()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(
+        unsafe { glake_wake(pool, name.as_ptr()) },
+        GLAKE_STATUS_INVALID_STATE
+    );
+    let mut back = vec![0u8; data.len()];
+    unsafe {
+        glake_copy_to_host(pool, back.as_mut_ptr().cast(), ptr, back.len(), null_mut());
+        glake_stream_synchronize(pool, null_mut());
+    }
+    assert_eq!(back, data);
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+}
+
 /// Two blocks, forward then backward: each block's activation lives from its forward to its
 /// backward; the planner's C API must bring the peak under a target and predict the same step
 /// the simulator entry point predicts for the returned choices.

@@ -9,12 +9,14 @@ mod handles;
 mod planner;
 mod profiler;
 mod session;
+mod sleep;
 mod transfer;
 
 pub use exports::*;
 pub use planner::*;
 pub use profiler::*;
 pub use session::*;
+pub use sleep::*;
 pub use transfer::*;
 
 use std::cell::RefCell;

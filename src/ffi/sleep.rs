@@ -68,7 +68,7 @@ unsafe fn name_of<'a>(name: *const c_char) -> Result<&'a str, Failure> {
 }
 
 fn pool_of(pool: *mut glake_pool) -> Result<std::sync::Arc<crate::Pool>, Failure> {
-    Ok(handles::get(pool as usize)?)
+    handles::get(pool as usize)
 }
 
 /// Makes the calling thread's allocations from `pool` go to region `name` (1 to 255 bytes of

@@ -11,6 +11,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod devices;
+mod regions;
 pub mod native;
 mod timing;
 

@@ -55,12 +55,17 @@ impl Inner {
         if !self.fits_cap(size) {
             return Ok(None);
         }
-        let limit = blocks::chunk_limit(
-            self.reserved(),
-            self.granularity,
-            self.config.max_chunk,
-            self.config.chunk_divisor,
-        );
+        // A region's segments are never stitched: the fewest handles map fastest.
+        let limit = if blocks::is_region(tag) {
+            self.config.max_chunk.max(self.granularity)
+        } else {
+            blocks::chunk_limit(
+                self.reserved(),
+                self.granularity,
+                self.config.max_chunk,
+                self.config.chunk_divisor,
+            )
+        };
         let sizes = blocks::chunk_sizes(size, self.granularity, limit);
         let Some(chunks) = self.create_chunks(device, &sizes)? else {
             return Ok(None);

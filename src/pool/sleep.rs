@@ -71,8 +71,6 @@ struct Sleeper {
     segment: SegmentId,
     va: DevicePtr,
     size: usize,
-    /// The chunk lengths to create again.
-    layout: Vec<usize>,
     /// None in `Drop` mode.
     saved: Option<Saved>,
 }
@@ -262,7 +260,6 @@ impl Inner {
                 segment,
                 va,
                 size,
-                layout: chunks.iter().map(|c| c.len).collect(),
                 saved: saved.as_mut().and_then(|s| s.next()),
             });
             let zombie = Zombie {
@@ -454,7 +451,13 @@ impl Inner {
         sleeper: &Sleeper,
     ) -> Result<Vec<blocks::Chunk>> {
         self.prepare_remap(device, sleeper.va, sleeper.size)?;
-        let Some(chunks) = self.create_chunks(device, &sleeper.layout)? else {
+        // Never stitched, so any layout serves: the fewest handles map fastest.
+        let layout = blocks::chunk_sizes(
+            sleeper.size,
+            self.granularity,
+            self.config.max_chunk.max(self.granularity),
+        );
+        let Some(chunks) = self.create_chunks(device, &layout)? else {
             return Err(self.remap_out_of_memory(device, sleeper.size));
         };
         let handles = blocks::handle_layout(&chunks);

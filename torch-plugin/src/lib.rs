@@ -11,8 +11,8 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod devices;
-mod regions;
 pub mod native;
+mod regions;
 mod timing;
 
 use std::cell::RefCell;

@@ -16,7 +16,10 @@ use crate::{devices, guarded, status};
 /// A non-NULL `name` must be NUL-terminated.
 unsafe fn name_of<'a>(name: *const c_char) -> glake::Result<&'a str> {
     if name.is_null() {
-        return Err(Error::new(ErrorKind::NullPointer, "the region name is NULL"));
+        return Err(Error::new(
+            ErrorKind::NullPointer,
+            "the region name is NULL",
+        ));
     }
     // SAFETY: non-NULL and NUL-terminated under the caller's contract.
     unsafe { CStr::from_ptr(name) }
@@ -66,7 +69,9 @@ pub unsafe extern "C" fn gmlake_sleep(name: *const c_char, keep: c_int, device: 
 #[no_mangle]
 pub unsafe extern "C" fn gmlake_wake(name: *const c_char, device: c_int) -> c_int {
     // SAFETY: forwarded under this function's contract.
-    status(guarded(|| devices::pool(device)?.wake(unsafe { name_of(name) }?)))
+    status(guarded(|| {
+        devices::pool(device)?.wake(unsafe { name_of(name) }?)
+    }))
 }
 
 /// What region `name` of `device` holds: `out` receives asleep (0 or 1), segments, resident

@@ -1,0 +1,112 @@
+"""Sleep and wake of regions under glake as PyTorch's allocator: the driver gets the memory
+back (torch.cuda.mem_get_info sees it), the same tensors hold the same values afterwards, a
+captured CUDA graph still replays, and torch_memory_saver's names and the idle sleeper work."""
+import time
+
+import pytest
+import torch
+
+import glake.torch
+from glake.torch import torch_memory_saver
+
+MIB = 1 << 20
+
+
+def free_bytes():
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def test_weights_sleep_and_wake_with_their_values_and_addresses():
+    with glake.torch.region("test-weights"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+    x = torch.randn(64, 2048, device="cuda")
+    with torch.no_grad():
+        expected = model(x)
+    addresses = [p.data_ptr() for p in model.parameters()]
+    region = glake.torch.region_info("test-weights")
+    assert region["allocated_bytes"] >= sum(p.numel() * 4 for p in model.parameters())
+    before = free_bytes()
+    glake.torch.sleep("test-weights")
+    freed = free_bytes() - before
+    asleep = glake.torch.region_info("test-weights")
+    assert asleep["asleep"] and asleep["resident_bytes"] == 0
+    # At least 99% of the region's physical memory is back with the driver.
+    assert freed >= 0.99 * region["resident_bytes"], (freed, region)
+    with pytest.raises(RuntimeError, match="asleep"):
+        with glake.torch.region("test-weights"):
+            torch.empty(MIB, device="cuda")
+    glake.torch.wake("test-weights")
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    for cycle in range(20):
+        glake.torch.sleep("test-weights")
+        glake.torch.wake("test-weights")
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    del model
+    torch.cuda.empty_cache()
+    assert glake.torch.region_info("test-weights")["segments"] == 0
+
+
+def test_a_captured_graph_replays_after_a_wake():
+    with glake.torch.region("test-graph"):
+        w = torch.randn(1024, 1024, device="cuda")
+    x = torch.randn(256, 1024, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y = x @ w  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x @ w
+    graph.replay()
+    expected = y.clone()
+    glake.torch.sleep("test-graph")
+    glake.torch.wake("test-graph")
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, expected)
+    del graph, y, w
+
+
+def test_torch_memory_saver_names_and_drop_mode():
+    with torch_memory_saver.region(tag="test-kv"):  # no CPU backup: contents dropped
+        cache = torch.ones(32 * MIB // 4, device="cuda")
+    with torch_memory_saver.region(tag="test-kept", enable_cpu_backup=True):
+        kept = torch.full((8 * MIB // 4,), 3.0, device="cuda")
+    before = free_bytes()
+    torch_memory_saver.pause("test-kv")
+    assert free_bytes() - before >= 32 * MIB
+    assert glake.torch.region_info("test-kv")["host_bytes"] == 0
+    torch_memory_saver.pause()  # every awake region of the device
+    assert glake.torch.region_info("test-kept")["asleep"]
+    torch_memory_saver.resume()
+    cache.fill_(2.0)  # usable again at the same address
+    assert cache.sum().item() == 2.0 * cache.numel()
+    assert torch.equal(kept, torch.full_like(kept, 3.0))
+    del cache, kept
+
+
+def test_an_idle_module_sleeps_and_wakes_on_its_next_call():
+    with glake.torch.region("test-idle"):
+        model = torch.nn.Linear(4096, 4096).cuda()
+    x = torch.randn(8, 4096, device="cuda")
+    with torch.no_grad():
+        expected = model(x)
+    sleeper = glake.torch.sleep_when_idle(model, idle_seconds=0.2, tags=["test-idle"])
+    try:
+        deadline = time.monotonic() + 10
+        while not glake.torch.region_info("test-idle")["asleep"]:
+            assert time.monotonic() < deadline, "the idle module never slept"
+            time.sleep(0.05)
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)  # woken by the pre-hook
+        assert sleeper.sleeps >= 1
+    finally:
+        sleeper.close()
+    assert not glake.torch.region_info("test-idle")["asleep"]
+    del model

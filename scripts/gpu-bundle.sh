@@ -34,6 +34,10 @@ cp target/release/libgmlake.so gpu-bundle/lib/
 python3 -m pip download -q --no-deps --only-binary=:all: -d gpu-bundle/wheels \
   pytest==8.3.4 pluggy==1.5.0 iniconfig==2.0.0 packaging==24.2 ||
   echo "pytest wheels not downloaded: the GPU machine's own pytest will be needed" >&2
+# The sleep benchmark's peer.
+python3 -m pip download -q --no-deps --only-binary=:all: -d gpu-bundle/wheels \
+  torch_memory_saver==0.0.10 ||
+  echo "torch_memory_saver not downloaded: the sleep benchmark will run glake alone" >&2
 find target/release -maxdepth 1 -type f -executable -name 'glake-*' -exec cp {} gpu-bundle/ \;
 strip --strip-debug gpu-bundle/* 2>/dev/null || true
 du -sh gpu-bundle

@@ -4,6 +4,7 @@
 #   bash scripts/gpu-torch.sh bench    # bench/train_bench.py, every workload and allocator
 #   bash scripts/gpu-torch.sh load     # bench/load_state_dict.py: a 10 GB state dict to the GPU
 #   bash scripts/gpu-torch.sh swap     # bench/swap_bench.py: SmartSwap against checkpointing
+#   bash scripts/gpu-torch.sh sleep    # bench/sleep_bench.py: sleep/wake against torch_memory_saver
 #   bash scripts/gpu-torch.sh all      # tests and bench (the default)
 # Extra arguments after the first go to train_bench.py. Results go to $OUT (or ./gpu-results):
 # pytest.txt, bench.jsonl, bench.md, swap.md, swap.jsonl.
@@ -34,6 +35,14 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = swap ]; then
   python3 bench/swap_bench.py --markdown "$out/swap.md" --jsonl "$out/swap.jsonl" "$@" || status=1
+fi
+if [ "$what" = sleep ]; then
+  # torch_memory_saver, the peer, from the wheel gpu-bundle.sh fetched (the machine is offline).
+  if ! python3 -c 'import torch_memory_saver' 2>/dev/null && ls gpu-bundle/wheels/torch_memory_saver-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/glake-tms gpu-bundle/wheels/torch_memory_saver-*.whl &&
+      export PYTHONPATH="$PYTHONPATH:/tmp/glake-tms"
+  fi
+  python3 bench/sleep_bench.py --markdown "$out/sleep.md" --jsonl "$out/sleep.jsonl" "$@" || status=1
 fi
 if [ "$what" = load ]; then
   python3 bench/load_state_dict.py --markdown "$out/load.md" --jsonl "$out/load.jsonl" "$@" || status=1

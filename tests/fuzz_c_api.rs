@@ -42,13 +42,20 @@ enum State {
     Resident,
     Leaving,
     Out,
+    /// In a sleeping region: not read until the region wakes.
+    Asleep,
 }
+
+/// The region names the fuzzer uses.
+const REGIONS: [&std::ffi::CStr; 2] = [c"r0", c"r1"];
 
 struct Alloc {
     len: usize,
     seed: u8,
     swappable: bool,
     state: State,
+    /// The region it was made in.
+    region: Option<usize>,
 }
 
 struct Pool {
@@ -57,6 +64,10 @@ struct Pool {
     freed: Vec<usize>,
     streams: Vec<glake_stream>,
     session: *mut glake_smartswap,
+    /// Regions open on this thread, innermost last.
+    open: Vec<usize>,
+    /// Per region: asleep, and whether its sleep kept the bytes.
+    asleep: [Option<bool>; 2],
 }
 
 struct Fuzz {
@@ -64,6 +75,8 @@ struct Fuzz {
     pools: Vec<Pool>,
     calls: u64,
     statuses: HashMap<u32, u64>,
+    /// Sleeps and wakes that succeeded.
+    cycles: (u64, u64),
 }
 
 impl Fuzz {
@@ -92,6 +105,8 @@ impl Fuzz {
                 freed: Vec::new(),
                 streams: Vec::new(),
                 session: null_mut(),
+                open: Vec::new(),
+                asleep: [None; 2],
             });
         }
     }
@@ -183,7 +198,7 @@ impl Fuzz {
         }
         let p = self.rng.below(self.pools.len() as u64) as usize;
         let pool = self.pools[p].handle;
-        match self.rng.below(20) {
+        match self.rng.below(22) {
             0..=3 => {
                 let len = match self.rng.below(8) {
                     0 => 0,
@@ -201,6 +216,12 @@ impl Fuzz {
                         glake_malloc(pool, len, stream, &mut out)
                     }
                 };
+                let region = (!swappable)
+                    .then(|| self.pools[p].open.last().copied())
+                    .flatten();
+                if region.is_some_and(|r| self.pools[p].asleep[r].is_some()) {
+                    assert!(s != GLAKE_STATUS_SUCCESS, "allocated in a sleeping region");
+                }
                 if self.status("malloc", s) == GLAKE_STATUS_SUCCESS && !out.is_null() {
                     let seed = self.rng.below(255) as u8 + 1;
                     let ptr = out as usize;
@@ -212,6 +233,7 @@ impl Fuzz {
                             seed,
                             swappable,
                             state: State::Resident,
+                            region,
                         },
                     );
                     self.fill(p, ptr);
@@ -289,6 +311,7 @@ impl Fuzz {
                 }
             }
             16..=17 => self.hooks(p),
+            20..=21 => self.regions(p),
             18 => {
                 let garbage = (self.rng.next() | 1) as *mut glake_pool;
                 let s = glake_empty_cache(garbage);
@@ -342,6 +365,90 @@ impl Fuzz {
         }
     }
 
+    /// Region calls: begin and end (hostile names among them), sleep in either mode (or a bad
+    /// one), wake, info. A wake must bring back the bytes a kept sleep saved.
+    fn regions(&mut self, p: usize) {
+        let pool = self.pools[p].handle;
+        let r = self.rng.below(2) as usize;
+        let bad = [0xffu8, 0];
+        let name = match self.rng.below(12) {
+            0 => std::ptr::null(),
+            1 => bad.as_ptr().cast(),
+            2 => c"unknown".as_ptr(),
+            _ => REGIONS[r].as_ptr(),
+        };
+        let named = name == REGIONS[r].as_ptr();
+        match self.rng.below(5) {
+            // "unknown" stays unknown: only the fuzzer's names are ever begun.
+            0 if name != c"unknown".as_ptr() => {
+                let s = unsafe { glake_region_begin(pool, name) };
+                if self.status("region_begin", s) == GLAKE_STATUS_SUCCESS {
+                    assert!(named, "began a region with a bad name");
+                    self.pools[p].open.push(r);
+                }
+            }
+            0 => {}
+            1 => {
+                let s = glake_region_end(pool);
+                let ok = self.status("region_end", s) == GLAKE_STATUS_SUCCESS;
+                assert_eq!(ok, self.pools[p].open.pop().is_some());
+            }
+            2 => {
+                let mode = [0u32, 1, 7][self.rng.below(3) as usize];
+                let s = unsafe { glake_sleep(pool, name, mode) };
+                if self.status("sleep", s) == GLAKE_STATUS_SUCCESS {
+                    assert!(named && mode < 2, "slept with a bad argument");
+                    assert!(self.pools[p].asleep[r].is_none(), "slept twice");
+                    self.pools[p].asleep[r] = Some(mode == 0);
+                    self.cycles.0 += 1;
+                    for a in self.pools[p].live.values_mut() {
+                        if a.region == Some(r) {
+                            a.state = State::Asleep;
+                        }
+                    }
+                }
+            }
+            3 => {
+                let s = unsafe { glake_wake(pool, name) };
+                if self.status("wake", s) == GLAKE_STATUS_SUCCESS {
+                    assert!(named);
+                    let keep = self.pools[p].asleep[r]
+                        .take()
+                        .expect("woke an awake region");
+                    self.cycles.1 += 1;
+                    let woken: Vec<usize> = self.pools[p]
+                        .live
+                        .iter()
+                        .filter(|(_, a)| a.region == Some(r))
+                        .map(|(&k, _)| k)
+                        .collect();
+                    for ptr in woken {
+                        if let Some(a) = self.pools[p].live.get_mut(&ptr) {
+                            a.state = State::Resident;
+                        }
+                        if keep {
+                            self.verify(p, ptr);
+                        } else {
+                            self.fill(p, ptr); // dropped bytes: a new fill
+                        }
+                    }
+                }
+            }
+            _ => {
+                let mut info = glake_region_info::default();
+                let out = if self.rng.chance(10) {
+                    null_mut()
+                } else {
+                    &mut info
+                };
+                let s = unsafe { glake_region_info(pool, name, out) };
+                if self.status("region_info", s) == GLAKE_STATUS_SUCCESS && named {
+                    assert_eq!(info.asleep == 1, self.pools[p].asleep[r].is_some());
+                }
+            }
+        }
+    }
+
     fn hooks(&mut self, p: usize) {
         let pool = self.pools[p].handle;
         let session = self.pools[p].session;
@@ -390,6 +497,10 @@ impl Fuzz {
     fn drain(&mut self) {
         for p in 0..self.pools.len() {
             let pool = self.pools[p].handle;
+            for _ in std::mem::take(&mut self.pools[p].open) {
+                let s = glake_region_end(pool);
+                assert_eq!(self.status("region_end", s), GLAKE_STATUS_SUCCESS);
+            }
             if !self.pools[p].session.is_null() {
                 let s = glake_smartswap_destroy(self.pools[p].session);
                 self.status("smartswap_destroy", s);
@@ -457,6 +568,7 @@ fn random_c_api_sequences_never_panic_lose_bytes_or_leak() {
         pools: Vec::new(),
         calls: 0,
         statuses: HashMap::new(),
+        cycles: (0, 0),
     };
     let mut done = 0;
     while done < ops {
@@ -470,8 +582,12 @@ fn random_c_api_sequences_never_panic_lose_bytes_or_leak() {
     let mut statuses: Vec<_> = fuzz.statuses.iter().map(|(&s, &n)| (s, n)).collect();
     statuses.sort();
     println!(
-        "{ops} steps, {} C calls, seed {seed:#x}: {statuses:?}",
-        fuzz.calls
+        "{ops} steps, {} C calls, seed {seed:#x}: {statuses:?}; {} sleeps, {} wakes",
+        fuzz.calls, fuzz.cycles.0, fuzz.cycles.1
+    );
+    assert!(
+        fuzz.cycles.0 > 0 && fuzz.cycles.1 > 0,
+        "no sleep and wake reached"
     );
     // The run reached both sides: calls that worked and each kind of refusal it aims at.
     for status in [

@@ -50,7 +50,7 @@ int main(void) {
     CHECK(glake_sleep(pool, "weights", GLAKE_SLEEP_KEEP));
     slept = now() - t0;
     CHECK(glake_get_stats(pool, &stats));
-    CHECK(glake_region_info(pool, "weights", &info));
+    CHECK(glake_get_region_info(pool, "weights", &info));
     printf("sleep %d: %.3f s (%.1f GB/s), reserved %lld -> %lld bytes, host copy %llu bytes\n",
            cycle, slept, (double)total / slept / 1e9, awake,
            (long long)stats.reserved_bytes.all.current, (unsigned long long)info.host_bytes);

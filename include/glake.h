@@ -449,7 +449,7 @@ typedef struct glake_smartswap_report {
   uint64_t off_plan;
 } glake_smartswap_report;
 
-// What `glake_region_info` reports.
+// What `glake_get_region_info` reports.
 typedef struct glake_region_info {
   // 1 from `glake_sleep` until a `glake_wake` completes, else 0.
   uint32_t asleep;
@@ -859,9 +859,9 @@ glake_status glake_wake(struct glake_pool *pool, const char *name);
 //
 // # Safety
 // `name` must be NULL or NUL-terminated; `out` NULL or valid for a write.
-glake_status glake_region_info(struct glake_pool *pool,
-                               const char *name,
-                               struct glake_region_info *out);
+glake_status glake_get_region_info(struct glake_pool *pool,
+                                   const char *name,
+                                   struct glake_region_info *out);
 
 // Creates a copy engine for device `device` of `backend` (a `glake_backend` value), relaying
 // through every other device of that backend that can reach it unless

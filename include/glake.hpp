@@ -188,7 +188,7 @@ class Pool {
   void wake(const std::string& name) { check(glake_wake(pool_, name.c_str())); }
   glake_region_info region_info(const std::string& name) const {
     glake_region_info out{};
-    check(glake_region_info(pool_, name.c_str(), &out));
+    check(glake_get_region_info(pool_, name.c_str(), &out));
     return out;
   }
   void set_memory_fraction(double fraction) { check(glake_set_memory_fraction(pool_, fraction)); }

@@ -601,13 +601,13 @@ fn regions_sleep_and_wake_through_the_c_api() {
     );
     let mut info = glake_region_info::default();
     assert_eq!(
-        unsafe { glake_region_info(pool, name.as_ptr(), &mut info) },
+        unsafe { glake_get_region_info(pool, name.as_ptr(), &mut info) },
         GLAKE_STATUS_SUCCESS
     );
     assert_eq!((info.asleep, info.resident_bytes), (1, 0));
     assert!(info.asleep_bytes >= 5 * MIB as u64 && info.host_bytes == info.asleep_bytes);
     assert_eq!(
-        unsafe { glake_region_info(pool, name.as_ptr(), null_mut()) },
+        unsafe { glake_get_region_info(pool, name.as_ptr(), null_mut()) },
         GLAKE_STATUS_NULL_POINTER
     );
     assert_eq!(

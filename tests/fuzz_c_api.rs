@@ -441,7 +441,7 @@ impl Fuzz {
                 } else {
                     &mut info
                 };
-                let s = unsafe { glake_region_info(pool, name, out) };
+                let s = unsafe { glake_get_region_info(pool, name, out) };
                 if self.status("region_info", s) == GLAKE_STATUS_SUCCESS && named {
                     assert_eq!(info.asleep == 1, self.pools[p].asleep[r].is_some());
                 }

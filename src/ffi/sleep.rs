@@ -19,7 +19,7 @@ pub enum glake_sleep_mode {
     GLAKE_SLEEP_DROP = 1,
 }
 
-/// What `glake_region_info` reports.
+/// What `glake_get_region_info` reports.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct glake_region_info {
@@ -156,7 +156,7 @@ pub unsafe extern "C" fn glake_wake(pool: *mut glake_pool, name: *const c_char) 
 /// # Safety
 /// `name` must be NULL or NUL-terminated; `out` NULL or valid for a write.
 #[no_mangle]
-pub unsafe extern "C" fn glake_region_info(
+pub unsafe extern "C" fn glake_get_region_info(
     pool: *mut glake_pool,
     name: *const c_char,
     out: *mut glake_region_info,

@@ -4,7 +4,9 @@ method in its own process (each replaces PyTorch's allocator), same workloads, s
     python3 bench/sleep_bench.py [--workloads weights16g,llama7b] [--methods glake,tms]
                                  [--cycles 3] [--markdown FILE] [--jsonl FILE]
 
-Workloads: `weights16g`, 64 bf16 tensors of 256 MiB; `llama7b`, the weights of a 7B-shape
+Methods: `glake` (pinned host buffers, kept across sleeps), `glake-pageable`
+(GLAKE_SLEEP_HOST=pageable: ordinary host memory through the copy engine), `tms`
+(torch_memory_saver). Workloads: `weights16g`, 64 bf16 tensors of 256 MiB; `llama7b`, the weights of a 7B-shape
 decoder (hidden 4096, FFN 11008, 32 layers, vocabulary 32000; 6.7 B bf16 parameters). Both are
 random and made on the GPU inside a region with a host copy kept (glake: region(keep=True);
 torch_memory_saver 0.0.10 in its in-process "torch" hook mode: region(enable_cpu_backup=True)).
@@ -39,7 +41,7 @@ def child(method, workload, cycles):
     sys.path.insert(0, str(ROOT / "python"))
     import torch
 
-    if method == "glake":
+    if method.startswith("glake"):
         import glake.torch
 
         glake.torch.enable()
@@ -107,7 +109,7 @@ def table(rows):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--workloads", default="weights16g,llama7b")
-    p.add_argument("--methods", default="glake,tms")
+    p.add_argument("--methods", default="glake,glake-pageable,tms")
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--markdown")
     p.add_argument("--jsonl")
@@ -121,16 +123,23 @@ def main():
         for method in args.methods.split(","):
             env = dict(os.environ)
             env.pop("GLAKE_ENABLE", None)
+            if method == "glake-pageable":
+                env["GLAKE_SLEEP_HOST"] = "pageable"  # host copies through the copy engine
             done = subprocess.run([sys.executable, __file__, "--child", method, workload,
                                    "--cycles", str(args.cycles)], env=env, text=True,
                                   capture_output=True, timeout=900)
             got = [json.loads(line[4:]) for line in done.stdout.splitlines()
                    if line.startswith("ROW ")]
-            if done.returncode != 0 or not got:
-                tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            if not got:
                 print(f"{workload} {method}: failed:\n" + "\n".join(tail), file=sys.stderr)
                 got = [{"method": method, "workload": workload,
                         "error": (tail[-1] if tail else "no output")[:120]}]
+            elif done.returncode != 0:  # measured, then failed on the way out: say so
+                print(f"{workload} {method}: exit status {done.returncode} after its rows: "
+                      + (tail[-1] if tail else ""), file=sys.stderr)
+                for row in got:
+                    row["exit_status"] = done.returncode
             rows += got
             print(f"{workload} {method}: done", flush=True)
     md = table(rows)

@@ -51,6 +51,19 @@ pub struct Config {
     /// stitch cannot use at the edges of split handles stay a small share of a pool of any
     /// size, while a large pool, where the per-handle cost adds up, gets large handles.
     pub chunk_divisor: usize,
+    /// Where a sleeping region's bytes wait on the host (`GLAKE_SLEEP_HOST`).
+    pub sleep_host: SleepHost,
+}
+
+/// Host memory of sleeping regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SleepHost {
+    /// Page-locked buffers, copied by the device's DMA engine at the link's speed; kept for the
+    /// next sleep, so only the first sleep pays for pinning (slow: the driver locks each page).
+    Pinned,
+    /// Ordinary memory the copy engine fills and drains through its staging lanes: no pinning
+    /// cost and no locked memory, at the engine's speed for pageable memory.
+    Pageable,
 }
 
 impl Default for Config {
@@ -67,6 +80,7 @@ impl Default for Config {
             max_stitch_pieces: 256,
             max_chunk: 32 * MIB,
             chunk_divisor: 512,
+            sleep_host: SleepHost::Pinned,
         }
     }
 }
@@ -120,6 +134,9 @@ const MAX_CHUNK: Var = Var {
 };
 const CHUNK_DIVISOR: Var = Var {
     names: &["GLAKE_CHUNK_DIVISOR"],
+};
+const SLEEP_HOST: Var = Var {
+    names: &["GLAKE_SLEEP_HOST"],
 };
 
 impl Var {
@@ -265,6 +282,13 @@ impl Config {
             match value.trim().parse::<usize>() {
                 Ok(n) if n >= 1 => self.chunk_divisor = n,
                 _ => warn_bad_value(name, &value, &self.chunk_divisor.to_string()),
+            }
+        }
+        if let Some((name, value)) = SLEEP_HOST.lookup() {
+            match value.trim().to_ascii_lowercase().as_str() {
+                "pinned" => self.sleep_host = SleepHost::Pinned,
+                "pageable" => self.sleep_host = SleepHost::Pageable,
+                _ => warn_bad_value(name, &value, &format!("{:?}", self.sleep_host)),
             }
         }
     }

@@ -1,12 +1,13 @@
 //! Environment variables, GMLake's names and the tutorial's spellings. One test function, since
 //! the environment is shared by the whole process.
 
-use glake::config::{host_options_from_env, Config, DefragLevel};
+use glake::config::{host_options_from_env, Config, DefragLevel, SleepHost};
 use glake::device::host::HostOptions;
 use glake::transfer::HostCopy;
 use glake::TransferConfig;
 
 const ALL_NAMES: &[&str] = &[
+    "GLAKE_SLEEP_HOST",
     "GLAKE_STITCH",
     "vmmDefragment",
     "GLAKE_FRAG_LIMIT",
@@ -85,6 +86,12 @@ fn environment_names_and_aliases() {
     set("vmmDefragment", "maybe");
     set("GLAKE_MEMORY_FRACTION", "2");
     assert_eq!(Config::from_env(), Config::default());
+    clear();
+
+    set("GLAKE_SLEEP_HOST", "Pageable");
+    assert_eq!(Config::from_env().sleep_host, SleepHost::Pageable);
+    set("GLAKE_SLEEP_HOST", "disk");
+    assert_eq!(Config::from_env().sleep_host, SleepHost::Pinned);
     clear();
 
     set("GLAKE_MEMORY_FRACTION", "0.25");

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{has_pattern, host_device, pattern, read, write_pattern};
-use glake::config::Config;
+use glake::config::{Config, SleepHost};
 use glake::device::fault::FaultDevice;
 use glake::device::host::HostDevice;
 use glake::device::{CallKind, DevicePtr, SharedDevice, Stream};
@@ -117,6 +117,33 @@ fn sleep_gives_memory_back_and_wake_restores_bytes_at_the_same_addresses() {
     drop(pool);
     assert_eq!(host.live_objects(), (0, 0, 0));
     assert_eq!(host.live_pinned(), 0, "host buffers freed with the pool");
+}
+
+#[test]
+fn pageable_host_buffers_go_through_the_copy_engine() {
+    let host = host_device(512 * MIB);
+    let device: SharedDevice = host.clone();
+    let config = Config {
+        sleep_host: SleepHost::Pageable,
+        ..Config::default()
+    };
+    let pool = Pool::new(device.clone(), config).expect("pool");
+    let weights = fill(&pool, &device, "w", &[48 * MIB, 6 * MIB + 1, 300], 70);
+    let whole = read(&device, weights[0].0, 48 * MIB);
+    for cycle in 0..10 {
+        pool.sleep("w", SleepMode::Keep).expect("sleep");
+        assert!(pool.region_info("w").expect("w").host_bytes >= 54 * MIB);
+        pool.wake("w").expect("wake");
+        assert!(intact(&device, &weights, 70), "cycle {cycle}");
+        check(&pool);
+    }
+    assert_eq!(read(&device, weights[0].0, 48 * MIB), whole);
+    for (p, _) in weights {
+        pool.free(p).expect("free");
+    }
+    drop(pool);
+    assert_eq!(host.live_objects(), (0, 0, 0));
+    assert_eq!(host.live_pinned(), 0);
 }
 
 #[test]

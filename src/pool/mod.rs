@@ -126,6 +126,10 @@ struct Inner {
     regions: Vec<sleep::Region>,
     /// The stream of sleep and wake copies, made on first use.
     sleep_stream: Option<Stream>,
+    /// The copy engine of pageable sleep buffers (`SleepHost::Pageable`), made on first use.
+    sleep_engine: Option<crate::transfer::Engine>,
+    /// Pageable buffers of woken regions, kept for the next sleep.
+    pageable: Vec<Vec<u8>>,
 }
 
 /// Numbers pools for the thread-local region routing.
@@ -193,6 +197,8 @@ impl Pool {
                 id: NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 regions: Vec::new(),
                 sleep_stream: None,
+                sleep_engine: None,
+                pageable: Vec::new(),
             }),
         })
     }
@@ -277,7 +283,11 @@ impl Pool {
     /// device first and for its copies before returning. Allocations in the region are refused
     /// until [`Pool::wake`]. On an error nothing is lost: call again to finish, or wake.
     pub fn sleep(&self, name: &str, mode: SleepMode) -> Result<()> {
-        lock(&self.inner).sleep(&*self.device, name, mode)
+        let mut inner = lock(&self.inner);
+        if mode == SleepMode::Keep {
+            inner.prepare_sleep_engine(&self.device)?;
+        }
+        inner.sleep(&*self.device, name, mode)
     }
 
     /// Maps region `name`'s memory back at the same addresses and restores its bytes (kept

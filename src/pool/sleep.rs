@@ -20,11 +20,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::blocks::{self, SegmentId, Tag, FIRST_REGION};
 use super::growth::{map_at, Zombie};
-use super::swap_async::PinnedBuf;
 use super::swapping::{wait_for_copy, HostBytes};
 use super::Inner;
-use crate::device::{DevicePtr, Stream};
+use crate::config::SleepHost;
+use crate::device::{DevicePtr, SharedDevice, Stream};
 use crate::error::{Error, ErrorKind, Result};
+use crate::transfer::{Completion, CopyPiece, Direction, Engine};
 
 /// Longest region name accepted (names are labels, not data).
 pub const MAX_REGION_NAME: usize = 255;
@@ -81,7 +82,21 @@ struct Saved {
     /// The allocated ranges copied out, as (offset, length).
     ranges: Vec<(usize, usize)>,
     /// A buffer of the segment's size holding them at the same offsets.
-    buf: PinnedBuf,
+    buf: HostBytes,
+}
+
+impl Saved {
+    /// The engine's pieces for the ranges of a segment at `va`.
+    fn pieces(&self, va: DevicePtr) -> Vec<CopyPiece> {
+        self.ranges
+            .iter()
+            .map(|&(offset, len)| CopyPiece {
+                host: self.buf.ptr() as usize + offset,
+                device: va + offset as u64,
+                len,
+            })
+            .collect()
+    }
 }
 
 /// Regions begun and not ended, process-wide: while zero, allocations skip the thread-local
@@ -275,8 +290,8 @@ impl Inner {
         Ok(())
     }
 
-    /// Copies the allocated ranges of `segments` to pinned buffers (one per segment, of its
-    /// size, from the pool's cache) and waits for the copies. On failure no buffer is kept
+    /// Copies the allocated ranges of `segments` to host buffers (one per segment, of its
+    /// size, from the pool's caches) and waits for the copies. On failure no buffer is kept
     /// and no segment changes.
     fn copy_out(
         &mut self,
@@ -287,51 +302,122 @@ impl Inner {
         let mut saved = Vec::with_capacity(segments.len());
         let mut queued = Ok(());
         for &segment in segments {
-            let (va, size) = (
-                self.map.segments[segment].va,
-                self.map.segments[segment].size,
-            );
+            let size = self.map.segments[segment].size;
             let ranges = self.map.used_ranges(segment);
-            let buf = match self.pinned_buffer(device, size) {
-                Ok(buf) => buf,
+            match self.host_buffer(device, size) {
+                Ok(buf) => saved.push(Saved { ranges, buf }),
                 Err(err) => {
                     queued = Err(err);
                     break;
                 }
-            };
-            for &(offset, len) in &ranges {
-                // SAFETY: the buffer holds `size` bytes, of which `[offset, offset+len)` lies
-                // inside; it stays the pool's until the copy is known done.
-                let copied = unsafe {
-                    device.copy_to_host(
-                        (buf.ptr() as *mut u8).add(offset),
-                        va + offset as u64,
-                        len,
-                        stream,
-                    )
-                };
-                if let Err(err) = copied {
-                    queued = Err(err);
-                    break;
-                }
-            }
-            saved.push(Saved { ranges, buf });
-            if queued.is_err() {
-                break;
             }
         }
-        let waited = wait_for_copy(device, stream);
-        if let Err(err) = waited {
-            log::error!("glake: sleep copies cannot be waited for; leaking their buffers");
-            return Err(err.context("waiting for a sleeping region's copies"));
+        let vas: Vec<DevicePtr> = segments.iter().map(|&s| self.map.segments[s].va).collect();
+        let mut settled = true;
+        if queued.is_ok() {
+            queued = self
+                .copy_saved(device, Direction::DeviceToHost, &saved, &vas, stream)
+                .map_err(|(err, done)| {
+                    settled = done;
+                    err
+                });
         }
         if let Err(err) = queued {
             for s in saved {
-                self.recycle_host(HostBytes::Pinned(s.buf));
+                if settled {
+                    self.recycle_saved(s.buf);
+                } else {
+                    // A copy may still write into it: it must never be freed nor reused.
+                    std::mem::forget(s.buf);
+                }
             }
             return Err(err.context("copying a sleeping region to the host"));
         }
         Ok(saved)
+    }
+
+    /// Copies `saved[i]`'s ranges between the host and the segment at `vas[i]` and waits: on
+    /// the sleep stream for pinned buffers, through the copy engine for pageable ones. An
+    /// error says whether the copies are settled (false: they cannot be waited for, and the
+    /// buffers must never be freed nor reused).
+    fn copy_saved(
+        &mut self,
+        device: &dyn crate::device::Device,
+        direction: Direction,
+        saved: &[Saved],
+        vas: &[DevicePtr],
+        stream: Stream,
+    ) -> std::result::Result<(), (Error, bool)> {
+        let pieces: Vec<CopyPiece> = saved
+            .iter()
+            .zip(vas)
+            .flat_map(|(s, &va)| s.pieces(va))
+            .collect();
+        if let Some(engine) = &self.sleep_engine {
+            // SAFETY: every piece lies inside a live buffer of the pool's; a blocking copy is
+            // done when it returns.
+            return unsafe { engine.copy_pieces(direction, &pieces, stream, Completion::Blocking) }
+                .map_err(|e| (e, true));
+        }
+        let mut queued = Ok(());
+        for piece in &pieces {
+            // SAFETY: the piece lies inside a pinned buffer of the pool's, which stays the
+            // pool's until the copy is known done.
+            queued = unsafe {
+                match direction {
+                    Direction::DeviceToHost => {
+                        device.copy_to_host(piece.host as *mut u8, piece.device, piece.len, stream)
+                    }
+                    Direction::HostToDevice => device.copy_to_device(
+                        piece.device,
+                        piece.host as *const u8,
+                        piece.len,
+                        stream,
+                    ),
+                }
+            };
+            if queued.is_err() {
+                break;
+            }
+        }
+        if let Err(err) = wait_for_copy(device, stream) {
+            log::error!("glake: sleep copies cannot be waited for; leaking their buffers");
+            return Err((err.context("waiting for a sleeping region's copies"), false));
+        }
+        queued.map_err(|e| (e, true))
+    }
+
+    /// A host buffer of `len` bytes for a sleeping segment, of the kind the configuration
+    /// asks for: a cached one, else a new one.
+    fn host_buffer(&mut self, device: &dyn crate::device::Device, len: usize) -> Result<HostBytes> {
+        match self.config.sleep_host {
+            SleepHost::Pinned => self.pinned_buffer(device, len).map(HostBytes::Pinned),
+            SleepHost::Pageable => {
+                if let Some(i) = self.pageable.iter().position(|b| b.len() == len) {
+                    return Ok(HostBytes::Pageable(self.pageable.swap_remove(i)));
+                }
+                zeroed(len).map(HostBytes::Pageable)
+            }
+        }
+    }
+
+    /// Keeps a sleeping segment's buffer for the next sleep.
+    fn recycle_saved(&mut self, bytes: HostBytes) {
+        match bytes {
+            HostBytes::Pinned(_) => self.recycle_host(bytes),
+            HostBytes::Pageable(v) => self.pageable.push(v),
+        }
+    }
+
+    /// Makes the copy engine pageable sleep buffers go through, once.
+    pub(super) fn prepare_sleep_engine(&mut self, device: &SharedDevice) -> Result<()> {
+        if self.config.sleep_host == SleepHost::Pageable && self.sleep_engine.is_none() {
+            let config = crate::config::TransferConfig::from_env();
+            let engine = Engine::new(device.clone(), Vec::new(), config)
+                .map_err(|e| e.context("starting the copy engine for sleep"))?;
+            self.sleep_engine = Some(engine);
+        }
+        Ok(())
     }
 
     /// The pool's stream for sleep and wake copies, made on first use.
@@ -390,7 +476,7 @@ impl Inner {
                 self.release_segment(device, sleeper.segment)?;
             }
             if let Some(saved) = sleeper.saved {
-                self.recycle_host(HostBytes::Pinned(saved.buf));
+                self.recycle_saved(saved.buf);
             }
         }
         self.regions[index].sleepers = kept;
@@ -402,29 +488,26 @@ impl Inner {
     fn wake_one(
         &mut self,
         device: &dyn crate::device::Device,
-        sleeper: Sleeper,
+        mut sleeper: Sleeper,
     ) -> std::result::Result<(), (Error, Sleeper)> {
         let chunks = match self.map_for_wake(device, &sleeper) {
             Ok(chunks) => chunks,
             Err(err) => return Err((err, sleeper)),
         };
         let handles = blocks::handle_layout(&chunks);
-        if let Some(Saved { ranges, buf }) = &sleeper.saved {
+        if let Some(saved) = sleeper.saved.take() {
+            // A copy in only reads the host buffer: settled or not, the sleeper keeps it.
             let copied = self.sleep_stream(device).and_then(|stream| {
-                for &(offset, len) in ranges {
-                    // SAFETY: the buffer holds the segment's bytes at their offsets and stays
-                    // the sleeper's until the copy is known done.
-                    unsafe {
-                        device.copy_to_device(
-                            sleeper.va + offset as u64,
-                            buf.ptr().add(offset),
-                            len,
-                            stream,
-                        )
-                    }?;
-                }
-                wait_for_copy(device, stream)
+                self.copy_saved(
+                    device,
+                    Direction::HostToDevice,
+                    std::slice::from_ref(&saved),
+                    &[sleeper.va],
+                    stream,
+                )
+                .map_err(|(err, _)| err)
             });
+            sleeper.saved = Some(saved);
             if let Err(err) = copied {
                 // The copy was never queued or cannot be waited for (the device is lost):
                 // nothing runs on the new memory any more.
@@ -439,7 +522,7 @@ impl Inner {
         self.stats.reserved_bytes.add(pool, sleeper.size as i64);
         self.stats.num_device_alloc += count;
         if let Some(saved) = sleeper.saved {
-            self.recycle_host(HostBytes::Pinned(saved.buf));
+            self.recycle_saved(saved.buf);
         }
         Ok(())
     }
@@ -503,7 +586,7 @@ impl Inner {
         info.host_bytes = region
             .sleepers
             .iter()
-            .filter_map(|s| s.saved.as_ref().map(|saved| saved.buf.len))
+            .filter_map(|s| s.saved.as_ref().map(|saved| saved.buf.len()))
             .sum();
         Ok(info)
     }
@@ -519,7 +602,7 @@ impl Inner {
         for index in 0..self.regions.len() {
             for sleeper in std::mem::take(&mut self.regions[index].sleepers) {
                 if let Some(saved) = sleeper.saved {
-                    self.recycle_host(HostBytes::Pinned(saved.buf));
+                    self.recycle_saved(saved.buf);
                 }
             }
         }
@@ -566,4 +649,22 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// `len` zeroed bytes of ordinary memory: fresh pages from the system, so nothing is written
+/// before the copy does (a large zeroed allocation is untouched mapped memory).
+fn zeroed(len: usize) -> Result<Vec<u8>> {
+    let no_memory = || Error::out_of_memory(format!("no host memory for {len} sleeping bytes"));
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| no_memory())?;
+    // SAFETY: a layout of nonzero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(no_memory());
+    }
+    // SAFETY: allocated by the global allocator with this layout, and every byte initialised
+    // (zeroed).
+    Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
 }

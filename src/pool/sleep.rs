@@ -359,27 +359,7 @@ impl Inner {
             return unsafe { engine.copy_pieces(direction, &pieces, stream, Completion::Blocking) }
                 .map_err(|e| (e, true));
         }
-        let mut queued = Ok(());
-        for piece in &pieces {
-            // SAFETY: the piece lies inside a pinned buffer of the pool's, which stays the
-            // pool's until the copy is known done.
-            queued = unsafe {
-                match direction {
-                    Direction::DeviceToHost => {
-                        device.copy_to_host(piece.host as *mut u8, piece.device, piece.len, stream)
-                    }
-                    Direction::HostToDevice => device.copy_to_device(
-                        piece.device,
-                        piece.host as *const u8,
-                        piece.len,
-                        stream,
-                    ),
-                }
-            };
-            if queued.is_err() {
-                break;
-            }
-        }
+        let queued = queue_pinned(device, direction, &pieces, stream);
         if let Err(err) = wait_for_copy(device, stream) {
             log::error!("glake: sleep copies cannot be waited for; leaking their buffers");
             return Err((err.context("waiting for a sleeping region's copies"), false));
@@ -432,7 +412,9 @@ impl Inner {
         Ok(stream)
     }
 
-    /// Wakes region `name`; see the module's documentation.
+    /// Wakes region `name`; see the module's documentation. Segments are mapped one after
+    /// another while the copies of those mapped already run (pinned buffers: queued on the
+    /// sleep stream at once; pageable ones: one batch through the engine at the end).
     pub(super) fn wake(&mut self, device: &dyn crate::device::Device, name: &str) -> Result<()> {
         let index = self.region_index(name)?;
         if !self.regions[index].asleep {
@@ -442,14 +424,91 @@ impl Inner {
             ));
         }
         self.drop_freed_sleepers(device, index)?;
-        while let Some(sleeper) = self.regions[index].sleepers.pop() {
-            if let Err((err, sleeper)) = self.wake_one(device, sleeper) {
-                self.regions[index].sleepers.push(sleeper);
-                return Err(err);
+        let stream = self.sleep_stream(device)?;
+        let mut waiting = std::mem::take(&mut self.regions[index].sleepers);
+        let mut mapped: Vec<(Sleeper, Vec<blocks::Chunk>)> = Vec::new();
+        let mut failure = None;
+        // The sleeper whose copy could not be queued: its memory is not filled.
+        let mut unfilled = None;
+        while let Some(sleeper) = waiting.pop() {
+            let chunks = match self.map_for_wake(device, &sleeper) {
+                Ok(chunks) => chunks,
+                Err(err) => {
+                    waiting.push(sleeper);
+                    failure = Some(err);
+                    break;
+                }
+            };
+            if let (None, Some(saved)) = (&self.sleep_engine, &sleeper.saved) {
+                let queued = queue_pinned(
+                    device,
+                    Direction::HostToDevice,
+                    &saved.pieces(sleeper.va),
+                    stream,
+                );
+                if let Err(err) = queued {
+                    // Part of its copy may be queued: it waits with the others below, then
+                    // its new memory goes.
+                    unfilled = Some(mapped.len());
+                    mapped.push((sleeper, chunks));
+                    failure = Some(err);
+                    break;
+                }
             }
+            mapped.push((sleeper, chunks));
+        }
+        let copied = match &self.sleep_engine {
+            Some(engine) => {
+                let pieces: Vec<CopyPiece> = mapped
+                    .iter()
+                    .filter_map(|(s, _)| s.saved.as_ref().map(|saved| saved.pieces(s.va)))
+                    .flatten()
+                    .collect();
+                // SAFETY: every piece lies inside a host buffer its sleeper keeps; a blocking
+                // copy is done when it returns.
+                unsafe {
+                    engine.copy_pieces(
+                        Direction::HostToDevice,
+                        &pieces,
+                        stream,
+                        Completion::Blocking,
+                    )
+                }
+            }
+            None => wait_for_copy(device, stream),
+        };
+        for (i, (sleeper, chunks)) in mapped.into_iter().enumerate() {
+            if copied.is_err() || Some(i) == unfilled {
+                // Copies in only read the host buffers: the sleeper keeps its bytes.
+                let handles = blocks::handle_layout(&chunks);
+                self.bury_new(device, sleeper.va, &handles, &chunks);
+                waiting.push(sleeper);
+            } else {
+                self.complete_wake(sleeper, chunks);
+            }
+        }
+        self.regions[index].sleepers = waiting;
+        if let Err(err) = copied {
+            return Err(err.context("copying a sleeping region back"));
+        }
+        if let Some(err) = failure {
+            return Err(err.context("waking a region"));
         }
         self.regions[index].asleep = false;
         Ok(())
+    }
+
+    /// A sleeping segment's memory is mapped and filled: resident from here.
+    fn complete_wake(&mut self, sleeper: Sleeper, chunks: Vec<blocks::Chunk>) {
+        let segment = &mut self.map.segments[sleeper.segment];
+        let pool = segment.pool;
+        segment.chunks = chunks;
+        let count = segment.chunks.len() as i64;
+        self.stats.reserved_bytes.add(pool, sleeper.size as i64);
+        self.stats.num_device_alloc += count;
+        if let Some(saved) = sleeper.saved {
+            self.recycle_saved(saved.buf);
+        }
     }
 
     /// Forgets sleepers whose segment no longer holds allocations (freed while asleep): an
@@ -480,50 +539,6 @@ impl Inner {
             }
         }
         self.regions[index].sleepers = kept;
-        Ok(())
-    }
-
-    /// Maps new memory at a sleeping segment's range and copies its bytes back. On failure
-    /// nothing stays mapped and the sleeper comes back, still asleep, with its bytes.
-    fn wake_one(
-        &mut self,
-        device: &dyn crate::device::Device,
-        mut sleeper: Sleeper,
-    ) -> std::result::Result<(), (Error, Sleeper)> {
-        let chunks = match self.map_for_wake(device, &sleeper) {
-            Ok(chunks) => chunks,
-            Err(err) => return Err((err, sleeper)),
-        };
-        let handles = blocks::handle_layout(&chunks);
-        if let Some(saved) = sleeper.saved.take() {
-            // A copy in only reads the host buffer: settled or not, the sleeper keeps it.
-            let copied = self.sleep_stream(device).and_then(|stream| {
-                self.copy_saved(
-                    device,
-                    Direction::HostToDevice,
-                    std::slice::from_ref(&saved),
-                    &[sleeper.va],
-                    stream,
-                )
-                .map_err(|(err, _)| err)
-            });
-            sleeper.saved = Some(saved);
-            if let Err(err) = copied {
-                // The copy was never queued or cannot be waited for (the device is lost):
-                // nothing runs on the new memory any more.
-                self.bury_new(device, sleeper.va, &handles, &chunks);
-                return Err((err.context("copying a sleeping region back"), sleeper));
-            }
-        }
-        let segment = &mut self.map.segments[sleeper.segment];
-        let pool = segment.pool;
-        segment.chunks = chunks;
-        let count = segment.chunks.len() as i64;
-        self.stats.reserved_bytes.add(pool, sleeper.size as i64);
-        self.stats.num_device_alloc += count;
-        if let Some(saved) = sleeper.saved {
-            self.recycle_saved(saved.buf);
-        }
         Ok(())
     }
 
@@ -649,6 +664,30 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// Queues the copies of `pieces` (inside pinned buffers of the pool's, which stay the pool's
+/// until the copies are known done) on `stream`; stops at the first that cannot be queued.
+fn queue_pinned(
+    device: &dyn crate::device::Device,
+    direction: Direction,
+    pieces: &[CopyPiece],
+    stream: Stream,
+) -> Result<()> {
+    for piece in pieces {
+        // SAFETY: per this function's contract.
+        unsafe {
+            match direction {
+                Direction::DeviceToHost => {
+                    device.copy_to_host(piece.host as *mut u8, piece.device, piece.len, stream)
+                }
+                Direction::HostToDevice => {
+                    device.copy_to_device(piece.device, piece.host as *const u8, piece.len, stream)
+                }
+            }
+        }?;
+    }
+    Ok(())
 }
 
 /// `len` zeroed bytes of ordinary memory: fresh pages from the system, so nothing is written

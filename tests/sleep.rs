@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{has_pattern, host_device, pattern, read, write_pattern};
+use common::{check, has_pattern, host_device, host_pool as setup, pattern, read, write_pattern};
 use glake::config::{Config, SleepHost};
 use glake::device::fault::FaultDevice;
 use glake::device::host::HostDevice;
@@ -18,17 +18,6 @@ use glake::{ErrorKind, Pool};
 
 const MIB: usize = 1 << 20;
 const S: Stream = Stream::DEFAULT;
-
-fn setup(total: usize) -> (Arc<HostDevice>, SharedDevice, Pool) {
-    let host = host_device(total);
-    let device: SharedDevice = host.clone();
-    let pool = Pool::new(device.clone(), Config::default()).expect("pool");
-    (host, device, pool)
-}
-
-fn check(pool: &Pool) {
-    pool.check_invariants().expect("invariants");
-}
 
 /// Allocates `sizes` in region `name` and writes a pattern seeded `seed + i` into each.
 fn fill(
@@ -266,25 +255,51 @@ fn sleep_waits_for_queued_work_and_empty_cache_leaves_sleepers_alone() {
     device.destroy_stream(stream).expect("destroy");
 }
 
-/// One sleep and wake of a two-segment region with the `n`-th call of `kind` failing during
-/// the sleep (`in_wake`: during the wake): the call reports an error or completes, nothing is
-/// lost, the pool stays consistent, a retry completes and nothing leaks.
-fn fault_run(kind: CallKind, n: u64, in_wake: bool) -> bool {
+/// A pool on a fault-injecting host device (`raw` underneath, for the test's own reads) with
+/// region "w": three filled allocations (`weights`) and a cached free segment, which sleep
+/// releases.
+struct Faulty {
+    host: Arc<HostDevice>,
+    raw: SharedDevice,
+    fault: Arc<FaultDevice>,
+    pool: Pool,
+    weights: Vec<(DevicePtr, usize)>,
+}
+
+/// A [`Faulty`] region, asleep when `asleep`.
+fn faulty_region(asleep: bool) -> Faulty {
     let host = host_device(256 * MIB);
     let raw: SharedDevice = host.clone();
     let fault = Arc::new(FaultDevice::new(raw.clone()));
     let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
     let weights = fill(&pool, &raw, "w", &[6 * MIB, 20 * MIB, 3000], 40);
-    let idle = {
-        pool.begin_region("w").expect("begin");
-        let p = pool.malloc(10 * MIB, S).expect("idle");
-        pool.end_region().expect("end");
-        p
-    };
-    pool.free(idle).expect("free"); // a cached free segment, released by sleep
-    if in_wake {
+    pool.begin_region("w").expect("begin");
+    let idle = pool.malloc(10 * MIB, S).expect("idle");
+    pool.end_region().expect("end");
+    pool.free(idle).expect("free");
+    if asleep {
         pool.sleep("w", SleepMode::Keep).expect("sleep");
     }
+    Faulty {
+        host,
+        raw,
+        fault,
+        pool,
+        weights,
+    }
+}
+
+/// One sleep and wake of a two-segment region with the `n`-th call of `kind` failing during
+/// the sleep (`in_wake`: during the wake): the call reports an error or completes, nothing is
+/// lost, the pool stays consistent, a retry completes and nothing leaks.
+fn fault_run(kind: CallKind, n: u64, in_wake: bool) -> bool {
+    let Faulty {
+        host,
+        raw,
+        fault,
+        pool,
+        weights,
+    } = faulty_region(in_wake);
     let before = fault.injected();
     fault.fail_nth(kind, n);
     let result = if in_wake {
@@ -333,37 +348,20 @@ fn fault_run(kind: CallKind, n: u64, in_wake: bool) -> bool {
 
 /// The calls of each kind one sleep (or wake) makes, counted on a clean run.
 fn calls_of(in_wake: bool) -> Vec<(CallKind, u64)> {
-    let host = host_device(256 * MIB);
-    let raw: SharedDevice = host.clone();
-    let fault = Arc::new(FaultDevice::new(raw.clone()));
-    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
-    let _weights = fill(&pool, &raw, "w", &[6 * MIB, 20 * MIB, 3000], 40);
-    pool.begin_region("w").expect("begin");
-    let idle = pool.malloc(10 * MIB, S).expect("idle");
-    pool.end_region().expect("end");
-    pool.free(idle).expect("free");
-    if in_wake {
-        pool.sleep("w", SleepMode::Keep).expect("sleep");
-    }
-    let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
-    if in_wake {
-        pool.wake("w").expect("wake");
-    } else {
-        pool.sleep("w", SleepMode::Keep).expect("sleep");
-    }
-    CallKind::ALL
-        .iter()
-        .zip(before)
-        .map(|(&k, b)| (k, fault.calls(k) - b))
-        .filter(|&(_, n)| n > 0)
-        .collect()
+    let Faulty { fault, pool, .. } = faulty_region(in_wake);
+    common::calls_made(&fault, || {
+        if in_wake {
+            pool.wake("w").expect("wake");
+        } else {
+            pool.sleep("w", SleepMode::Keep).expect("sleep");
+        }
+    })
 }
 
 #[test]
 fn a_fault_at_each_driver_call_of_a_sleep_or_a_wake_loses_nothing() {
     for in_wake in [false, true] {
         let calls = calls_of(in_wake);
-        let kinds: Vec<CallKind> = calls.iter().map(|&(k, _)| k).collect();
         let expected: &[CallKind] = if in_wake {
             &[
                 CallKind::CreatePhysical,
@@ -382,22 +380,8 @@ fn a_fault_at_each_driver_call_of_a_sleep_or_a_wake_loses_nothing() {
                 CallKind::Unreserve,
             ]
         };
-        for kind in expected {
-            assert!(
-                kinds.contains(kind),
-                "wake={in_wake}: no {kind:?} in {calls:?}"
-            );
-        }
-        let mut fired = 0;
-        for &(kind, count) in &calls {
-            for n in 1..=count {
-                fired += u64::from(fault_run(kind, n, in_wake));
-            }
-        }
-        let total: u64 = calls.iter().map(|&(_, n)| n).sum();
-        assert_eq!(
-            fired, total,
-            "wake={in_wake}: every planned failure fires ({calls:?})"
-        );
+        common::sweep_every_call(&format!("wake={in_wake}"), &calls, expected, |kind, n| {
+            fault_run(kind, n, in_wake)
+        });
     }
 }

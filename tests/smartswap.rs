@@ -355,7 +355,7 @@ fn a_session_brings_back_what_an_op_touches_and_restarts_on_a_new_iteration() {
 #[test]
 fn a_session_survives_any_driver_failure_in_a_planned_iteration() {
     use glake::device::fault::FaultDevice;
-    use glake::device::{CallKind, SharedDevice, Stream};
+    use glake::device::{SharedDevice, Stream};
     use glake::smartswap::{Session, SessionPhase};
     use glake::{Config, Pool};
     use std::sync::Arc;
@@ -418,14 +418,9 @@ fn a_session_survives_any_driver_failure_in_a_planned_iteration() {
         assert!(iteration(&mut session, &pool, &device, seed * 10).is_empty());
     }
     assert_eq!(session.phase(), SessionPhase::Stable);
-    let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
-    assert!(iteration(&mut session, &pool, &device, 20).is_empty());
-    let counts: Vec<(CallKind, u64)> = CallKind::ALL
-        .iter()
-        .zip(before)
-        .map(|(&k, b)| (k, fault.calls(k) - b))
-        .filter(|&(_, n)| n > 0)
-        .collect();
+    let counts = common::calls_made(&fault, || {
+        assert!(iteration(&mut session, &pool, &device, 20).is_empty());
+    });
     assert!(session.report().swapped_out > 0);
     drop((session, pool));
     let (mut swept, mut fired) = (0, 0);

@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{has_pattern, host_device, write_pattern};
+use common::{check, has_pattern, host_device, host_pool as setup, write_pattern};
 use glake::config::Config;
 use glake::device::fault::FaultDevice;
 use glake::device::host::HostDevice;
@@ -16,17 +16,6 @@ use glake::{ErrorKind, Pool};
 
 const MIB: usize = 1 << 20;
 const S: Stream = Stream::DEFAULT;
-
-fn setup(total: usize) -> (Arc<HostDevice>, SharedDevice, Pool) {
-    let host = host_device(total);
-    let device: SharedDevice = host.clone();
-    let pool = Pool::new(device.clone(), Config::default()).expect("pool");
-    (host, device, pool)
-}
-
-fn check(pool: &Pool) {
-    pool.check_invariants().expect("invariants");
-}
 
 #[test]
 fn swap_out_releases_memory_and_swap_in_restores_bytes_at_the_same_address() {
@@ -292,25 +281,19 @@ fn calls_of_swap(swap_in: bool) -> Vec<(CallKind, u64)> {
     if swap_in {
         pool.swap_out(a).expect("swap out");
     }
-    let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
-    if swap_in {
-        pool.swap_in(a).expect("swap in");
-    } else {
-        pool.swap_out(a).expect("swap out");
-    }
-    CallKind::ALL
-        .iter()
-        .zip(before)
-        .map(|(&k, b)| (k, fault.calls(k) - b))
-        .filter(|&(_, n)| n > 0)
-        .collect()
+    common::calls_made(&fault, || {
+        if swap_in {
+            pool.swap_in(a).expect("swap in");
+        } else {
+            pool.swap_out(a).expect("swap out");
+        }
+    })
 }
 
 #[test]
 fn a_fault_at_each_driver_call_of_a_swap_leaves_a_consistent_pool() {
     for swap_in in [false, true] {
         let calls = calls_of_swap(swap_in);
-        let kinds: Vec<CallKind> = calls.iter().map(|&(k, _)| k).collect();
         let expected: &[CallKind] = if swap_in {
             &[
                 CallKind::CreatePhysical,
@@ -327,17 +310,12 @@ fn a_fault_at_each_driver_call_of_a_swap_leaves_a_consistent_pool() {
                 CallKind::Copy,
             ]
         };
-        for kind in expected {
-            assert!(
-                kinds.contains(kind),
-                "swap_in={swap_in}: no {kind:?} in {calls:?}"
-            );
-        }
-        for (kind, count) in calls {
-            for n in 1..=count {
-                assert!(fault_run(kind, n, swap_in), "{kind:?} #{n} did not fire");
-            }
-        }
+        common::sweep_every_call(
+            &format!("swap_in={swap_in}"),
+            &calls,
+            expected,
+            |kind, n| fault_run(kind, n, swap_in),
+        );
     }
 }
 
@@ -467,14 +445,9 @@ fn stream_ordered_swaps_survive_each_driver_failure() {
         let copy = device.create_stream().expect("copy stream");
         let ptr = pool.malloc_swappable(size, S).expect("malloc");
         round(&pool, &io, ptr, copy); // the pinned buffer, made once
-        let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
-        round(&pool, &io, ptr, copy);
-        CallKind::ALL
-            .iter()
-            .zip(before)
-            .map(|(&k, b)| (k, fault.calls(k) - b))
-            .filter(|&(_, n)| n > 0)
-            .collect::<Vec<_>>()
+        common::calls_made(&fault, || {
+            round(&pool, &io, ptr, copy);
+        })
     };
     let mut fired = 0;
     for &(kind, total) in &counts {

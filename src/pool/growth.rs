@@ -178,13 +178,8 @@ impl Inner {
         self.stats.num_device_free += removed.chunks.len() as i64;
         self.sync_split_stats();
         let zombie = Zombie {
-            unmaps: removed
-                .chunks
-                .iter()
-                .map(|c| (removed.va + c.offset as u64, c.len))
-                .collect(),
-            handles: removed.chunks.iter().map(|c| c.handle).collect(),
             reservation: Some((removed.va, removed.size)),
+            ..Zombie::mapped(removed.va, &removed.chunks)
         };
         self.bury(device, zombie);
         Ok(())
@@ -269,6 +264,18 @@ pub(super) struct Zombie {
 }
 
 impl Zombie {
+    /// The mappings and handles of `chunks`, mapped at `va` (the range stays reserved).
+    pub(super) fn mapped(va: DevicePtr, chunks: &[Chunk]) -> Self {
+        Zombie {
+            unmaps: chunks
+                .iter()
+                .map(|c| (va + c.offset as u64, c.len))
+                .collect(),
+            handles: chunks.iter().map(|c| c.handle).collect(),
+            reservation: None,
+        }
+    }
+
     pub(super) fn handles(chunks: &[Chunk]) -> Self {
         Zombie {
             unmaps: Vec::new(),

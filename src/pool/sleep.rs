@@ -277,15 +277,7 @@ impl Inner {
                 size,
                 saved: saved.as_mut().and_then(|s| s.next()),
             });
-            let zombie = Zombie {
-                unmaps: chunks
-                    .iter()
-                    .map(|c| (va + c.offset as u64, c.len))
-                    .collect(),
-                handles: chunks.iter().map(|c| c.handle).collect(),
-                reservation: None,
-            };
-            self.bury(device, zombie);
+            self.bury(device, Zombie::mapped(va, &chunks));
         }
         Ok(())
     }

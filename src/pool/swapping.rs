@@ -214,15 +214,7 @@ impl Inner {
         if let Some(entry) = self.swappable.get_mut(&ptr) {
             entry.host = Some(HostCopy { bytes, layout });
         }
-        let zombie = Zombie {
-            unmaps: chunks
-                .iter()
-                .map(|c| (va + c.offset as u64, c.len))
-                .collect(),
-            handles: chunks.iter().map(|c| c.handle).collect(),
-            reservation: None,
-        };
-        self.bury(device, zombie);
+        self.bury(device, Zombie::mapped(va, &chunks));
     }
 
     /// Whether a teardown still to be retried unmaps part of `[va, va+size)`.

@@ -117,3 +117,55 @@ pub fn c_host_config() -> glake::ffi::glake_config {
     config.backend = glake::ffi::glake_backend::GLAKE_BACKEND_HOST as u32;
     config
 }
+
+/// The driver calls of each kind that `work` makes on `fault`, those it made at least once.
+pub fn calls_made(
+    fault: &glake::device::fault::FaultDevice,
+    work: impl FnOnce(),
+) -> Vec<(glake::device::CallKind, u64)> {
+    use glake::device::CallKind;
+    let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
+    work();
+    CallKind::ALL
+        .iter()
+        .zip(before)
+        .map(|(&k, b)| (k, fault.calls(k) - b))
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+/// A pool with the default configuration on a host device of `total` bytes, with the device
+/// as itself and as the seam.
+pub fn host_pool(total: usize) -> (Arc<HostDevice>, SharedDevice, glake::Pool) {
+    let host = host_device(total);
+    let device: SharedDevice = host.clone();
+    let pool = glake::Pool::new(device.clone(), glake::config::Config::default()).expect("pool");
+    (host, device, pool)
+}
+
+/// The pool's own bookkeeping is consistent.
+pub fn check(pool: &glake::Pool) {
+    pool.check_invariants().expect("invariants");
+}
+
+/// A fault sweep: `calls` (from [`calls_made`]) must include every kind in `expected`; then
+/// `run(kind, n)` replays the scenario with the `n`-th call of `kind` failing, for every call
+/// made, and must report that the failure fired.
+pub fn sweep_every_call(
+    what: &str,
+    calls: &[(glake::device::CallKind, u64)],
+    expected: &[glake::device::CallKind],
+    mut run: impl FnMut(glake::device::CallKind, u64) -> bool,
+) {
+    for kind in expected {
+        assert!(
+            calls.iter().any(|&(k, _)| k == *kind),
+            "{what}: no {kind:?} in {calls:?}"
+        );
+    }
+    for &(kind, count) in calls {
+        for n in 1..=count {
+            assert!(run(kind, n), "{what}: {kind:?} #{n} did not fire");
+        }
+    }
+}

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the CUDA test suite, on a GPU machine with gpu-bundle/ from
+# scripts/gpu-bundle.sh: memcheck (device accesses out of bounds or to freed or unmapped
+# memory, driver API errors, device memory leaks) over every test binary, the C examples and
+# the C++ suite; racecheck and synccheck over the C++ suite and the PyTorch tests of glake's
+# allocator (the kernels there are PyTorch's, on glake's memory). A run fails on any error the
+# tool reports. Results in $OUT (or ./gpu-results): sanitize.txt and one log per run.
+#   bash scripts/gpu-sanitize.sh            # everything
+#   SANITIZE_TORCH=0 bash scripts/gpu-sanitize.sh   # without the PyTorch part
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-results}
+mkdir -p "$out/sanitize-logs"
+tool=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+summary="$out/sanitize.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 |
+  sed 's/^/gpu: /' > "$summary"
+if [ ! -x "$tool" ]; then
+  echo "no compute-sanitizer on this machine" | tee -a "$summary"
+  exit 1
+fi
+"$tool" --version | tail -1 | sed 's/^/tool: /' | tee -a "$summary"
+export GLAKE_TEST_BACKEND=cuda RUST_BACKTRACE=1
+export LD_LIBRARY_PATH="$PWD/gpu-bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+status=0
+# run <check> <name> <command...>: one program under one check, with the tool's error count.
+run() {
+  local check=$1 name=$2
+  shift 2
+  local log="$out/sanitize-logs/$check-$name.log"
+  local extra=()
+  [ "$check" = memcheck ] && extra=(--leak-check full --check-api-memory-access yes)
+  if timeout "${SANITIZE_TIMEOUT_S:-600}" "$tool" --tool "$check" "${extra[@]}" \
+    --error-exitcode 9 --target-processes all "$@" > "$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+  echo "$check $name: $r $(grep -E 'ERROR SUMMARY' "$log" | tail -1)" | tee -a "$summary"
+}
+for t in gpu-bundle/test-*; do
+  name=$(basename "$t")
+  # Build-machine checks (see gpu-run.sh).
+  [ "$name" = test-header ] || [ "$name" = test-replay ] && continue
+  run memcheck "$name" "$t" --test-threads=1
+done
+for t in gpu-bundle/c-* gpu-bundle/glake_tests_shared; do
+  [ -x "$t" ] || continue
+  run memcheck "$(basename "$t")" "$t"
+done
+for check in racecheck synccheck; do
+  [ -x gpu-bundle/glake_tests_shared ] && run "$check" glake_tests_shared gpu-bundle/glake_tests_shared
+done
+if [ "${SANITIZE_TORCH:-1}" != 0 ]; then
+  export GLAKE_LIBRARY="$PWD/gpu-bundle/lib/libgmlake.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+  if ! python3 -c 'import pytest' 2>/dev/null && ls gpu-bundle/wheels/pytest-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/glake-site gpu-bundle/wheels/*.whl &&
+      export PYTHONPATH="$PYTHONPATH:/tmp/glake-site"
+  fi
+  python3 -m glake.native > /dev/null 2>&1 || true  # build the native allocator outside the tool
+  for check in memcheck racecheck; do
+    run "$check" torch python3 -m pytest -q -x python/tests/gpu/test_torch.py python/tests/gpu/test_sleep.py \
+      -k "not two_gpu and not fsdp and not ddp and not compile"
+  done
+fi
+exit $status

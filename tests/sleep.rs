@@ -249,6 +249,15 @@ fn sleep_waits_for_queued_work_and_empty_cache_leaves_sleepers_alone() {
     pool.sleep("w", SleepMode::Keep).expect("sleep");
     pool.empty_cache().expect("empty_cache");
     check(&pool);
+    // Snapshots show a sleeping segment: its range, its allocation, no physical handles.
+    let snapshot = pool.snapshot();
+    let segment = snapshot
+        .segments
+        .iter()
+        .find(|s| s.address <= p && p < s.address + s.total_size as u64)
+        .expect("the sleeping segment is in the snapshot");
+    assert!(segment.chunk_sizes.is_empty() && segment.allocated_size >= 8 * MIB);
+    assert!(snapshot.to_json().contains("segments"));
     pool.wake("w").expect("wake");
     assert_eq!(read(&device, p, 8 * MIB), bytes);
     pool.free(p).expect("free");

@@ -53,6 +53,10 @@ pub struct Config {
     pub chunk_divisor: usize,
     /// Where a sleeping region's bytes wait on the host (`GLAKE_SLEEP_HOST`).
     pub sleep_host: SleepHost,
+    /// The sleep region of every allocation made outside another region
+    /// (`GLAKE_SLEEP_REGION`): the whole process's memory can then sleep and wake as one,
+    /// without a code change; its allocations are not stitched.
+    pub default_region: Option<String>,
 }
 
 /// Host memory of sleeping regions.
@@ -81,6 +85,7 @@ impl Default for Config {
             max_chunk: 32 * MIB,
             chunk_divisor: 512,
             sleep_host: SleepHost::Pinned,
+            default_region: None,
         }
     }
 }
@@ -137,6 +142,9 @@ const CHUNK_DIVISOR: Var = Var {
 };
 const SLEEP_HOST: Var = Var {
     names: &["GLAKE_SLEEP_HOST"],
+};
+const SLEEP_REGION: Var = Var {
+    names: &["GLAKE_SLEEP_REGION"],
 };
 
 impl Var {
@@ -291,6 +299,14 @@ impl Config {
                 _ => warn_bad_value(name, &value, &format!("{:?}", self.sleep_host)),
             }
         }
+        if let Some((name, value)) = SLEEP_REGION.lookup() {
+            let value = value.trim();
+            if value.is_empty() || value.len() > crate::pool::MAX_REGION_NAME {
+                warn_bad_value(name, value, "no default region");
+            } else {
+                self.default_region = Some(value.to_string());
+            }
+        }
     }
 
     /// Checks the values a program set directly (the environment path never fails).
@@ -322,6 +338,15 @@ impl Config {
         }
         if self.chunk_divisor == 0 {
             return bad("chunk_divisor must be at least 1".to_string());
+        }
+        if let Some(name) = &self.default_region {
+            if name.is_empty() || name.len() > crate::pool::MAX_REGION_NAME {
+                return bad(format!(
+                    "default_region has {} bytes: 1 to {} are allowed",
+                    name.len(),
+                    crate::pool::MAX_REGION_NAME
+                ));
+            }
         }
         if !self.max_chunk.is_power_of_two() {
             return bad(format!(

@@ -8,6 +8,7 @@ use glake::TransferConfig;
 
 const ALL_NAMES: &[&str] = &[
     "GLAKE_SLEEP_HOST",
+    "GLAKE_SLEEP_REGION",
     "GLAKE_STITCH",
     "vmmDefragment",
     "GLAKE_FRAG_LIMIT",
@@ -92,6 +93,13 @@ fn environment_names_and_aliases() {
     assert_eq!(Config::from_env().sleep_host, SleepHost::Pageable);
     set("GLAKE_SLEEP_HOST", "disk");
     assert_eq!(Config::from_env().sleep_host, SleepHost::Pinned);
+    set("GLAKE_SLEEP_REGION", " process ");
+    assert_eq!(
+        Config::from_env().default_region.as_deref(),
+        Some("process")
+    );
+    set("GLAKE_SLEEP_REGION", "");
+    assert_eq!(Config::from_env().default_region, None);
     clear();
 
     set("GLAKE_MEMORY_FRACTION", "0.25");

@@ -136,6 +136,48 @@ fn pageable_host_buffers_go_through_the_copy_engine() {
 }
 
 #[test]
+fn a_default_region_takes_every_allocation_made_outside_another() {
+    let host = host_device(512 * MIB);
+    let device: SharedDevice = host.clone();
+    let config = Config {
+        default_region: Some("process".into()),
+        ..Config::default()
+    };
+    let pool = Pool::new(device.clone(), config).expect("pool");
+    let big = pool.malloc(12 * MIB, S).expect("big");
+    let small = pool.malloc(1000, S).expect("small");
+    write_pattern(&device, big, 12 * MIB, 81);
+    write_pattern(&device, small, 1000, 82);
+    let kv = fill(&pool, &device, "kv", &[4 * MIB], 83);
+    let process = pool.region_info("process").expect("made with the pool");
+    assert!(process.allocated_bytes >= 12 * MIB + 1000, "{process:?}");
+    assert_eq!(pool.region_info("kv").expect("kv").allocated_bytes, 4 * MIB);
+    pool.sleep("process", SleepMode::Keep).expect("sleep");
+    // Everything outside "kv" sleeps; "kv" stays; a new allocation outside it is refused.
+    assert_eq!(
+        pool.stats().reserved_bytes.all.current,
+        pool.region_info("kv").expect("kv").resident_bytes as i64
+    );
+    assert_eq!(
+        pool.malloc(MIB, S).expect_err("asleep").kind(),
+        ErrorKind::InvalidState
+    );
+    assert!(intact(&device, &kv, 83));
+    pool.wake("process").expect("wake");
+    assert!(has_pattern(&device, big, 12 * MIB, 81));
+    assert!(has_pattern(&device, small, 1000, 82));
+    check(&pool);
+    let bad = Config {
+        default_region: Some(String::new()),
+        ..Config::default()
+    };
+    assert_eq!(
+        Pool::new(device.clone(), bad).err().map(|e| e.kind()),
+        Some(ErrorKind::InvalidArgument)
+    );
+}
+
+#[test]
 fn regions_sleep_apart_and_drop_mode_keeps_no_bytes() {
     let (host, device, pool) = setup(512 * MIB);
     let weights = fill(&pool, &device, "weights", &[16 * MIB, 3 * MIB], 10);

@@ -202,3 +202,27 @@ def sleep_when_idle(module, idle_seconds=60.0, tags=None, device=None):
     """Watches `module`: its regions (`tags`, default every region of the device) sleep after
     `idle_seconds` without a forward and wake before the next. Returns the IdleSleeper."""
     return IdleSleeper(module, idle_seconds, tags, device)
+
+
+_auto = {"hook": None, "sleeper": None}
+
+
+def enable_auto_idle(idle_seconds, tag):
+    """Watches the first module called from now on as sleep_when_idle(module, idle_seconds,
+    [tag]) does (what GLAKE_SLEEP_IDLE turns on)."""
+    import torch
+
+    if _auto["hook"] is not None:
+        return
+
+    def pre_hook(module, args):
+        if _auto["hook"] is None:
+            return
+        _auto["hook"].remove()
+        _auto["hook"] = None
+        sleeper = IdleSleeper(module, idle_seconds, tags=[tag])
+        _auto["sleeper"] = sleeper
+        # Its own pre-hook missed this call; its post-hook will see it end.
+        sleeper._before(module, args)
+
+    _auto["hook"] = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)

@@ -81,6 +81,10 @@ def enable(native=None, swap=None, **config):
     """Makes glake PyTorch's CUDA allocator. Call before any CUDA memory is allocated; calling
     again is a no-op. Raises RuntimeError when CUDA is already initialised.
 
+    With GLAKE_SLEEP_IDLE=<seconds> every allocation goes to one sleep region
+    (GLAKE_SLEEP_REGION, default "process") and the first module called sleeps it after that
+    many idle seconds and wakes it before its next forward (glake.sleep.sleep_when_idle).
+
     `swap` turns on SmartSwap for the first model trained (glake.swap): True, or a dict of its
     settings ({"target": 0.6, ...}); by default on when GLAKE_SWAP_TARGET is set.
 
@@ -97,6 +101,12 @@ def enable(native=None, swap=None, **config):
         from . import swap as _swap
 
         _swap.enable_auto(**(swap if isinstance(swap, dict) else {}))
+    idle = os.environ.get("GLAKE_SLEEP_IDLE")
+    if idle and not _torch.cuda.is_initialized():
+        # The whole process's memory in one region (read when the first pool is made), put
+        # to sleep when the first module called has been idle that long.
+        os.environ.setdefault("GLAKE_SLEEP_REGION", "process")
+        _sleep.enable_auto_idle(float(idle), os.environ["GLAKE_SLEEP_REGION"])
     if _torch.cuda.is_initialized():
         raise RuntimeError(
             "glake.torch.enable() must run before CUDA is initialised in this process "

@@ -124,6 +124,8 @@ struct Inner {
     id: u64,
     /// Sleep regions, in the order they were made.
     regions: Vec<sleep::Region>,
+    /// The region of allocations made outside any other (`Config::default_region`).
+    default_region: Option<Tag>,
     /// The stream of sleep and wake copies, made on first use.
     sleep_stream: Option<Stream>,
     /// The copy engine of pageable sleep buffers (`SleepHost::Pageable`), made on first use.
@@ -168,7 +170,8 @@ impl Pool {
         let total_memory = device.mem_info()?.total;
         let cap = MemoryCap::new(total_memory, config.memory_fraction, config.memory_limit)?;
         let access = vec![device.ordinal()];
-        Ok(Pool {
+        let default_region = config.default_region.clone();
+        let pool = Pool {
             device,
             inner: Mutex::new(Inner {
                 config,
@@ -196,11 +199,18 @@ impl Pool {
                 pinned: swap_async::PinnedCache::default(),
                 id: NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 regions: Vec::new(),
+                default_region: None,
                 sleep_stream: None,
                 sleep_engine: None,
                 pageable: Vec::new(),
             }),
-        })
+        };
+        if let Some(name) = default_region {
+            let mut inner = lock(&pool.inner);
+            let tag = inner.region_tag(&name)?;
+            inner.default_region = Some(tag);
+        }
+        Ok(pool)
     }
 
     pub fn device(&self) -> &SharedDevice {

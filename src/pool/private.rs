@@ -32,7 +32,7 @@ impl Inner {
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
         let tag = match private {
-            None => match super::sleep::current_region(self.id) {
+            None => match super::sleep::current_region(self.id).or(self.default_region) {
                 Some(region) => {
                     self.check_region_awake(region)?;
                     region

@@ -17,11 +17,12 @@ glake.torch.enable()
 import torch  # noqa: E402
 
 
-def run_script(code, *args, nproc=None, timeout=300, launcher=False, glake_off=False):
+def run_script(code, *args, nproc=None, timeout=300, launcher=False, glake_off=False, env=None):
     """Runs `code` in a new interpreter (with this package importable); returns its output,
     failing the test on a nonzero exit. `nproc`: under torchrun with that many workers;
-    `launcher`: through `python -m glake.run`; `glake_off`: with no GLAKE_ENABLE."""
-    env = dict(os.environ)
+    `launcher`: through `python -m glake.run`; `glake_off`: with no GLAKE_ENABLE; `env`:
+    variables set for it."""
+    env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), env.get("PYTHONPATH")]))
     if glake_off:
         env.pop("GLAKE_ENABLE", None)

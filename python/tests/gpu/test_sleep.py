@@ -9,6 +9,8 @@ import torch
 import glake.torch
 from glake.torch import torch_memory_saver
 
+from conftest import run_script
+
 MIB = 1 << 20
 
 
@@ -110,3 +112,26 @@ def test_an_idle_module_sleeps_and_wakes_on_its_next_call():
         sleeper.close()
     assert not glake.torch.region_info("test-idle")["asleep"]
     del model
+
+
+IDLE_FROM_THE_ENVIRONMENT = """
+import time, torch, glake.torch
+model = torch.nn.Linear(4096, 4096).cuda()
+x = torch.randn(8, 4096, device="cuda")
+with torch.no_grad():
+    expected = model(x)
+deadline = time.monotonic() + 10
+while not glake.torch.region_info("process")["asleep"]:
+    assert time.monotonic() < deadline, "never slept"
+    time.sleep(0.05)
+asleep = glake.torch.region_info("process")
+assert asleep["resident_bytes"] == 0, asleep
+with torch.no_grad():
+    assert torch.equal(model(x), expected)
+print("slept and woke", asleep["asleep_bytes"])
+"""
+
+
+def test_glake_sleep_idle_needs_no_code_change():
+    out = run_script(IDLE_FROM_THE_ENVIRONMENT, launcher=True, env={"GLAKE_SLEEP_IDLE": "0.3"})
+    assert "slept and woke" in out

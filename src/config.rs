@@ -57,6 +57,11 @@ pub struct Config {
     /// (`GLAKE_SLEEP_REGION`): the whole process's memory can then sleep and wake as one,
     /// without a code change; its allocations are not stitched.
     pub default_region: Option<String>,
+    /// Guard-page mode (`GLAKE_GUARD=1`), for finding out-of-bounds writes: every allocation of
+    /// the shared pool gets memory of its own whose end meets an unmapped range, so a write
+    /// past its end faults at once; freed memory is unmapped at once. Slow, and costs a
+    /// mapping granule per allocation: a debugging mode.
+    pub guard: bool,
 }
 
 /// Host memory of sleeping regions.
@@ -86,6 +91,7 @@ impl Default for Config {
             chunk_divisor: 512,
             sleep_host: SleepHost::Pinned,
             default_region: None,
+            guard: false,
         }
     }
 }
@@ -145,6 +151,9 @@ const SLEEP_HOST: Var = Var {
 };
 const SLEEP_REGION: Var = Var {
     names: &["GLAKE_SLEEP_REGION"],
+};
+const GUARD: Var = Var {
+    names: &["GLAKE_GUARD"],
 };
 
 impl Var {
@@ -297,6 +306,12 @@ impl Config {
                 "pinned" => self.sleep_host = SleepHost::Pinned,
                 "pageable" => self.sleep_host = SleepHost::Pageable,
                 _ => warn_bad_value(name, &value, &format!("{:?}", self.sleep_host)),
+            }
+        }
+        if let Some((name, value)) = GUARD.lookup() {
+            match parse_bool(&value) {
+                Some(on) => self.guard = on,
+                None => warn_bad_value(name, &value, &format!("{}", self.guard as u8)),
             }
         }
         if let Some((name, value)) = SLEEP_REGION.lookup() {

@@ -7,6 +7,7 @@ use glake::transfer::HostCopy;
 use glake::TransferConfig;
 
 const ALL_NAMES: &[&str] = &[
+    "GLAKE_GUARD",
     "GLAKE_SLEEP_HOST",
     "GLAKE_SLEEP_REGION",
     "GLAKE_STITCH",
@@ -93,6 +94,10 @@ fn environment_names_and_aliases() {
     assert_eq!(Config::from_env().sleep_host, SleepHost::Pageable);
     set("GLAKE_SLEEP_HOST", "disk");
     assert_eq!(Config::from_env().sleep_host, SleepHost::Pinned);
+    set("GLAKE_GUARD", "1");
+    assert!(Config::from_env().guard);
+    set("GLAKE_GUARD", "maybe");
+    assert!(!Config::from_env().guard);
     set("GLAKE_SLEEP_REGION", " process ");
     assert_eq!(
         Config::from_env().default_region.as_deref(),

@@ -28,6 +28,8 @@ pub type Tag = u32;
 pub const SHARED: Tag = 0;
 /// Tags from here on name sleep regions (private pools count up from 1).
 pub const FIRST_REGION: Tag = 1 << 31;
+/// Guard-page mode's segments: one allocation each, its end against an unmapped range.
+pub const GUARDED: Tag = FIRST_REGION - 1;
 
 /// Whether `tag` names a sleep region: memory kept apart so it can sleep and wake as one, but
 /// cached and released like the shared pool's.
@@ -103,6 +105,8 @@ pub struct Segment {
     pub pool: PoolKind,
     pub tag: Tag,
     pub first: BlockId,
+    /// Bytes reserved after the segment and never mapped (guard-page mode), freed with it.
+    pub guard: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -244,6 +248,7 @@ impl BlockMap {
             pool,
             tag,
             first: usize::MAX,
+            guard: 0,
         });
         let block = self.blocks.insert(Block {
             addr: va,
@@ -308,7 +313,7 @@ impl BlockMap {
     pub fn idle_segments(&self) -> Vec<SegmentId> {
         self.segments
             .iter()
-            .filter(|(_, s)| s.tag == SHARED || is_region(s.tag))
+            .filter(|(_, s)| s.tag == SHARED || s.tag == GUARDED || is_region(s.tag))
             .filter(|(_, s)| {
                 let b = &self.blocks[s.first];
                 b.state == BlockState::Free && b.next.is_none()

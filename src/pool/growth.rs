@@ -51,6 +51,18 @@ impl Inner {
         size: usize,
         tag: Tag,
     ) -> Result<Option<BlockId>> {
+        self.grow_guarded(device, pool, size, tag, 0)
+    }
+
+    /// As [`Inner::grow`], reserving `guard` more bytes after the segment that stay unmapped.
+    pub(super) fn grow_guarded(
+        &mut self,
+        device: &dyn crate::device::Device,
+        pool: PoolKind,
+        size: usize,
+        tag: Tag,
+        guard: usize,
+    ) -> Result<Option<BlockId>> {
         self.respect_soft_limit(device, size)?;
         if !self.fits_cap(size) {
             return Ok(None);
@@ -71,7 +83,7 @@ impl Inner {
             return Ok(None);
         };
         let layout = blocks::handle_layout(&chunks);
-        let va = match map_range(device, &layout, self.granularity, &self.access) {
+        let va = match map_range(device, &layout, guard, self.granularity, &self.access) {
             Ok(va) => va,
             Err((err, zombie)) => {
                 self.zombies.extend(zombie);
@@ -80,7 +92,8 @@ impl Inner {
             }
         };
         let count = chunks.len() as i64;
-        let (_, block) = self.map.add_segment(va, size, chunks, pool, tag);
+        let (segment, block) = self.map.add_segment(va, size, chunks, pool, tag);
+        self.map.segments[segment].guard = guard;
         events::record(|| SegmentEvent {
             kind: SegmentEventKind::Alloc,
             device: device.ordinal(),
@@ -178,7 +191,7 @@ impl Inner {
         self.stats.num_device_free += removed.chunks.len() as i64;
         self.sync_split_stats();
         let zombie = Zombie {
-            reservation: Some((removed.va, removed.size)),
+            reservation: Some((removed.va, removed.size + removed.guard)),
             ..Zombie::mapped(removed.va, &removed.chunks)
         };
         self.bury(device, zombie);
@@ -228,6 +241,7 @@ impl Inner {
         // held back for them complete after the device wait that precedes every release.
         self.close_private();
         self.settle_regions(device);
+        self.settle_guards();
         self.settle_swaps(device);
         for live in std::mem::take(&mut self.deferred) {
             self.finish_free(live, None);
@@ -324,10 +338,11 @@ pub(super) fn mappings<'a>(
 pub(super) fn map_range(
     device: &dyn crate::device::Device,
     handles: &[(PhysHandle, usize)],
+    guard: usize,
     align: usize,
     access: &[i32],
 ) -> std::result::Result<DevicePtr, (Error, Option<Zombie>)> {
-    let size = handles.iter().map(|&(_, len)| len).sum();
+    let size = handles.iter().map(|&(_, len)| len).sum::<usize>() + guard;
     let va = device.reserve(size, align).map_err(|e| (e, None))?;
     match map_at(device, va, handles, access) {
         Ok(()) => Ok(va),

@@ -32,6 +32,7 @@ pub mod snapshot;
 
 mod alloc;
 mod growth;
+mod guard;
 mod inspect;
 mod keymap;
 mod observe;
@@ -132,6 +133,10 @@ struct Inner {
     sleep_engine: Option<crate::transfer::Engine>,
     /// Pageable buffers of woken regions, kept for the next sleep.
     pageable: Vec<Vec<u8>>,
+    /// Guard-page mode's allocations, by the pointer handed out.
+    guards: KeyMap<DevicePtr, guard::Guarded>,
+    /// Guarded allocations made so far (their numbers in fault reports).
+    guard_count: u64,
 }
 
 /// Numbers pools for the thread-local region routing.
@@ -203,6 +208,8 @@ impl Pool {
                 sleep_stream: None,
                 sleep_engine: None,
                 pageable: Vec::new(),
+                guards: KeyMap::default(),
+                guard_count: 0,
             }),
         };
         if let Some(name) = default_region {
@@ -418,7 +425,11 @@ impl Pool {
 
     /// Frees an allocation. Memory becomes reusable on its stream at once, elsewhere later.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
-        lock(&self.inner).free(&*self.device, ptr)
+        let mut inner = lock(&self.inner);
+        if !inner.guards.is_empty() && inner.guards.contains_key(&ptr) {
+            return inner.free_guarded(&*self.device, ptr);
+        }
+        inner.free(&*self.device, ptr)
     }
 
     /// Frees `ptr` if it is an allocation of this pool (Ok(true)); Ok(false), with nothing
@@ -426,6 +437,9 @@ impl Pool {
     /// among several.
     pub fn free_if_owned(&self, ptr: DevicePtr) -> Result<bool> {
         let mut inner = lock(&self.inner);
+        if !inner.guards.is_empty() && inner.guards.contains_key(&ptr) {
+            return inner.free_guarded(&*self.device, ptr).map(|()| true);
+        }
         if !inner.live.contains_key(&ptr) && !inner.swappable.contains_key(&ptr) {
             return Ok(false);
         }
@@ -436,7 +450,9 @@ impl Pool {
     /// work queued on `stream` by the time of the free has completed.
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
         let known = self.device.knows_stream(stream);
-        lock(&self.inner).record_stream(ptr, stream, known)
+        let mut inner = lock(&self.inner);
+        let ptr = inner.unguard(ptr);
+        inner.record_stream(ptr, stream, known)
     }
 
     /// Returns unused physical memory to the driver, after waiting for the streams that may
@@ -511,7 +527,18 @@ impl Pool {
 
     /// The allocation containing `ptr` (PyTorch's `base_alloc`).
     pub fn allocation_of(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
-        lock(&self.inner).allocation_of(ptr)
+        let inner = lock(&self.inner);
+        let mut info = inner.allocation_of(inner.unguard(ptr))?;
+        let user = inner.guarded_pointer(info.base);
+        if user != info.base {
+            // Guard-page mode: the allocation runs from the pointer handed out to its end.
+            if ptr < user {
+                return None;
+            }
+            info.size -= (user - info.base) as usize;
+            info.base = user;
+        }
+        Some(info)
     }
 
     /// Number of live allocations.

@@ -42,6 +42,9 @@ impl Inner {
             Some(_) => self.tag_of(private)?,
         };
         if self.routing == 0 {
+            if tag == SHARED && self.config.guard {
+                return self.malloc_guarded(device, size, stream);
+            }
             if tag == SHARED && self.wants_swappable(size) {
                 return self.malloc_swappable(device, size, stream);
             }

@@ -139,7 +139,7 @@ impl Inner {
             .iter()
             .flat_map(|p| p.handles.iter().copied())
             .collect();
-        let va = match map_range(device, &handles, self.granularity, &self.access) {
+        let va = match map_range(device, &handles, 0, self.granularity, &self.access) {
             Ok(va) => va,
             Err((err, zombie)) => {
                 self.give_back(&ids, stream);

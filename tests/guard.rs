@@ -1,0 +1,162 @@
+//! Guard-page mode on the host backend: every allocation ends where an unmapped range begins,
+//! so a write one byte past its end faults at once (SIGSEGV, in a child process) after a line
+//! naming the allocation; in-bounds use, frees, statistics and lookups work as without it.
+
+mod common;
+
+use std::process::Command;
+
+use common::{check, has_pattern, host_device, write_pattern};
+use glake::config::Config;
+use glake::device::{DevicePtr, SharedDevice, Stream};
+use glake::{ErrorKind, Pool};
+
+const MIB: usize = 1 << 20;
+const S: Stream = Stream::DEFAULT;
+/// Set in the child processes the fault tests start.
+const CHILD: &str = "GLAKE_GUARD_TEST_CHILD";
+
+fn guarded_pool() -> (SharedDevice, Pool) {
+    let device: SharedDevice = host_device(256 * MIB);
+    let config = Config {
+        guard: true,
+        ..Config::default()
+    };
+    let pool = Pool::new(device.clone(), config).expect("pool");
+    (device, pool)
+}
+
+#[test]
+fn allocations_end_at_their_guard_and_behave_as_usual() {
+    let (device, pool) = guarded_pool();
+    let sizes = [1024, 1000, 3 * MIB, 1];
+    let ptrs: Vec<DevicePtr> = sizes
+        .iter()
+        .map(|&n| pool.malloc(n, S).expect("malloc"))
+        .collect();
+    for (i, (&p, &n)) in ptrs.iter().zip(&sizes).enumerate() {
+        assert_eq!(p % 256, 0, "aligned as the driver's allocations");
+        write_pattern(&device, p, n, i as u64);
+        // Every byte up to the 256-byte boundary is usable; the byte after it is the guard's.
+        let end = p as usize + n.next_multiple_of(256);
+        let info = pool
+            .allocation_of(p + n as u64 - 1)
+            .expect("an interior pointer");
+        assert_eq!(info.base, p);
+        assert_eq!(
+            info.base as usize + info.size,
+            end,
+            "the allocation ends at its guard"
+        );
+        assert_eq!(info.requested, n);
+        assert!(
+            pool.allocation_of(end as u64).is_none(),
+            "the guard is nobody's"
+        );
+    }
+    for (i, (&p, &n)) in ptrs.iter().zip(&sizes).enumerate() {
+        assert!(has_pattern(&device, p, n, i as u64));
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.allocation.all.current, 4);
+    let stream = device.create_stream().expect("stream");
+    pool.record_stream(ptrs[0], stream).expect("record_stream");
+    // Misuse is refused as without guards.
+    assert_eq!(
+        pool.free(ptrs[2] + 8).expect_err("interior").kind(),
+        ErrorKind::InvalidPointer
+    );
+    for p in &ptrs {
+        pool.free(*p).expect("free");
+    }
+    assert!(pool.free(ptrs[0]).is_err(), "a second free");
+    check(&pool);
+    // Freed memory goes back at once: a use after free would fault too.
+    assert_eq!(pool.stats().reserved_bytes.all.current, 0);
+    device.destroy_stream(stream).expect("destroy");
+}
+
+#[test]
+fn regions_and_swappable_allocations_keep_their_own_placement() {
+    let (_device, pool) = guarded_pool();
+    pool.begin_region("w").expect("begin");
+    let in_region = pool.malloc(1000, S).expect("region");
+    pool.end_region().expect("end");
+    assert_eq!(
+        pool.region_info("w").expect("w").allocated_bytes,
+        1000usize.next_multiple_of(512)
+    );
+    let swappable = pool.malloc_swappable(MIB, S).expect("swappable");
+    pool.swap_out(swappable).expect("swap out");
+    pool.swap_in(swappable).expect("swap in");
+    for p in [in_region, swappable] {
+        pool.free(p).expect("free");
+    }
+    check(&pool);
+}
+
+/// Runs test `name` of this binary in a child process that does what the parent's test asks
+/// (`what`), and returns its exit status and stderr.
+fn child(name: &str, what: &str) -> (std::process::ExitStatus, String) {
+    let out = Command::new(std::env::current_exe().expect("this test binary"))
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, what)
+        .output()
+        .expect("the child runs");
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The child's side of the fault tests: makes a guarded allocation of 1000 bytes, writes all
+/// of it, then does what the parent asked. Does nothing in an ordinary test run.
+#[test]
+fn guard_child() {
+    let Ok(what) = std::env::var(CHILD) else {
+        return;
+    };
+    let (_device, pool) = guarded_pool();
+    let p = pool.malloc(1000, S).expect("malloc") as *mut u8;
+    // SAFETY: in bounds (the host backend's memory is this process's).
+    unsafe { std::ptr::write_bytes(p, 7, 1024) };
+    eprintln!("in bounds: fine");
+    match what.as_str() {
+        // SAFETY: deliberately not: the fault is what the parent checks.
+        "overrun" => unsafe { std::ptr::write_volatile(p.add(1024), 1) },
+        "after-free" => {
+            pool.free(p as DevicePtr).expect("free");
+            // SAFETY: deliberately not.
+            unsafe { std::ptr::write_volatile(p, 1) }
+        }
+        _ => {}
+    }
+    eprintln!("no fault");
+}
+
+#[cfg(unix)]
+#[test]
+fn a_write_past_the_end_faults_at_once_and_names_the_allocation() {
+    use std::os::unix::process::ExitStatusExt;
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let (status, stderr) = child("guard_child", "overrun");
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}: {stderr}");
+    assert!(stderr.contains("in bounds: fine"), "{stderr}");
+    assert!(!stderr.contains("no fault"), "{stderr}");
+    assert!(
+        stderr.contains("out-of-bounds access")
+            && stderr.contains("25 bytes past the end of guarded allocation #1 of 1000 bytes"),
+        "{stderr}"
+    );
+    let (status, stderr) = child("guard_child", "after-free");
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGSEGV),
+        "a use after free: {stderr}"
+    );
+    let (status, stderr) = child("guard_child", "nothing");
+    assert!(status.success(), "in-bounds use: {stderr}");
+    assert!(stderr.contains("no fault"), "{stderr}");
+}

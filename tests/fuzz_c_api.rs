@@ -96,6 +96,10 @@ impl Fuzz {
     fn create_pool(&mut self) {
         let mut config = common::c_host_config();
         config.stitch = self.rng.below(2) as u32;
+        if self.rng.chance(25) {
+            // Guard-page mode (GLAKE_GUARD=1, set for this process) through the environment.
+            config.flags |= GLAKE_CONFIG_READ_ENV;
+        }
         let mut handle = null_mut();
         let status = unsafe { glake_pool_create(&config, &mut handle) };
         if self.status("pool_create", status) == GLAKE_STATUS_SUCCESS {
@@ -563,6 +567,9 @@ fn random_c_api_sequences_never_panic_lose_bytes_or_leak() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0x5eed_1234_abcd_0001);
+    // Pools made with GLAKE_CONFIG_READ_ENV run in guard-page mode.
+    // SAFETY: this binary's only test sets it before any thread reads the environment.
+    unsafe { std::env::set_var("GLAKE_GUARD", "1") };
     let mut fuzz = Fuzz {
         rng: Rng(seed | 1),
         pools: Vec::new(),

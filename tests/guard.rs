@@ -61,19 +61,34 @@ fn allocations_end_at_their_guard_and_behave_as_usual() {
     assert_eq!(stats.allocation.all.current, 4);
     let stream = device.create_stream().expect("stream");
     pool.record_stream(ptrs[0], stream).expect("record_stream");
+    // The start of a guarded allocation's memory is not a pointer anyone was given.
+    let base = ptrs[1] & !(2 * MIB as u64 - 1);
+    assert_ne!(base, ptrs[1]);
+    assert_eq!(
+        pool.free(base).expect_err("not handed out").kind(),
+        ErrorKind::InvalidPointer
+    );
+    assert!(pool.record_stream(base, S).is_err());
+    assert!(pool.allocation_of(base).is_none());
+    assert!(!pool.free_if_owned(base).expect("asked"));
     // Misuse is refused as without guards.
     assert_eq!(
         pool.free(ptrs[2] + 8).expect_err("interior").kind(),
         ErrorKind::InvalidPointer
     );
-    for p in &ptrs {
+    // A stream destroyed since it used the allocation: the free waits for the device instead,
+    // frees, and says so.
+    device.destroy_stream(stream).expect("destroy");
+    let err = pool.free(ptrs[0]).expect_err("its stream is gone");
+    assert!(err.to_string().contains("the allocation is freed"), "{err}");
+    assert!(pool.allocation_of(ptrs[0]).is_none());
+    for p in &ptrs[1..] {
         pool.free(*p).expect("free");
     }
     assert!(pool.free(ptrs[0]).is_err(), "a second free");
     check(&pool);
     // Freed memory goes back at once: a use after free would fault too.
     assert_eq!(pool.stats().reserved_bytes.all.current, 0);
-    device.destroy_stream(stream).expect("destroy");
 }
 
 #[test]

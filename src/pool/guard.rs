@@ -67,6 +67,7 @@ impl Inner {
         self.guard_count += 1;
         let number = self.guard_count;
         self.guards.insert(ptr, Guarded { base });
+        self.guard_bases.insert(base, ptr);
         if device.kind() == BackendKind::Host {
             registry::add(ptr, used, guard, size, stream.0, number);
         }
@@ -87,10 +88,19 @@ impl Inner {
         if self.guards.is_empty() {
             return base;
         }
-        self.guards
-            .iter()
-            .find(|(_, g)| g.base == base)
-            .map_or(base, |(&p, _)| p)
+        self.guard_bases.get(&base).copied().unwrap_or(base)
+    }
+
+    /// Refuses the start of a guarded allocation's memory where only the pointer handed out
+    /// names it (the books are kept there, but the caller never saw it).
+    pub(super) fn refuse_guarded_base(&self, ptr: DevicePtr) -> Result<()> {
+        if !self.guard_bases.is_empty() && self.guard_bases.contains_key(&ptr) {
+            return Err(Error::new(
+                crate::error::ErrorKind::InvalidPointer,
+                format!("{ptr:#x} is inside memory of this pool (a guarded allocation)"),
+            ));
+        }
+        Ok(())
     }
 
     /// Forgets every guarded allocation (the pool is going; its memory goes with the rest).
@@ -98,6 +108,7 @@ impl Inner {
         for (ptr, _) in self.guards.drain() {
             registry::remove(ptr);
         }
+        self.guard_bases.clear();
     }
 
     /// Frees guarded `ptr`: waits for its streams, then unmaps and releases its memory.
@@ -113,12 +124,22 @@ impl Inner {
             Some(live) => (live.stream, live.extra_streams.clone()),
             None => return Err(Error::internal("a guarded allocation without its books")),
         };
+        // A stream that cannot be waited for (destroyed since) is waited for with the device.
+        let mut waited = Ok(());
         for s in std::iter::once(stream).chain(extra) {
-            device
-                .synchronize_stream(s)
-                .map_err(|e| e.context("waiting for a guarded allocation's streams"))?;
+            if let Err(err) = device.synchronize_stream(s) {
+                device
+                    .synchronize_device()
+                    .map_err(|e| e.context("waiting for a guarded allocation's work"))?;
+                waited = Err(err.context(
+                    "waiting for a stream of a guarded allocation (the allocation is freed: \
+                     the device was waited for instead)",
+                ));
+                break;
+            }
         }
         self.guards.remove(&ptr);
+        self.guard_bases.remove(&guarded.base);
         registry::remove(ptr);
         let live = self.unregister(guarded.base)?;
         let Target::Block(block) = live.target else {
@@ -127,7 +148,8 @@ impl Inner {
         let segment = self.map.blocks[block].segment;
         // Its streams are done: the memory is free for any stream, and goes at once.
         self.finish_free(live, None);
-        self.release_segment(device, segment)
+        self.release_segment(device, segment)?;
+        waited
     }
 }
 

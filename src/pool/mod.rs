@@ -135,6 +135,8 @@ struct Inner {
     pageable: Vec<Vec<u8>>,
     /// Guard-page mode's allocations, by the pointer handed out.
     guards: KeyMap<DevicePtr, guard::Guarded>,
+    /// The same, by the start of their memory (where the books have them).
+    guard_bases: KeyMap<DevicePtr, DevicePtr>,
     /// Guarded allocations made so far (their numbers in fault reports).
     guard_count: u64,
 }
@@ -209,6 +211,7 @@ impl Pool {
                 sleep_engine: None,
                 pageable: Vec::new(),
                 guards: KeyMap::default(),
+                guard_bases: KeyMap::default(),
                 guard_count: 0,
             }),
         };
@@ -429,6 +432,7 @@ impl Pool {
         if !inner.guards.is_empty() && inner.guards.contains_key(&ptr) {
             return inner.free_guarded(&*self.device, ptr);
         }
+        inner.refuse_guarded_base(ptr)?;
         inner.free(&*self.device, ptr)
     }
 
@@ -439,6 +443,9 @@ impl Pool {
         let mut inner = lock(&self.inner);
         if !inner.guards.is_empty() && inner.guards.contains_key(&ptr) {
             return inner.free_guarded(&*self.device, ptr).map(|()| true);
+        }
+        if inner.refuse_guarded_base(ptr).is_err() {
+            return Ok(false);
         }
         if !inner.live.contains_key(&ptr) && !inner.swappable.contains_key(&ptr) {
             return Ok(false);
@@ -451,7 +458,13 @@ impl Pool {
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
         let known = self.device.knows_stream(stream);
         let mut inner = lock(&self.inner);
-        let ptr = inner.unguard(ptr);
+        let ptr = match inner.guards.get(&ptr) {
+            Some(g) => g.base,
+            None => {
+                inner.refuse_guarded_base(ptr)?;
+                ptr
+            }
+        };
         inner.record_stream(ptr, stream, known)
     }
 

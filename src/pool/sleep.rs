@@ -8,8 +8,10 @@
 //! other allocations or stitched with theirs: its segments are exactly the memory that sleeps.
 //!
 //! Sleep waits for the device, gives back the region's cached free segments, copies every
-//! allocated byte range to pinned host buffers (kept in the pool's cache afterwards, so a
-//! later sleep does not pin again) and then unmaps and releases the segments; a failure before
+//! allocated byte range to host buffers (pinned ones, copied by the device; or ordinary memory
+//! through the copy engine, `Config::sleep_host`; either kind is kept by the pool afterwards,
+//! so a later sleep neither pins nor faults in pages again) and then unmaps and releases the
+//! segments; a failure before
 //! the copies are done changes no segment, so a retry starts over. Wake maps new memory at each
 //! sleeping segment's range and copies the bytes back; a failure leaves the segments not yet
 //! restored asleep with their bytes, and a retry goes on from there. Both return once their

@@ -54,6 +54,28 @@ impl Inner {
         self.grow_guarded(device, pool, size, tag, 0)
     }
 
+    /// A segment of its own for one allocation of `size` bytes (`rounded`, a multiple of the
+    /// granularity), reserving `guard` unmapped bytes after it: admitted against the cap,
+    /// made, or made after the cache is given back; an out-of-memory error otherwise. Returns
+    /// its one free block.
+    pub(super) fn grow_own_segment(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        rounded: usize,
+        tag: Tag,
+        guard: usize,
+    ) -> Result<BlockId> {
+        self.admit(device, size, rounded)?;
+        let mut grown = self.grow_guarded(device, PoolKind::Large, rounded, tag, guard)?;
+        if grown.is_none() {
+            self.stats.num_alloc_retries += 1;
+            self.release_cached(device)?;
+            grown = self.grow_guarded(device, PoolKind::Large, rounded, tag, guard)?;
+        }
+        grown.ok_or_else(|| self.no_memory(device, size))
+    }
+
     /// As [`Inner::grow`], reserving `guard` more bytes after the segment that stay unmapped.
     pub(super) fn grow_guarded(
         &mut self,

@@ -41,24 +41,8 @@ impl Inner {
         check_size(size)?;
         let used = align_up(size, GUARD_ALIGN)?;
         let rounded = align_up(used, self.granularity)?;
-        self.admit(device, size, rounded)?;
         let guard = self.granularity;
-        let mut grown = self.grow_guarded(device, PoolKind::Large, rounded, GUARDED, guard)?;
-        if grown.is_none() {
-            self.stats.num_alloc_retries += 1;
-            self.release_cached(device)?;
-            grown = self.grow_guarded(device, PoolKind::Large, rounded, GUARDED, guard)?;
-        }
-        let Some(id) = grown else {
-            self.stats.num_ooms += 1;
-            return Err(Error::out_of_memory(format!(
-                "cannot allocate {size} guarded bytes on device {}: {} bytes reserved of a {} \
-                 byte cap",
-                device.ordinal(),
-                self.reserved(),
-                self.cap.bytes()
-            )));
-        };
+        let id = self.grow_own_segment(device, size, rounded, GUARDED, guard)?;
         self.map.take_front(id, rounded, stream);
         let base = self.map.blocks[id].addr;
         self.register(base, Target::Block(id), rounded, stream, PoolKind::Large);

@@ -91,16 +91,7 @@ impl Inner {
             let id = self.map.segments[seg].first;
             return Ok(self.take_swappable(id, rounded, size, stream));
         }
-        self.admit(device, size, rounded)?;
-        let mut grown = self.grow(device, PoolKind::Large, rounded, SHARED)?;
-        if grown.is_none() {
-            self.stats.num_alloc_retries += 1;
-            self.release_cached(device)?;
-            grown = self.grow(device, PoolKind::Large, rounded, SHARED)?;
-        }
-        let Some(id) = grown else {
-            return Err(self.no_memory(device, size));
-        };
+        let id = self.grow_own_segment(device, size, rounded, SHARED, 0)?;
         // The new segment is one free block of exactly `rounded` bytes: taken whole.
         Ok(self.take_swappable(id, rounded, size, stream))
     }

@@ -220,6 +220,56 @@ impl Inner {
         Ok(())
     }
 
+    /// Gives segment `segment`'s physical memory back to the device while its range stays
+    /// reserved (a swap-out, a sleep); returns the chunk lengths it had.
+    pub(super) fn unmap_segment(
+        &mut self,
+        device: &dyn crate::device::Device,
+        segment: SegmentId,
+    ) -> Vec<usize> {
+        let s = &mut self.map.segments[segment];
+        let chunks = std::mem::take(&mut s.chunks);
+        let (va, pool) = (s.va, s.pool);
+        let physical: usize = chunks.iter().map(|c| c.len).sum();
+        self.stats.reserved_bytes.add(pool, -(physical as i64));
+        self.stats.num_device_free += chunks.len() as i64;
+        self.bury(device, Zombie::mapped(va, &chunks));
+        chunks.iter().map(|c| c.len).collect()
+    }
+
+    /// Segment `segment` holds physical memory again: `chunks`, mapped at its range (a
+    /// swap-in, a wake).
+    pub(super) fn remap_segment(&mut self, segment: SegmentId, chunks: Vec<Chunk>) {
+        let s = &mut self.map.segments[segment];
+        let physical: usize = chunks.iter().map(|c| c.len).sum();
+        self.stats.reserved_bytes.add(s.pool, physical as i64);
+        self.stats.num_device_alloc += chunks.len() as i64;
+        s.chunks = chunks;
+    }
+
+    /// New physical memory of `layout` (chunk lengths) mapped at `va`, a range of `size` bytes
+    /// whose memory was given back: room made within the cap first, nothing left behind on
+    /// failure.
+    pub(super) fn map_new_memory(
+        &mut self,
+        device: &dyn crate::device::Device,
+        va: DevicePtr,
+        size: usize,
+        layout: &[usize],
+    ) -> Result<Vec<Chunk>> {
+        self.prepare_remap(device, va, size)?;
+        let Some(chunks) = self.create_chunks(device, layout)? else {
+            return Err(self.remap_out_of_memory(device, size));
+        };
+        let handles = blocks::handle_layout(&chunks);
+        if let Err((err, mut zombie)) = map_at(device, va, &handles, &self.access) {
+            zombie.handles = chunks.iter().map(|c| c.handle).collect();
+            self.bury(device, zombie);
+            return Err(err.context("mapping memory back"));
+        }
+        Ok(chunks)
+    }
+
     /// Finishes tearing down a driver object; what fails is kept and retried later, so that a
     /// failed unmap neither loses track of memory nor leaves the books wrong.
     pub(super) fn bury(&mut self, device: &dyn crate::device::Device, mut zombie: Zombie) {

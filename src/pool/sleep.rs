@@ -21,7 +21,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::blocks::{self, SegmentId, Tag, FIRST_REGION};
-use super::growth::{map_at, Zombie};
+use super::growth::Zombie;
 use super::swapping::{wait_for_copy, HostBytes};
 use super::Inner;
 use crate::config::SleepHost;
@@ -267,19 +267,17 @@ impl Inner {
         };
         let mut saved = saved.map(|v| v.into_iter());
         for segment in segments {
-            let s = &mut self.map.segments[segment];
-            let chunks = std::mem::take(&mut s.chunks);
-            let (va, size, pool) = (s.va, s.size, s.pool);
-            let physical: usize = chunks.iter().map(|c| c.len).sum();
-            self.stats.reserved_bytes.add(pool, -(physical as i64));
-            self.stats.num_device_free += chunks.len() as i64;
+            let (va, size) = (
+                self.map.segments[segment].va,
+                self.map.segments[segment].size,
+            );
+            self.unmap_segment(device, segment);
             self.regions[index].sleepers.push(Sleeper {
                 segment,
                 va,
                 size,
                 saved: saved.as_mut().and_then(|s| s.next()),
             });
-            self.bury(device, Zombie::mapped(va, &chunks));
         }
         Ok(())
     }
@@ -474,8 +472,7 @@ impl Inner {
         for (i, (sleeper, chunks)) in mapped.into_iter().enumerate() {
             if copied.is_err() || Some(i) == unfilled {
                 // Copies in only read the host buffers: the sleeper keeps its bytes.
-                let handles = blocks::handle_layout(&chunks);
-                self.bury_new(device, sleeper.va, &handles, &chunks);
+                self.bury(device, Zombie::mapped(sleeper.va, &chunks));
                 waiting.push(sleeper);
             } else {
                 self.complete_wake(sleeper, chunks);
@@ -494,12 +491,7 @@ impl Inner {
 
     /// A sleeping segment's memory is mapped and filled: resident from here.
     fn complete_wake(&mut self, sleeper: Sleeper, chunks: Vec<blocks::Chunk>) {
-        let segment = &mut self.map.segments[sleeper.segment];
-        let pool = segment.pool;
-        segment.chunks = chunks;
-        let count = segment.chunks.len() as i64;
-        self.stats.reserved_bytes.add(pool, sleeper.size as i64);
-        self.stats.num_device_alloc += count;
+        self.remap_segment(sleeper.segment, chunks);
         if let Some(saved) = sleeper.saved {
             self.recycle_saved(saved.buf);
         }
@@ -536,29 +528,19 @@ impl Inner {
         Ok(())
     }
 
-    /// New physical memory for a sleeping segment, mapped at its range with the pool's access.
+    /// New physical memory for a sleeping segment, mapped at its range with the pool's access:
+    /// never stitched, so any layout serves, and the fewest handles map fastest.
     fn map_for_wake(
         &mut self,
         device: &dyn crate::device::Device,
         sleeper: &Sleeper,
     ) -> Result<Vec<blocks::Chunk>> {
-        self.prepare_remap(device, sleeper.va, sleeper.size)?;
-        // Never stitched, so any layout serves: the fewest handles map fastest.
         let layout = blocks::chunk_sizes(
             sleeper.size,
             self.granularity,
             self.config.max_chunk.max(self.granularity),
         );
-        let Some(chunks) = self.create_chunks(device, &layout)? else {
-            return Err(self.remap_out_of_memory(device, sleeper.size));
-        };
-        let handles = blocks::handle_layout(&chunks);
-        if let Err((err, mut zombie)) = map_at(device, sleeper.va, &handles, &self.access) {
-            zombie.handles = chunks.iter().map(|c| c.handle).collect();
-            self.bury(device, zombie);
-            return Err(err.context("mapping a waking region's memory"));
-        }
-        Ok(chunks)
+        self.map_new_memory(device, sleeper.va, sleeper.size, &layout)
     }
 
     /// What region `name` holds now.

@@ -10,6 +10,7 @@
 //! recorded waits for its copy and completes at once. A swap-in of an allocation still on its
 //! way out cancels the swap-out: its memory never left.
 
+use super::growth::Zombie;
 use super::swapping::{wait_for_copy, HostBytes, HostCopy};
 use super::Inner;
 use crate::device::{DevicePtr, Event, Stream};
@@ -176,11 +177,10 @@ impl Inner {
             _ => return self.swap_in(device, ptr),
         };
         let chunks = self.swap_in_memory(device, ptr, t.size)?;
-        let handles = super::blocks::handle_layout(&chunks);
         // SAFETY: the buffer stays the pool's until the copy is known done (busy below).
         let queued = unsafe { device.copy_to_device(ptr, buf.ptr(), t.size, copy) };
         if let Err(err) = queued {
-            self.bury_new(device, ptr, &handles, &chunks);
+            self.bury(device, Zombie::mapped(ptr, &chunks));
             return Err(err.context("queueing a swap-in"));
         }
         let ordered = self.take_event(device).and_then(|e| {
@@ -203,7 +203,7 @@ impl Inner {
                 // The streams cannot be ordered after the copy: wait for it here instead.
                 log::warn!("glake: ordering a swap-in failed ({err}); waiting for its copy");
                 if let Err(err) = wait_for_copy(device, copy) {
-                    self.bury_new(device, ptr, &handles, &chunks);
+                    self.bury(device, Zombie::mapped(ptr, &chunks));
                     return Err(err.context("waiting for a swap-in copy"));
                 }
                 self.pinned.free.push(buf);

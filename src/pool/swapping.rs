@@ -14,7 +14,7 @@
 
 use super::alloc::check_size;
 use super::blocks::{self, BlockId, PoolKind, SHARED};
-use super::growth::{map_at, Zombie};
+use super::growth::Zombie;
 use super::{Inner, Target};
 use crate::device::{align_up, DevicePtr, Stream};
 use crate::error::{Error, ErrorKind, Result};
@@ -194,18 +194,11 @@ impl Inner {
         bytes: HostBytes,
     ) {
         let segment = self.map.blocks[block].segment;
-        let s = &mut self.map.segments[segment];
-        let chunks = std::mem::take(&mut s.chunks);
-        let pool = s.pool;
-        let va = s.va;
-        let layout: Vec<usize> = chunks.iter().map(|c| c.len).collect();
-        self.stats.reserved_bytes.add(pool, -(size as i64));
-        self.stats.num_device_free += chunks.len() as i64;
+        let layout = self.unmap_segment(device, segment);
         self.stats.swapped_bytes.add(size as i64);
         if let Some(entry) = self.swappable.get_mut(&ptr) {
             entry.host = Some(HostCopy { bytes, layout });
         }
-        self.bury(device, Zombie::mapped(va, &chunks));
     }
 
     /// Whether a teardown still to be retried unmaps part of `[va, va+size)`.
@@ -224,7 +217,6 @@ impl Inner {
     ) -> Result<()> {
         let t = self.swap_target(ptr, true)?;
         let chunks = self.swap_in_memory(device, ptr, t.size)?;
-        let handles = blocks::handle_layout(&chunks);
         let copied = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
             // SAFETY: the host copy stays in place (the allocation stays swapped out) at least
             // until the copy is known complete.
@@ -235,7 +227,7 @@ impl Inner {
         if let Err(err) = copied {
             // Either the copy was never queued, or neither its stream nor the device can be
             // waited for (the device is lost): nothing runs on the new memory any more.
-            self.bury_new(device, ptr, &handles, &chunks);
+            self.bury(device, Zombie::mapped(ptr, &chunks));
             return Err(err.context("copying a swapped allocation back"));
         }
         if let Some(bytes) = self.complete_swap_in(ptr, t.block, t.size, chunks) {
@@ -255,11 +247,8 @@ impl Inner {
         chunks: Vec<blocks::Chunk>,
     ) -> Option<HostBytes> {
         let segment = self.map.blocks[block].segment;
-        let pool = self.map.segments[segment].pool;
-        self.stats.reserved_bytes.add(pool, size as i64);
-        self.stats.num_device_alloc += chunks.len() as i64;
+        self.remap_segment(segment, chunks);
         self.stats.swapped_bytes.add(-(size as i64));
-        self.map.segments[segment].chunks = chunks;
         self.swappable
             .get_mut(&ptr)
             .and_then(|e| e.host.take())
@@ -315,37 +304,11 @@ impl Inner {
         ptr: DevicePtr,
         size: usize,
     ) -> Result<Vec<blocks::Chunk>> {
-        self.prepare_remap(device, ptr, size)?;
         let layout = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
             Some(host) => host.layout.clone(),
             None => return Err(Error::internal("swapped allocation without its host copy")),
         };
-        let Some(chunks) = self.create_chunks(device, &layout)? else {
-            return Err(self.remap_out_of_memory(device, size));
-        };
-        let handles = blocks::handle_layout(&chunks);
-        if let Err((err, mut zombie)) = map_at(device, ptr, &handles, &self.access) {
-            zombie.handles = chunks.iter().map(|c| c.handle).collect();
-            self.bury(device, zombie);
-            return Err(err.context("mapping swapped-in memory"));
-        }
-        Ok(chunks)
-    }
-
-    /// Unmaps and releases memory a failed swap-in had mapped at `ptr`.
-    pub(super) fn bury_new(
-        &mut self,
-        device: &dyn crate::device::Device,
-        ptr: DevicePtr,
-        handles: &[(crate::device::PhysHandle, usize)],
-        chunks: &[blocks::Chunk],
-    ) {
-        let zombie = Zombie {
-            unmaps: super::growth::mappings(ptr, handles),
-            handles: chunks.iter().map(|c| c.handle).collect(),
-            reservation: None,
-        };
-        self.bury(device, zombie);
+        self.map_new_memory(device, ptr, size, &layout)
     }
 
     /// Frees a swapped-out allocation: its host copy goes, and its range is released.

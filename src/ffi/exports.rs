@@ -202,7 +202,7 @@ pub(super) fn stream_of(stream: glake_stream) -> Stream {
     Stream(stream as u64)
 }
 
-fn pool_id(pool: *mut glake_pool) -> usize {
+pub(super) fn pool_id(pool: *mut glake_pool) -> usize {
     pool as usize
 }
 

@@ -4,7 +4,7 @@
 
 use std::ffi::{c_char, CStr};
 
-use super::exports::{glake_pool, write_out};
+use super::exports::{glake_pool, pool_id, write_out};
 use super::{glake_status, guard, handles, Failure};
 use crate::pool::{RegionInfo, SleepMode};
 
@@ -50,25 +50,26 @@ impl From<RegionInfo> for glake_region_info {
     }
 }
 
-/// The region name at `name`: NULL and invalid UTF-8 are refused.
+/// The region name at `name` (what every C entry point taking one reads): NULL and invalid
+/// UTF-8 are refused.
 ///
 /// # Safety
-/// A non-NULL `name` must be NUL-terminated.
-unsafe fn name_of<'a>(name: *const c_char) -> Result<&'a str, Failure> {
+/// A non-NULL `name` must be NUL-terminated and outlive the returned name.
+pub unsafe fn region_name<'a>(name: *const c_char) -> crate::Result<&'a str> {
     if name.is_null() {
-        return Err(Failure::null("name"));
+        return Err(crate::Error::new(
+            crate::ErrorKind::NullPointer,
+            "the region name is NULL",
+        ));
     }
     // SAFETY: non-NULL and NUL-terminated under the caller's contract.
-    unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| {
-        Failure::new(
-            glake_status::GLAKE_STATUS_INVALID_ARGUMENT,
-            "the region name is not UTF-8",
-        )
-    })
+    unsafe { CStr::from_ptr(name) }
+        .to_str()
+        .map_err(|_| crate::Error::invalid_argument("the region name is not UTF-8"))
 }
 
 fn pool_of(pool: *mut glake_pool) -> Result<std::sync::Arc<crate::Pool>, Failure> {
-    handles::get(pool as usize)
+    handles::get(pool_id(pool))
 }
 
 /// Makes the calling thread's allocations from `pool` go to region `name` (1 to 255 bytes of
@@ -84,7 +85,7 @@ pub unsafe extern "C" fn glake_region_begin(
 ) -> glake_status {
     guard(|| {
         // SAFETY: forwarded under this function's contract.
-        let name = unsafe { name_of(name) }?;
+        let name = unsafe { region_name(name) }?;
         pool_of(pool)?.begin_region(name)?;
         Ok(())
     })
@@ -118,7 +119,7 @@ pub unsafe extern "C" fn glake_sleep(
 ) -> glake_status {
     guard(|| {
         // SAFETY: forwarded under this function's contract.
-        let name = unsafe { name_of(name) }?;
+        let name = unsafe { region_name(name) }?;
         let mode = match mode {
             m if m == glake_sleep_mode::GLAKE_SLEEP_KEEP as u32 => SleepMode::Keep,
             m if m == glake_sleep_mode::GLAKE_SLEEP_DROP as u32 => SleepMode::Drop,
@@ -145,7 +146,7 @@ pub unsafe extern "C" fn glake_sleep(
 pub unsafe extern "C" fn glake_wake(pool: *mut glake_pool, name: *const c_char) -> glake_status {
     guard(|| {
         // SAFETY: forwarded under this function's contract.
-        let name = unsafe { name_of(name) }?;
+        let name = unsafe { region_name(name) }?;
         pool_of(pool)?.wake(name)?;
         Ok(())
     })
@@ -163,7 +164,7 @@ pub unsafe extern "C" fn glake_get_region_info(
 ) -> glake_status {
     guard(|| {
         // SAFETY: forwarded under this function's contract.
-        let name = unsafe { name_of(name) }?;
+        let name = unsafe { region_name(name) }?;
         let info = pool_of(pool)?.region_info(name)?;
         // SAFETY: forwarded under this function's contract.
         unsafe { write_out(out, "out", info.into()) }

@@ -16,19 +16,12 @@ use std::sync::Once;
 
 use super::alloc::check_size;
 use super::blocks::{PoolKind, GUARDED};
-use super::{Inner, Target};
+use super::{AllocationInfo, Inner, Target};
 use crate::device::{align_up, BackendKind, DevicePtr, Stream};
 use crate::error::{Error, Result};
 
 /// Alignment of a guarded allocation's pointer.
 const GUARD_ALIGN: usize = 256;
-
-/// A guarded allocation, by the pointer handed out.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Guarded {
-    /// Where the pool's books have it: the start of its segment.
-    pub(super) base: DevicePtr,
-}
 
 impl Inner {
     /// Allocates `size` bytes in guard-page mode; see the module's documentation.
@@ -50,7 +43,7 @@ impl Inner {
         let ptr = base + (rounded - used) as u64;
         self.guard_count += 1;
         let number = self.guard_count;
-        self.guards.insert(ptr, Guarded { base });
+        self.guards.insert(ptr, base);
         self.guard_bases.insert(base, ptr);
         if device.kind() == BackendKind::Host {
             registry::add(ptr, used, guard, size, stream.0, number);
@@ -58,33 +51,38 @@ impl Inner {
         Ok(ptr)
     }
 
-    /// The pool's own address of the allocation at `ptr`: its base for a guarded pointer,
-    /// else `ptr` itself.
-    pub(super) fn unguard(&self, ptr: DevicePtr) -> DevicePtr {
+    /// What the books call pointer `ptr` from a caller: `Some(base)` for a guarded one (the
+    /// start of its segment), `None` for any other. The base itself is refused: nobody was
+    /// given it.
+    pub(super) fn guarded_base(&self, ptr: DevicePtr) -> Result<Option<DevicePtr>> {
         if self.guards.is_empty() {
-            return ptr;
+            return Ok(None);
         }
-        self.guards.get(&ptr).map_or(ptr, |g| g.base)
-    }
-
-    /// The pointer handed out for the allocation whose books are at `base`.
-    pub(super) fn guarded_pointer(&self, base: DevicePtr) -> DevicePtr {
-        if self.guards.is_empty() {
-            return base;
+        if let Some(&base) = self.guards.get(&ptr) {
+            return Ok(Some(base));
         }
-        self.guard_bases.get(&base).copied().unwrap_or(base)
-    }
-
-    /// Refuses the start of a guarded allocation's memory where only the pointer handed out
-    /// names it (the books are kept there, but the caller never saw it).
-    pub(super) fn refuse_guarded_base(&self, ptr: DevicePtr) -> Result<()> {
-        if !self.guard_bases.is_empty() && self.guard_bases.contains_key(&ptr) {
+        if self.guard_bases.contains_key(&ptr) {
             return Err(Error::new(
                 crate::error::ErrorKind::InvalidPointer,
                 format!("{ptr:#x} is inside memory of this pool (a guarded allocation)"),
             ));
         }
-        Ok(())
+        Ok(None)
+    }
+
+    /// [`Inner::allocation_of`] for pointers from callers: a guarded allocation runs from the
+    /// pointer handed out to its end.
+    pub(super) fn guarded_allocation_of(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
+        let booked = self.guarded_base(ptr).ok()?.unwrap_or(ptr);
+        let mut info = self.allocation_of(booked)?;
+        if let Some(&user) = self.guard_bases.get(&info.base) {
+            if ptr < user {
+                return None;
+            }
+            info.size -= (user - info.base) as usize;
+            info.base = user;
+        }
+        Some(info)
     }
 
     /// Forgets every guarded allocation (the pool is going; its memory goes with the rest).
@@ -101,10 +99,10 @@ impl Inner {
         device: &dyn crate::device::Device,
         ptr: DevicePtr,
     ) -> Result<()> {
-        let Some(guarded) = self.guards.get(&ptr).copied() else {
+        let Some(base) = self.guards.get(&ptr).copied() else {
             return Err(Error::internal("not a guarded allocation"));
         };
-        let (stream, extra) = match self.live.get(&guarded.base) {
+        let (stream, extra) = match self.live.get(&base) {
             Some(live) => (live.stream, live.extra_streams.clone()),
             None => return Err(Error::internal("a guarded allocation without its books")),
         };
@@ -123,9 +121,9 @@ impl Inner {
             }
         }
         self.guards.remove(&ptr);
-        self.guard_bases.remove(&guarded.base);
+        self.guard_bases.remove(&base);
         registry::remove(ptr);
-        let live = self.unregister(guarded.base)?;
+        let live = self.unregister(base)?;
         let Target::Block(block) = live.target else {
             return Err(Error::internal("a guarded allocation that is not a block"));
         };

@@ -134,7 +134,7 @@ struct Inner {
     /// Pageable buffers of woken regions, kept for the next sleep.
     pageable: Vec<Vec<u8>>,
     /// Guard-page mode's allocations, by the pointer handed out.
-    guards: KeyMap<DevicePtr, guard::Guarded>,
+    guards: KeyMap<DevicePtr, DevicePtr>,
     /// The same, by the start of their memory (where the books have them).
     guard_bases: KeyMap<DevicePtr, DevicePtr>,
     /// Guarded allocations made so far (their numbers in fault reports).
@@ -429,11 +429,10 @@ impl Pool {
     /// Frees an allocation. Memory becomes reusable on its stream at once, elsewhere later.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
         let mut inner = lock(&self.inner);
-        if !inner.guards.is_empty() && inner.guards.contains_key(&ptr) {
-            return inner.free_guarded(&*self.device, ptr);
+        match inner.guarded_base(ptr)? {
+            Some(_) => inner.free_guarded(&*self.device, ptr),
+            None => inner.free(&*self.device, ptr),
         }
-        inner.refuse_guarded_base(ptr)?;
-        inner.free(&*self.device, ptr)
     }
 
     /// Frees `ptr` if it is an allocation of this pool (Ok(true)); Ok(false), with nothing
@@ -441,11 +440,10 @@ impl Pool {
     /// among several.
     pub fn free_if_owned(&self, ptr: DevicePtr) -> Result<bool> {
         let mut inner = lock(&self.inner);
-        if !inner.guards.is_empty() && inner.guards.contains_key(&ptr) {
-            return inner.free_guarded(&*self.device, ptr).map(|()| true);
-        }
-        if inner.refuse_guarded_base(ptr).is_err() {
-            return Ok(false);
+        match inner.guarded_base(ptr) {
+            Ok(Some(_)) => return inner.free_guarded(&*self.device, ptr).map(|()| true),
+            Err(_) => return Ok(false),
+            Ok(None) => {}
         }
         if !inner.live.contains_key(&ptr) && !inner.swappable.contains_key(&ptr) {
             return Ok(false);
@@ -458,13 +456,7 @@ impl Pool {
     pub fn record_stream(&self, ptr: DevicePtr, stream: Stream) -> Result<()> {
         let known = self.device.knows_stream(stream);
         let mut inner = lock(&self.inner);
-        let ptr = match inner.guards.get(&ptr) {
-            Some(g) => g.base,
-            None => {
-                inner.refuse_guarded_base(ptr)?;
-                ptr
-            }
-        };
+        let ptr = inner.guarded_base(ptr)?.unwrap_or(ptr);
         inner.record_stream(ptr, stream, known)
     }
 
@@ -540,18 +532,7 @@ impl Pool {
 
     /// The allocation containing `ptr` (PyTorch's `base_alloc`).
     pub fn allocation_of(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
-        let inner = lock(&self.inner);
-        let mut info = inner.allocation_of(inner.unguard(ptr))?;
-        let user = inner.guarded_pointer(info.base);
-        if user != info.base {
-            // Guard-page mode: the allocation runs from the pointer handed out to its end.
-            if ptr < user {
-                return None;
-            }
-            info.size -= (user - info.base) as usize;
-            info.base = user;
-        }
-        Some(info)
+        lock(&self.inner).guarded_allocation_of(ptr)
     }
 
     /// Number of live allocations.

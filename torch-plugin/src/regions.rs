@@ -3,29 +3,13 @@
 //! physical memory given back, addresses kept) and wake (the same bytes at the same addresses).
 //! Each returns 0 on success, -1 with `gmlake_last_error` otherwise.
 
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int};
 
+use glake::ffi::region_name;
 use glake::pool::SleepMode;
 use glake::{Error, ErrorKind};
 
 use crate::{devices, guarded, status};
-
-/// The region name at `name` (NULL and invalid UTF-8 refused).
-///
-/// # Safety
-/// A non-NULL `name` must be NUL-terminated.
-unsafe fn name_of<'a>(name: *const c_char) -> glake::Result<&'a str> {
-    if name.is_null() {
-        return Err(Error::new(
-            ErrorKind::NullPointer,
-            "the region name is NULL",
-        ));
-    }
-    // SAFETY: non-NULL and NUL-terminated under the caller's contract.
-    unsafe { CStr::from_ptr(name) }
-        .to_str()
-        .map_err(|_| Error::invalid_argument("the region name is not UTF-8"))
-}
 
 /// Makes this thread's allocations on `device` go to region `name` until `gmlake_region_end`.
 ///
@@ -35,7 +19,7 @@ unsafe fn name_of<'a>(name: *const c_char) -> glake::Result<&'a str> {
 pub unsafe extern "C" fn gmlake_region_begin(name: *const c_char, device: c_int) -> c_int {
     // SAFETY: forwarded under this function's contract.
     status(guarded(|| {
-        devices::pool(device)?.begin_region(unsafe { name_of(name) }?)
+        devices::pool(device)?.begin_region(unsafe { region_name(name) }?)
     }))
 }
 
@@ -58,7 +42,7 @@ pub unsafe extern "C" fn gmlake_sleep(name: *const c_char, keep: c_int, device: 
     };
     // SAFETY: forwarded under this function's contract.
     status(guarded(|| {
-        devices::pool(device)?.sleep(unsafe { name_of(name) }?, mode)
+        devices::pool(device)?.sleep(unsafe { region_name(name) }?, mode)
     }))
 }
 
@@ -70,7 +54,7 @@ pub unsafe extern "C" fn gmlake_sleep(name: *const c_char, keep: c_int, device: 
 pub unsafe extern "C" fn gmlake_wake(name: *const c_char, device: c_int) -> c_int {
     // SAFETY: forwarded under this function's contract.
     status(guarded(|| {
-        devices::pool(device)?.wake(unsafe { name_of(name) }?)
+        devices::pool(device)?.wake(unsafe { region_name(name) }?)
     }))
 }
 
@@ -90,7 +74,7 @@ pub unsafe extern "C" fn gmlake_region_info(
             return Err(Error::new(ErrorKind::NullPointer, "out is NULL"));
         }
         // SAFETY: forwarded under this function's contract.
-        let i = devices::pool(device)?.region_info(unsafe { name_of(name) }?)?;
+        let i = devices::pool(device)?.region_info(unsafe { region_name(name) }?)?;
         let values = [
             u64::from(i.asleep),
             i.segments as u64,

@@ -19,8 +19,10 @@ for line in sys.stdin:
         shutil.copy(m["executable"], "gpu-bundle/test-" + name)
 '
 for f in target/release/examples/quickstart; do cp "$f" gpu-bundle/; done
-# C examples and C++ tests, built by scripts/test.sh against the installed package.
+# C examples and C++ tests against the installed package, rebuilt when scripts/test.sh has
+# configured them (it installs what CMake needs).
 if [ -d build/cpp_tests ] && [ -d build/c_examples ]; then
+  bash scripts/package.sh > /dev/null
   mkdir -p gpu-bundle/lib
   cp -a build/relocated/lib/libglake.so* gpu-bundle/lib/
   cp build/cpp_tests/glake_tests_static build/cpp_tests/glake_tests_shared gpu-bundle/
@@ -39,5 +41,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: -d gpu-bundle/wheels \
   torch_memory_saver==0.0.10 ||
   echo "torch_memory_saver not downloaded: the sleep benchmark will run glake alone" >&2
 find target/release -maxdepth 1 -type f -executable -name 'glake-*' -exec cp {} gpu-bundle/ \;
-strip --strip-debug gpu-bundle/* 2>/dev/null || true
+# Symbols too: the bundle travels to the GPU machine with a size limit.
+strip --strip-unneeded gpu-bundle/* gpu-bundle/lib/* 2>/dev/null || true
 du -sh gpu-bundle

@@ -23,30 +23,45 @@ fi
 export GLAKE_TEST_BACKEND=cuda RUST_BACKTRACE=1
 export LD_LIBRARY_PATH="$PWD/gpu-bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 status=0
-# run <check> <name> <command...>: one program under one check, with the tool's error count.
+# run <check> <name> <command...>: one program under one check. "no CUDA calls" is a program
+# that ran only on the host backend; on failure the distinct error headlines follow, counted.
+# API errors: test programs call the driver wrongly on purpose (misuse and fault tests), so
+# RUN_API_ERRORS=no there; the examples must make none.
 run() {
   local check=$1 name=$2
   shift 2
   local log="$out/sanitize-logs/$check-$name.log"
   local extra=()
   [ "$check" = memcheck ] && extra=(--leak-check full --check-api-memory-access yes)
+  extra+=(--report-api-errors "${RUN_API_ERRORS:-explicit}")
   if timeout "${SANITIZE_TIMEOUT_S:-600}" "$tool" --tool "$check" "${extra[@]}" \
-    --error-exitcode 9 --target-processes all "$@" > "$log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+    --error-exitcode 9 --target-processes all "$@" > "$log" 2>&1; then r=ok; else r="FAILED (exit $?)"; status=1; fi
+  if grep -q "terminated before first instrumented API call" "$log" && ! grep -q "test result: FAILED" "$log"; then
+    r="ok (no CUDA calls)"
+  fi
   echo "$check $name: $r $(grep -E 'ERROR SUMMARY' "$log" | tail -1)" | tee -a "$summary"
+  case $r in
+    ok*) ;;
+    *) grep -E '^========= (Invalid|Program hit|Leaked|Race|Barrier|Uninitialized|Error)|^test .* FAILED|^(FAILED|ERROR) |^E   |panicked at' "$log" |
+      sed -E 's/0x[0-9a-f]+/ADDR/g; s/\(error [0-9]+\)//' | sort | uniq -c | sort -rn | head -12 |
+      sed 's/^/    /' | tee -a "$summary" ;;
+  esac
 }
 for t in gpu-bundle/test-*; do
   name=$(basename "$t")
-  # Build-machine checks (see gpu-run.sh).
-  [ "$name" = test-header ] || [ "$name" = test-replay ] && continue
-  run memcheck "$name" "$t" --test-threads=1
+  # Build-machine checks (see gpu-run.sh), and the guard tests, whose children fault on purpose.
+  case $name in test-header | test-replay | test-guard) continue ;; esac
+  RUN_API_ERRORS=no GLAKE_FUZZ_OPS=${GLAKE_FUZZ_OPS:-2000} run memcheck "$name" "$t" --test-threads=1
 done
-for t in gpu-bundle/c-* gpu-bundle/glake_tests_shared; do
+for t in gpu-bundle/c-*; do
   [ -x "$t" ] || continue
   run memcheck "$(basename "$t")" "$t"
 done
-for check in racecheck synccheck; do
-  [ -x gpu-bundle/glake_tests_shared ] && run "$check" glake_tests_shared gpu-bundle/glake_tests_shared
-done
+if [ -x gpu-bundle/glake_tests_shared ]; then
+  for check in memcheck racecheck synccheck; do
+    RUN_API_ERRORS=no run "$check" glake_tests_shared gpu-bundle/glake_tests_shared
+  done
+fi
 if [ "${SANITIZE_TORCH:-1}" != 0 ]; then
   export GLAKE_LIBRARY="$PWD/gpu-bundle/lib/libgmlake.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
   if ! python3 -c 'import pytest' 2>/dev/null && ls gpu-bundle/wheels/pytest-*.whl >/dev/null 2>&1; then
@@ -55,7 +70,7 @@ if [ "${SANITIZE_TORCH:-1}" != 0 ]; then
   fi
   python3 -m glake.native > /dev/null 2>&1 || true  # build the native allocator outside the tool
   for check in memcheck racecheck; do
-    run "$check" torch python3 -m pytest -q -x python/tests/gpu/test_torch.py python/tests/gpu/test_sleep.py \
+    RUN_API_ERRORS=no run "$check" torch python3 -m pytest -q -x python/tests/gpu/test_torch.py python/tests/gpu/test_sleep.py \
       -k "not two_gpu and not fsdp and not ddp and not compile"
   done
 fi

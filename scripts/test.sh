@@ -21,20 +21,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo test"
 cargo test --workspace --all-targets --locked
 
-echo "== CMake package: build, install, relocate"
-rm -rf build/install build/relocated
-cmake -S cmake -B build/glake -DCMAKE_BUILD_TYPE=Release
-cmake --build build/glake
-cmake --install build/glake --prefix build/install
-# The package must work from wherever it is copied to.
-cp -a build/install build/relocated
+echo "== CMake package: build, install, relocate; C examples and C++ tests against it"
+bash scripts/package.sh
 prefix="$PWD/build/relocated"
-
-echo "== C examples and C++ tests against the installed package"
-cmake -S c_examples -B build/c_examples -DCMAKE_PREFIX_PATH="$prefix"
-cmake --build build/c_examples
-cmake -S cpp_tests -B build/cpp_tests -DCMAKE_PREFIX_PATH="$prefix"
-cmake --build build/cpp_tests -j 2
 ctest --test-dir build/c_examples --output-on-failure
 ctest --test-dir build/cpp_tests --output-on-failure
 

@@ -65,7 +65,7 @@ const REQUIRED_SYMBOLS: [&str; 39] = [
     "cuMemFreeHost",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
-    "cuPointerGetAttribute",
+    "cuPointerGetAttributes",
     "cuThreadExchangeStreamCaptureMode",
 ];
 
@@ -790,15 +790,12 @@ impl Device for CudaDevice {
         let last = (ptr as u64).saturating_add(len.saturating_sub(1) as u64);
         for at in [ptr as u64, last] {
             let mut kind: u32 = 0;
-            // SAFETY: `kind` is a valid out-pointer of the attribute's size; the driver only
-            // looks the address up. Pageable memory is unknown to it: an error, not UB.
-            let status = unsafe {
-                sys::cuPointerGetAttribute(
-                    (&mut kind as *mut u32).cast::<c_void>(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                    at,
-                )
-            };
+            let mut attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+            let mut data = (&mut kind as *mut u32).cast::<c_void>();
+            // SAFETY: one attribute and one out-pointer of its size; the driver only looks the
+            // address up. The plural call answers memory type 0 for pageable memory where the
+            // singular one fails (which tools such as compute-sanitizer report as an error).
+            let status = unsafe { sys::cuPointerGetAttributes(1, &mut attribute, &mut data, at) };
             if status != sys::CUresult::CUDA_SUCCESS
                 || kind != sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
             {

@@ -10,7 +10,12 @@ y = torch.ones(4096, dtype=torch.float32, device="cuda")
 assert int(x.sum()) == 0 and float(y.sum()) == 4096.0  # in bounds: fine
 print("in bounds: fine", flush=True)
 if sys.argv[1] == "overrun":
-    torch.as_strided(x, (4096,), (1,)).fill_(1)  # 3096 bytes past the end
+    # A view PyTorch cannot bounds-check: the raw address, 4096 bytes long (3096 past the end).
+    class Raw:
+        __cuda_array_interface__ = {
+            "data": (x.data_ptr(), False), "shape": (4096,), "typestr": "|u1", "version": 3
+        }
+    torch.as_tensor(Raw(), device="cuda").fill_(1)
 try:
     torch.cuda.synchronize()
     print("no fault", flush=True)

@@ -543,7 +543,7 @@ glake_status glake_malloc(struct glake_pool *pool, size_t size, glake_stream str
 // Frees an allocation; its memory is reused on its stream at once, elsewhere once safe.
 glake_status glake_free(struct glake_pool *pool, void *ptr);
 
-// Allocates `size` bytes (rounded up to the mapping granularity) for use on `stream`, in
+// Allocates `size` bytes (rounded up to 512 bytes) for use on `stream`, in
 // memory of their own that `glake_swap_out` can give back to the device and `glake_swap_in`
 // bring back at the same address. Free it with `glake_free`, swapped out or not.
 //

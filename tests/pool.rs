@@ -794,8 +794,8 @@ fn malloc_at_restores_freed_allocations_of_a_private_pool() {
     assert_eq!(refused(a, 6 * MIB, s1, Some((1, 1))), InvalidState);
     assert_eq!(refused(other, 4 * MIB, s1, Some(id)), InvalidState);
     assert_eq!(refused(0x1000, 4 * MIB, s1, Some(id)), InvalidState);
-    assert_eq!(refused(a, 6 * MIB + 512, s1, Some(id)), InvalidArgument);
-    assert_eq!(refused(a + 512, 2 * MIB, s1, Some(id)), InvalidArgument);
+    assert_eq!(refused(a, 6 * MIB + 100, s1, Some(id)), InvalidArgument);
+    assert_eq!(refused(a + 100, 2 * MIB, s1, Some(id)), InvalidArgument);
     assert_eq!(refused(c, 1000, s1, Some(id)), InvalidArgument);
     assert_eq!(refused(a, 0, s1, Some(id)), InvalidArgument);
     assert_eq!(p.stats(), freed, "a refusal changes nothing");

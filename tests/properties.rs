@@ -583,7 +583,7 @@ fn inactive_split_statistics_stay_with_their_pool() {
     let pool = Pool::new(device.shared.clone(), Config::default()).expect("pool");
     let a = pool.malloc(1, Stream::DEFAULT).expect("malloc");
     let b = pool.malloc(5, s1).expect("malloc");
-    let c = pool.malloc(3 * MIB, s1).expect("malloc");
+    let c = pool.malloc(4 * MIB, s1).expect("malloc");
     // Two free blocks of one small segment, owned by different streams: they cannot merge yet.
     pool.free(a).expect("free");
     pool.free(b).expect("free");

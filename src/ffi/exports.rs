@@ -366,7 +366,7 @@ fn on_allocation(
     })
 }
 
-/// Allocates `size` bytes (rounded up to the mapping granularity) for use on `stream`, in
+/// Allocates `size` bytes (rounded up to 512 bytes) for use on `stream`, in
 /// memory of their own that `glake_swap_out` can give back to the device and `glake_swap_in`
 /// bring back at the same address. Free it with `glake_free`, swapped out or not.
 ///

@@ -37,7 +37,7 @@ impl Inner {
     ) -> Result<DevicePtr> {
         check_size(size)?;
         let pool = sizes::pool_of(size, self.config.small_limit);
-        let rounded = sizes::round(size, pool, self.granularity)?;
+        let rounded = sizes::round(size)?;
         self.admit(device, size, rounded)?;
         let ptr = match pool {
             PoolKind::Small => self.malloc_small(device, rounded, stream, tag)?,
@@ -121,10 +121,10 @@ impl Inner {
         };
         let segment = &self.map.segments[self.map.blocks[id].segment];
         let pool = segment.pool;
-        let unit = sizes::unit(pool, self.granularity);
+        let unit = sizes::MIN_BLOCK;
         if size % unit != 0 || (addr - segment.va) % unit as u64 != 0 {
             return Err(Error::invalid_argument(format!(
-                "[{addr:#x}, +{size}) is not aligned to the {unit} byte unit of its pool"
+                "[{addr:#x}, +{size}) is not aligned to the pool's {unit} byte unit"
             )));
         }
         if segment.tag != tag {
@@ -194,7 +194,9 @@ impl Inner {
         }
     }
 
-    /// Takes free block `id` (split to `size`) as a plain allocation.
+    /// Takes free block `id` (split to `size`) as a plain allocation. A large allocation goes
+    /// to the front or the back of the block, whichever leaves more whole chunks free: only
+    /// whole chunks can be stitched, and a chunk shared with a live allocation cannot.
     fn allocate_block(
         &mut self,
         id: BlockId,
@@ -202,13 +204,32 @@ impl Inner {
         stream: Stream,
         pool: PoolKind,
     ) -> DevicePtr {
-        let whole = self.map.blocks[id].size;
-        let split = whole - size >= sizes::unit(pool, self.granularity);
-        let size = if split { size } else { whole };
-        self.map.take_front(id, size, stream);
-        let ptr = self.map.blocks[id].addr;
+        let (addr, whole) = (self.map.blocks[id].addr, self.map.blocks[id].size);
+        let rest = whole - size;
+        let id = if rest < sizes::MIN_BLOCK {
+            self.map.take(id, stream);
+            id
+        } else if pool == PoolKind::Large && self.back_leaves_more_chunks(id, size) {
+            // Inside the free block by construction, so the range is always taken.
+            let back = addr + rest as u64;
+            self.map.take_range(back, size, stream).unwrap_or(id)
+        } else {
+            self.map.take_front(id, size, stream);
+            id
+        };
+        let (ptr, size) = (self.map.blocks[id].addr, self.map.blocks[id].size);
         self.register(ptr, Target::Block(id), size, stream, pool);
         ptr
+    }
+
+    /// Whether taking `size` bytes from the back of free block `id` leaves more bytes of whole
+    /// chunks free than taking them from its front.
+    fn back_leaves_more_chunks(&self, id: BlockId, size: usize) -> bool {
+        let block = &self.map.blocks[id];
+        let segment = &self.map.segments[block.segment];
+        let rest = block.size - size;
+        let chunk_bytes = |at: DevicePtr| segment.whole_chunks(at, rest).map_or(0, |(_, len)| len);
+        chunk_bytes(block.addr) > chunk_bytes(block.addr + size as u64)
     }
 
     fn malloc_small(
@@ -262,7 +283,8 @@ impl Inner {
                     }
                 }
             }
-            if let Some(id) = self.grow(device, PoolKind::Large, size, tag)? {
+            let segment_size = sizes::large_segment(size, self.granularity)?;
+            if let Some(id) = self.grow(device, PoolKind::Large, segment_size, tag)? {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
             }
             if stitch && self.config.defrag_level == DefragLevel::WhenFull && attempt == 0 {

@@ -1,9 +1,10 @@
 //! The caching allocator of one device.
 //!
-//! Order of attempts for a large request (sizes rounded to the mapping granularity): best-fit
+//! Every request is rounded to 512 bytes and carved out of a segment's blocks at that unit, so
+//! no request pays for the mapping granularity. Order of attempts for a large request: best-fit
 //! free block of the stream (split if larger) -> a cached stitched block within `reuse_limit`
 //! -> stitch free blocks of the stream, creating only the missing bytes (defrag level 0) ->
-//! create new physical memory -> take back other streams' free memory and retry -> free cached
+//! create new physical memory (whole granules; the rest of the last stays free) -> take back other streams' free memory and retry -> free cached
 //! memory and retry -> out of memory. Small requests (up to `small_limit`, rounded to 512 bytes)
 //! come from 2 MiB segments and are never stitched.
 //!
@@ -327,7 +328,7 @@ impl Pool {
         lock(&self.inner).region_names()
     }
 
-    /// Allocates `size` bytes (rounded up to the mapping granularity) for use on `stream`, in a
+    /// Allocates `size` bytes (rounded up to 512 bytes) for use on `stream`, in a
     /// segment of their own: [`Pool::swap_out`] can then give the memory back to the device
     /// and [`Pool::swap_in`] bring it back at the same address. Counted like any allocation;
     /// never a stitch piece while live. Once freed its memory is ordinary cached memory.

@@ -1,12 +1,12 @@
-//! Size classes: which pool (small or large) a request comes from, the unit its size is rounded
-//! to, and the least remainder worth splitting off a block. Kept together so that rounding and
-//! splitting agree on one unit per pool.
+//! Size classes: which pool (small or large) a request comes from, and the unit sizes are
+//! rounded and blocks split at. Both pools carve their blocks at 512 bytes, as PyTorch does, so
+//! no request pays for the mapping granularity; only new segments are whole granules.
 
 use super::blocks::PoolKind;
 use crate::device::align_up;
 use crate::error::Result;
 
-/// Alignment and rounding unit of small requests.
+/// Alignment and rounding unit of every request, and the least remainder split off a block.
 pub const MIN_BLOCK: usize = 512;
 
 /// The pool a request of `size` bytes comes from: small up to `small_limit`, else large.
@@ -18,22 +18,19 @@ pub(super) fn pool_of(size: usize, small_limit: usize) -> PoolKind {
     }
 }
 
-/// The rounding unit of `pool`: [`MIN_BLOCK`] for small requests, the mapping granularity for
-/// large ones. A free block is split only when at least one unit would remain.
-pub(super) fn unit(pool: PoolKind, granularity: usize) -> usize {
-    match pool {
-        PoolKind::Small => MIN_BLOCK,
-        PoolKind::Large => granularity,
-    }
-}
-
-/// `size` rounded up to the unit of `pool`.
-pub(super) fn round(size: usize, pool: PoolKind, granularity: usize) -> Result<usize> {
-    align_up(size, unit(pool, granularity))
+/// `size` rounded up to [`MIN_BLOCK`].
+pub(super) fn round(size: usize) -> Result<usize> {
+    align_up(size, MIN_BLOCK)
 }
 
 /// Bytes of a new small-pool segment for a request of `size` (rounded) bytes: one granule, or
 /// the request rounded up to whole granules when it is larger.
 pub(super) fn small_segment(size: usize, granularity: usize) -> Result<usize> {
     align_up(granularity.max(size), granularity)
+}
+
+/// Bytes of a new large-pool segment for `size` (rounded) bytes: whole granules, the rest of
+/// the last one left free for the next request.
+pub(super) fn large_segment(size: usize, granularity: usize) -> Result<usize> {
+    align_up(size, granularity)
 }

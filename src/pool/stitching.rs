@@ -87,7 +87,10 @@ impl Inner {
             Some(plan) => plan,
             None => return Ok(None),
         };
-        if plan.shortfall > 0 && !self.fits_cap(plan.shortfall) {
+        // New memory comes in whole granules; what the request leaves of the last one stays
+        // free in its segment.
+        let grown = super::sizes::large_segment(plan.shortfall, self.granularity)?;
+        if grown > 0 && !self.fits_cap(grown) {
             return Ok(None);
         }
         // Where each planned piece lies and what maps it, before taking splits the blocks.
@@ -117,15 +120,15 @@ impl Inner {
             }
         }
         if plan.shortfall > 0 {
-            match self.grow(device, PoolKind::Large, plan.shortfall, SHARED) {
+            match self.grow(device, PoolKind::Large, grown, SHARED) {
                 Ok(Some(id)) => {
-                    self.map.take(id, stream);
+                    self.map.take_front(id, plan.shortfall, stream);
                     ids.push(id);
                     let b = &self.map.blocks[id];
                     let segment = &self.map.segments[b.segment];
                     pieces.push(Piece {
                         addr: b.addr,
-                        len: b.size,
+                        len: segment.size,
                         handles: blocks::handle_layout(&segment.chunks),
                     });
                 }

@@ -11,6 +11,12 @@ seed see the same sequence of shapes.
   generate   Llama-shaped model, generate() with a KV cache, batch 4..32, prompt 64..768,
              32..256 new tokens
   mix        OPT-350M shape, full fine-tune, batch 24, length 32..2048
+  vision     ResNet-50-shaped convolutional network (plain PyTorch), full training in bf16,
+             image side 96..384 in steps of 32 and batch 8..96 changing every step: new
+             activation shapes all run long
+  lora-vocab Llama-shaped (16 layers, 128256-token vocabulary), LoRA r=16 on every linear
+             layer, batch 8, length 64..2048: logits and their gradients of 0.1-4 GiB of
+             changing size next to many small adapter tensors
 """
 
 import torch
@@ -107,10 +113,75 @@ def mix():
     return training_step(model, config.vocab_size, 24, (32, 2048))
 
 
+def _resnet50(classes=1000):
+    """ResNet-50's layout (bottleneck blocks 3-4-6-3, widths 256..2048), without torchvision."""
+    from torch import nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin, width, stride):
+            super().__init__()
+            cout = width * 4
+            self.body = nn.Sequential(
+                nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width),
+                nn.ReLU(), nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout))
+            self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                       nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.skip(x))
+
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+              nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for width, blocks, stride in [(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)]:
+        for i in range(blocks):
+            layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
+            cin = width * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+def vision():
+    model = build(lambda _: _resnet50(), None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step(rng):
+        side = rng.choice(range(96, 385, 32))
+        batch = rng.choice([8, 16, 24, 32, 48, 64, 96])
+        images = torch.randn(batch, 3, side, side, device="cuda", dtype=torch.bfloat16)
+        labels = torch.randint(0, 1000, (batch,), device="cuda")
+        loss = torch.nn.functional.cross_entropy(model(images).float(), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def lora_vocab():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=4096)
+    model = build(LlamaForCausalLM, config)
+    lora = LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj"])
+    model = get_peft_model(model, lora)
+    return training_step(model, config.vocab_size, 8, (64, 2048))
+
+
 WORKLOADS = {
     "opt-lora": opt_lora,
     "llama-ft": llama_ft,
     "moe": moe,
     "generate": generate,
     "mix": mix,
+    "vision": vision,
+    "lora-vocab": lora_vocab,
 }

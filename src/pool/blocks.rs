@@ -11,6 +11,7 @@ use std::iter::{Peekable, Rev};
 
 use slab::Slab;
 
+use super::bins::{SizeBins, Slot};
 use crate::device::{DevicePtr, PhysHandle, Stream};
 
 pub type SegmentId = usize;
@@ -118,6 +119,8 @@ pub struct Block {
     pub next: Option<BlockId>,
     pub state: BlockState,
     pub owner: Owner,
+    /// Where the block sits in its free bins while free (small pool).
+    free_slot: Slot,
 }
 
 /// Change in the free-but-split ("inactive split") accounting caused by one operation.
@@ -134,9 +137,9 @@ pub struct BlockMap {
     /// Every segment by start address, for lookups of pointers. Blocks are found from their
     /// segment's list: indexing every block would cost an update on every split and merge.
     by_addr: BTreeMap<DevicePtr, SegmentId>,
-    /// Best-fit sets, one per (tag, pool, owner); few streams and tags, so a short list beats
-    /// a map.
-    free: Vec<(FreeKey, FreeSet)>,
+    /// Best-fit indexes, one per (tag, pool, owner); few streams and tags, so a short list
+    /// beats a map.
+    free: Vec<(FreeKey, FreeIndex)>,
     /// Free blocks that are part of a segment split into several blocks.
     pub inactive_split: SplitDelta,
     /// The same, per pool (indexed by `PoolKind as usize`).
@@ -144,6 +147,46 @@ pub struct BlockMap {
 }
 
 type FreeKey = (Tag, PoolKind, Owner);
+
+/// The free blocks of one (tag, pool, owner): the small pool's in exact-size bins (constant
+/// time on the hot path), the large pool's in a set ordered by size, which stitching walks
+/// from its large end.
+#[derive(Debug)]
+enum FreeIndex {
+    Sorted(FreeSet),
+    Binned(Box<SizeBins>),
+}
+
+impl FreeIndex {
+    fn for_pool(pool: PoolKind) -> FreeIndex {
+        match pool {
+            PoolKind::Small => FreeIndex::Binned(Box::default()),
+            PoolKind::Large => FreeIndex::Sorted(FreeSet::new()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            FreeIndex::Sorted(set) => set.len(),
+            FreeIndex::Binned(bins) => bins.len(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        match self {
+            FreeIndex::Sorted(set) => set.is_empty(),
+            FreeIndex::Binned(bins) => bins.is_empty(),
+        }
+    }
+
+    /// Every free block, as (size, address, id).
+    fn entries(&self) -> Box<dyn Iterator<Item = FreeEntry> + '_> {
+        match self {
+            FreeIndex::Sorted(set) => Box::new(set.iter().copied()),
+            FreeIndex::Binned(bins) => Box::new(bins.iter()),
+        }
+    }
+}
 
 /// Whether a free set of `key` serves requests of `tag`/`pool` on `stream`.
 fn serves(key: &FreeKey, tag: Tag, pool: PoolKind, stream: Stream) -> bool {
@@ -185,11 +228,11 @@ impl BlockMap {
         Self::default()
     }
 
-    fn free_set(&mut self, key: FreeKey) -> &mut FreeSet {
+    fn free_index(&mut self, key: FreeKey) -> &mut FreeIndex {
         let index = match self.free.iter().position(|(k, _)| *k == key) {
             Some(index) => index,
             None => {
-                self.free.push((key, BTreeSet::new()));
+                self.free.push((key, FreeIndex::for_pool(key.1)));
                 self.free.len() - 1
             }
         };
@@ -207,7 +250,15 @@ impl BlockMap {
             let s = &self.segments[b.segment];
             (s.tag, s.pool, b.owner, b.size, b.addr)
         };
-        self.free_set((tag, pool, owner)).insert((size, addr, id));
+        match self.free_index((tag, pool, owner)) {
+            FreeIndex::Sorted(set) => {
+                set.insert((size, addr, id));
+            }
+            FreeIndex::Binned(bins) => {
+                let slot = bins.insert(size, addr, id);
+                self.blocks[id].free_slot = slot;
+            }
+        }
         if self.is_split(id) {
             self.inactive_split.count += 1;
             self.inactive_split.bytes += size as i64;
@@ -222,7 +273,17 @@ impl BlockMap {
             let s = &self.segments[b.segment];
             (s.tag, s.pool, b.owner, b.size, b.addr)
         };
-        self.free_set((tag, pool, owner)).remove(&(size, addr, id));
+        let slot = self.blocks[id].free_slot;
+        match self.free_index((tag, pool, owner)) {
+            FreeIndex::Sorted(set) => {
+                set.remove(&(size, addr, id));
+            }
+            FreeIndex::Binned(bins) => {
+                if let Some(moved) = bins.remove(size, addr, id, slot) {
+                    self.blocks[moved].free_slot = slot;
+                }
+            }
+        }
         if self.is_split(id) {
             self.inactive_split.count -= 1;
             self.inactive_split.bytes -= size as i64;
@@ -258,6 +319,7 @@ impl BlockMap {
             next: None,
             state: BlockState::Free,
             owner: None,
+            free_slot: 0,
         });
         self.segments[segment].first = block;
         self.by_addr.insert(va, segment);
@@ -351,11 +413,17 @@ impl BlockMap {
         size: usize,
     ) -> Option<BlockId> {
         let mut best: Option<(usize, DevicePtr, BlockId)> = None;
-        for (key, set) in &self.free {
+        for (key, index) in &self.free {
             if !serves(key, tag, pool, stream) {
                 continue;
             }
-            if let Some(&candidate) = set.range((size, 0, 0)..).next() {
+            let candidate = match index {
+                FreeIndex::Sorted(set) => set.range((size, 0, 0)..).next().copied(),
+                FreeIndex::Binned(bins) => bins
+                    .best_fit(size)
+                    .map(|(size, id)| (size, self.blocks[id].addr, id)),
+            };
+            if let Some(candidate) = candidate {
                 if best.is_none_or(|b| candidate < b) {
                     best = Some(candidate);
                 }
@@ -377,7 +445,11 @@ impl BlockMap {
             .free
             .iter()
             .filter(|(key, _)| serves(key, SHARED, pool, stream))
-            .map(|(_, set)| set.range((min_size, 0, 0)..).rev().peekable())
+            .filter_map(|(_, index)| match index {
+                FreeIndex::Sorted(set) => Some(set.range((min_size, 0, 0)..).rev().peekable()),
+                // Stitching takes large-pool blocks only.
+                FreeIndex::Binned(_) => None,
+            })
             .collect();
         LargestFirst {
             sets,
@@ -390,7 +462,7 @@ impl BlockMap {
         self.free
             .iter()
             .filter(|(key, _)| serves(key, SHARED, pool, stream))
-            .flat_map(|(_, set)| set.iter().map(|&(s, _, _)| s))
+            .flat_map(|(_, index)| index.entries().map(|(s, _, _)| s))
             .sum()
     }
 
@@ -399,7 +471,7 @@ impl BlockMap {
         let mut streams: Vec<Stream> = self
             .free
             .iter()
-            .filter(|(_, set)| !set.is_empty())
+            .filter(|(_, index)| !index.is_empty())
             .filter_map(|((_, _, owner), _)| *owner)
             .collect();
         streams.sort_unstable();
@@ -424,6 +496,7 @@ impl BlockMap {
             next,
             state,
             owner,
+            free_slot: 0,
         });
         if let Some(n) = next {
             self.blocks[n].prev = Some(rest);
@@ -558,7 +631,7 @@ impl BlockMap {
             .free
             .iter()
             .filter(|((_, _, owner), _)| *owner == Some(stream))
-            .flat_map(|(_, set)| set.iter().map(|&(_, _, id)| id))
+            .flat_map(|(_, index)| index.entries().map(|(_, _, id)| id))
             .collect();
         for id in &ids {
             self.unlink_free(*id);
@@ -600,7 +673,7 @@ impl BlockMap {
 
     /// Number of free blocks (all pools and owners).
     pub fn free_block_count(&self) -> usize {
-        self.free.iter().map(|(_, set)| set.len()).sum()
+        self.free.iter().map(|(_, index)| index.len()).sum()
     }
 
     /// Blocks of a segment, in address order.

@@ -32,6 +32,7 @@ pub mod events;
 pub mod snapshot;
 
 mod alloc;
+mod bins;
 mod growth;
 mod guard;
 mod inspect;

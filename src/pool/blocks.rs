@@ -6,19 +6,15 @@
 //! best-fit sets keyed by pool and owner stream, and neighbours with the same owner coalesce.
 //! No driver is called here.
 
-use std::collections::{btree_set, BTreeMap, BTreeSet};
-use std::iter::{Peekable, Rev};
+use std::collections::BTreeMap;
+use std::iter::Peekable;
 
 use slab::Slab;
 
-use super::bins::{SizeBins, Slot};
+use super::bins::{Entry, SizeBins, SizeClasses, Slot};
 use crate::device::{DevicePtr, PhysHandle, Stream};
 
 pub type SegmentId = usize;
-/// A free block as the best-fit sets order it: (size, address, id).
-type FreeEntry = (usize, DevicePtr, BlockId);
-/// Free blocks ordered for best fit.
-type FreeSet = BTreeSet<FreeEntry>;
 pub type BlockId = usize;
 
 /// Which pool a segment belongs to: the shared pool, or a private pool (a CUDA graph's memory,
@@ -148,12 +144,11 @@ pub struct BlockMap {
 
 type FreeKey = (Tag, PoolKind, Owner);
 
-/// The free blocks of one (tag, pool, owner): the small pool's in exact-size bins (constant
-/// time on the hot path), the large pool's in a set ordered by size, which stitching walks
-/// from its large end.
+/// The free blocks of one (tag, pool, owner): the small pool's in exact-size bins, the large
+/// pool's in size classes, which stitching walks from their large end (see [`super::bins`]).
 #[derive(Debug)]
 enum FreeIndex {
-    Sorted(FreeSet),
+    Classes(Box<SizeClasses>),
     Binned(Box<SizeBins>),
 }
 
@@ -161,28 +156,28 @@ impl FreeIndex {
     fn for_pool(pool: PoolKind) -> FreeIndex {
         match pool {
             PoolKind::Small => FreeIndex::Binned(Box::default()),
-            PoolKind::Large => FreeIndex::Sorted(FreeSet::new()),
+            PoolKind::Large => FreeIndex::Classes(Box::default()),
         }
     }
 
     fn len(&self) -> usize {
         match self {
-            FreeIndex::Sorted(set) => set.len(),
+            FreeIndex::Classes(classes) => classes.len(),
             FreeIndex::Binned(bins) => bins.len(),
         }
     }
 
     fn is_empty(&self) -> bool {
         match self {
-            FreeIndex::Sorted(set) => set.is_empty(),
+            FreeIndex::Classes(classes) => classes.is_empty(),
             FreeIndex::Binned(bins) => bins.is_empty(),
         }
     }
 
     /// Every free block, as (size, address, id).
-    fn entries(&self) -> Box<dyn Iterator<Item = FreeEntry> + '_> {
+    fn entries(&self) -> Box<dyn Iterator<Item = Entry> + '_> {
         match self {
-            FreeIndex::Sorted(set) => Box::new(set.iter().copied()),
+            FreeIndex::Classes(classes) => Box::new(classes.iter()),
             FreeIndex::Binned(bins) => Box::new(bins.iter()),
         }
     }
@@ -250,15 +245,11 @@ impl BlockMap {
             let s = &self.segments[b.segment];
             (s.tag, s.pool, b.owner, b.size, b.addr)
         };
-        match self.free_index((tag, pool, owner)) {
-            FreeIndex::Sorted(set) => {
-                set.insert((size, addr, id));
-            }
-            FreeIndex::Binned(bins) => {
-                let slot = bins.insert(size, addr, id);
-                self.blocks[id].free_slot = slot;
-            }
-        }
+        let slot = match self.free_index((tag, pool, owner)) {
+            FreeIndex::Classes(classes) => classes.insert((size, addr, id)),
+            FreeIndex::Binned(bins) => bins.insert((size, addr, id)),
+        };
+        self.blocks[id].free_slot = slot;
         if self.is_split(id) {
             self.inactive_split.count += 1;
             self.inactive_split.bytes += size as i64;
@@ -274,15 +265,12 @@ impl BlockMap {
             (s.tag, s.pool, b.owner, b.size, b.addr)
         };
         let slot = self.blocks[id].free_slot;
-        match self.free_index((tag, pool, owner)) {
-            FreeIndex::Sorted(set) => {
-                set.remove(&(size, addr, id));
-            }
-            FreeIndex::Binned(bins) => {
-                if let Some(moved) = bins.remove(size, addr, id, slot) {
-                    self.blocks[moved].free_slot = slot;
-                }
-            }
+        let moved = match self.free_index((tag, pool, owner)) {
+            FreeIndex::Classes(classes) => classes.remove((size, addr, id), slot),
+            FreeIndex::Binned(bins) => bins.remove((size, addr, id), slot),
+        };
+        if let Some(moved) = moved {
+            self.blocks[moved].free_slot = slot;
         }
         if self.is_split(id) {
             self.inactive_split.count -= 1;
@@ -418,10 +406,8 @@ impl BlockMap {
                 continue;
             }
             let candidate = match index {
-                FreeIndex::Sorted(set) => set.range((size, 0, 0)..).next().copied(),
-                FreeIndex::Binned(bins) => bins
-                    .best_fit(size)
-                    .map(|(size, id)| (size, self.blocks[id].addr, id)),
+                FreeIndex::Classes(classes) => classes.best_fit(size),
+                FreeIndex::Binned(bins) => bins.best_fit(size),
             };
             if let Some(candidate) = candidate {
                 if best.is_none_or(|b| candidate < b) {
@@ -446,7 +432,11 @@ impl BlockMap {
             .iter()
             .filter(|(key, _)| serves(key, SHARED, pool, stream))
             .filter_map(|(_, index)| match index {
-                FreeIndex::Sorted(set) => Some(set.range((min_size, 0, 0)..).rev().peekable()),
+                FreeIndex::Classes(classes) => {
+                    let walk: Box<dyn Iterator<Item = Entry> + '_> =
+                        Box::new(classes.largest_first(min_size));
+                    Some(walk.peekable())
+                }
                 // Stitching takes large-pool blocks only.
                 FreeIndex::Binned(_) => None,
             })
@@ -737,7 +727,7 @@ impl BlockMap {
 
 /// Iterator of [`BlockMap::largest_free_blocks`]: merges the free sets from their large ends.
 pub struct LargestFirst<'a> {
-    sets: Vec<Peekable<Rev<btree_set::Range<'a, FreeEntry>>>>,
+    sets: Vec<Peekable<Box<dyn Iterator<Item = Entry> + 'a>>>,
     /// The blocks of the size being handed out, lowest id first (popped from the end).
     ties: Vec<(usize, BlockId)>,
 }
@@ -752,12 +742,12 @@ impl Iterator for LargestFirst<'_> {
         let size = self
             .sets
             .iter_mut()
-            .filter_map(|set| set.peek().map(|&&(size, _, _)| size))
+            .filter_map(|set| set.peek().map(|&(size, _, _)| size))
             .max()?;
         // The sets order equal sizes by address; the order promised is by id, so all blocks
         // of this size are gathered and sorted.
         for set in &mut self.sets {
-            while let Some(&(_, _, id)) = set.next_if(|&&(s, _, _)| s == size) {
+            while let Some((_, _, id)) = set.next_if(|&(s, _, _)| s == size) {
                 self.ties.push((size, id));
             }
         }

@@ -50,7 +50,8 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 ALLOCATORS = ("native", "expandable", "glake")
-DEFAULT_STEPS = {"opt-lora": 30, "llama-ft": 25, "moe": 25, "generate": 8, "mix": 25}
+DEFAULT_STEPS = {"opt-lora": 30, "llama-ft": 25, "moe": 25, "generate": 8, "mix": 25, "vision": 40,
+                 "lora-vocab": 25}
 WARMUP = 3
 GIB = 2**30
 

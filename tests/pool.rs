@@ -956,3 +956,97 @@ fn swappable_allocations_reuse_idle_segments_no_stitch_maps() {
     p.empty_cache().unwrap();
     assert_eq!(p.stats().reserved_bytes.all.current, 0);
 }
+
+/// Holds every `Map` call of the device until released, to stand for a slow driver.
+struct GatedMaps {
+    gate: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+    waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl glake::device::interpose::Interposer for GatedMaps {
+    fn around<T>(
+        &self,
+        kind: glake::device::CallKind,
+        call: impl FnOnce() -> glake::Result<T>,
+    ) -> glake::Result<T> {
+        if kind == glake::device::CallKind::Map {
+            self.waiting
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut open = self.gate.lock().expect("gate");
+            while !*open {
+                open = self.opened.wait(open).expect("gate");
+            }
+        }
+        call()
+    }
+}
+
+/// A malloc that makes a new segment does its driver calls without the pool's lock: while
+/// one thread's mapping is held up, another thread allocates and frees cached memory, and
+/// the first then gets its memory. (Stitching is off: a stitch still maps under the lock.)
+#[test]
+fn a_new_segment_is_mapped_without_holding_up_other_threads() {
+    let host = common::host_device(1 << 30);
+    let gated = Arc::new(glake::device::interpose::Interposed::with(
+        host,
+        GatedMaps {
+            gate: std::sync::Mutex::new(true),
+            opened: std::sync::Condvar::new(),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
+        },
+    ));
+    let device: SharedDevice = gated.clone();
+    let pool = Arc::new(pool_with(&device, stitch_off()));
+    let cached = pool.malloc(4 * MIB, Stream::DEFAULT).expect("malloc");
+    pool.free(cached).expect("free");
+    *gated.hook().gate.lock().expect("gate") = false;
+    let maps_before = gated
+        .hook()
+        .waiting
+        .load(std::sync::atomic::Ordering::SeqCst);
+    let grower = {
+        let pool = pool.clone();
+        std::thread::spawn(move || pool.malloc(64 * MIB, Stream::DEFAULT))
+    };
+    while gated
+        .hook()
+        .waiting
+        .load(std::sync::atomic::Ordering::SeqCst)
+        == maps_before
+    {
+        std::thread::yield_now();
+    }
+    // The grower is inside a Map call now. Cached memory is served at once, and freed: an
+    // other thread does it, so that a pool that held its lock fails here instead of hanging.
+    let (done, finished) = std::sync::mpsc::channel();
+    let other = {
+        let pool = pool.clone();
+        std::thread::spawn(move || {
+            for _ in 0..100 {
+                let ptr = pool
+                    .malloc(3 * MIB, Stream::DEFAULT)
+                    .expect("malloc from cache");
+                pool.free(ptr).expect("free");
+            }
+            done.send(()).expect("send");
+        })
+    };
+    let served = finished.recv_timeout(std::time::Duration::from_secs(10));
+    let grower_waited = !grower.is_finished();
+    *gated.hook().gate.lock().expect("gate") = true;
+    gated.hook().opened.notify_all();
+    other.join().expect("other thread");
+    assert!(
+        served.is_ok(),
+        "cached mallocs waited for another thread's mapping"
+    );
+    assert!(grower_waited, "the grower's map was still held");
+    let ptr = grower
+        .join()
+        .expect("grower")
+        .expect("malloc after the map");
+    assert_eq!(pool.allocation_of(ptr).expect("live").size, 64 * MIB);
+    pool.free(ptr).expect("free");
+    common::check(&pool);
+}

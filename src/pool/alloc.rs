@@ -44,6 +44,9 @@ impl Inner {
             PoolKind::Large => self.malloc_large(device, rounded, stream, tag)?,
         };
         let Some(ptr) = ptr else {
+            if self.planned.is_some() {
+                return Err(super::unlocked::planned());
+            }
             return Err(self.no_memory(device, size));
         };
         self.set_requested(ptr, size);
@@ -244,6 +247,12 @@ impl Inner {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
             }
             let segment_size = sizes::small_segment(size, self.granularity)?;
+            if attempt == 0
+                && tag == SHARED
+                && self.plan_segment(PoolKind::Small, segment_size, tag)
+            {
+                return Ok(None);
+            }
             if let Some(id) = self.grow(device, PoolKind::Small, segment_size, tag)? {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
             }
@@ -284,6 +293,12 @@ impl Inner {
                 }
             }
             let segment_size = sizes::large_segment(size, self.granularity)?;
+            if attempt == 0
+                && tag == SHARED
+                && self.plan_segment(PoolKind::Large, segment_size, tag)
+            {
+                return Ok(None);
+            }
             if let Some(id) = self.grow(device, PoolKind::Large, segment_size, tag)? {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
             }

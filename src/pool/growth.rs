@@ -6,7 +6,7 @@ use super::blocks::{self, BlockId, Chunk, PoolKind, SegmentId, Tag};
 use super::events::{self, SegmentEvent, SegmentEventKind};
 use super::Inner;
 use crate::device::{DevicePtr, PhysHandle};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 
 impl Inner {
     /// Whether `bytes` more physical memory fits under the cap.
@@ -89,18 +89,7 @@ impl Inner {
         if !self.fits_cap(size) {
             return Ok(None);
         }
-        // A region's segments are never stitched: the fewest handles map fastest.
-        let limit = if blocks::is_region(tag) {
-            self.config.max_chunk.max(self.granularity)
-        } else {
-            blocks::chunk_limit(
-                self.reserved(),
-                self.granularity,
-                self.config.max_chunk,
-                self.config.chunk_divisor,
-            )
-        };
-        let sizes = blocks::chunk_sizes(size, self.granularity, limit);
+        let sizes = self.segment_chunks(size, tag);
         let Some(chunks) = self.create_chunks(device, &sizes)? else {
             return Ok(None);
         };
@@ -113,20 +102,26 @@ impl Inner {
                 return Err(err.context("mapping a new segment"));
             }
         };
-        let count = chunks.len() as i64;
-        let (segment, block) = self.map.add_segment(va, size, chunks, pool, tag);
-        self.map.segments[segment].guard = guard;
-        events::record(|| SegmentEvent {
-            kind: SegmentEventKind::Alloc,
-            device: device.ordinal(),
-            address: va,
-            size,
-            pool: self.private_of_tag(tag),
-        });
-        self.stats.segment.add(pool, 1);
-        self.stats.reserved_bytes.add(pool, size as i64);
-        self.stats.num_device_alloc += count;
-        Ok(Some(block))
+        Ok(Some(self.add_new_segment(
+            device, va, size, chunks, pool, tag, guard,
+        )))
+    }
+
+    /// The chunk lengths of a new segment of `size` bytes for `tag`: a region's segments are
+    /// never stitched, so the fewest handles (which map fastest); others as
+    /// [`blocks::chunk_limit`] says for the pool's size.
+    pub(super) fn segment_chunks(&self, size: usize, tag: Tag) -> Vec<usize> {
+        let limit = if blocks::is_region(tag) {
+            self.config.max_chunk.max(self.granularity)
+        } else {
+            blocks::chunk_limit(
+                self.reserved(),
+                self.granularity,
+                self.config.max_chunk,
+                self.config.chunk_divisor,
+            )
+        };
+        blocks::chunk_sizes(size, self.granularity, limit)
     }
 
     /// Creates one physical chunk of each length in `sizes`, laid out one after another from
@@ -137,26 +132,9 @@ impl Inner {
         device: &dyn crate::device::Device,
         sizes: &[usize],
     ) -> Result<Option<Vec<Chunk>>> {
-        let mut chunks: Vec<Chunk> = Vec::with_capacity(sizes.len());
-        let mut offset = 0;
-        for &len in sizes {
-            match device.create_physical(len) {
-                Ok(handle) => chunks.push(Chunk {
-                    handle,
-                    offset,
-                    len,
-                }),
-                Err(err) => {
-                    self.bury(device, Zombie::handles(&chunks));
-                    if err.kind() == ErrorKind::OutOfMemory {
-                        return Ok(None);
-                    }
-                    return Err(err.context("creating physical memory"));
-                }
-            }
-            offset += len;
-        }
-        Ok(Some(chunks))
+        let (result, zombie) = super::unlocked::create_chunks(device, sizes);
+        self.zombies.extend(zombie);
+        result
     }
 
     /// Grants device `peer` access to every range mapped now (segments and stitched ranges),
@@ -370,7 +348,7 @@ impl Zombie {
         }
     }
 
-    fn finish(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+    pub(super) fn finish(&mut self, device: &dyn crate::device::Device) -> Result<()> {
         while let Some(&(va, len)) = self.unmaps.last() {
             device.unmap(va, len)?;
             self.unmaps.pop();

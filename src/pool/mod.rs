@@ -48,6 +48,7 @@ mod stitching;
 mod streams;
 mod swap_async;
 mod swapping;
+mod unlocked;
 
 use std::sync::Mutex;
 
@@ -141,6 +142,12 @@ struct Inner {
     guard_bases: KeyMap<DevicePtr, DevicePtr>,
     /// Guarded allocations made so far (their numbers in fault reports).
     guard_count: u64,
+    /// Set while a malloc may make its new segment outside the lock (see `unlocked`).
+    planning: bool,
+    /// The segment such a malloc planned.
+    planned: Option<unlocked::GrowthPlan>,
+    /// Bytes of planned segments being made outside the lock, held against the cap.
+    growing: usize,
 }
 
 /// Numbers pools for the thread-local region routing.
@@ -215,6 +222,9 @@ impl Pool {
                 guards: KeyMap::default(),
                 guard_bases: KeyMap::default(),
                 guard_count: 0,
+                planning: false,
+                planned: None,
+                growing: 0,
             }),
         };
         if let Some(name) = default_region {
@@ -246,7 +256,20 @@ impl Pool {
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
-        lock(&self.inner).malloc_in(&*self.device, size, stream, private)
+        let device = &*self.device;
+        let mut inner = lock(&self.inner);
+        inner.planning = true;
+        let result = inner.malloc_in(device, size, stream, private);
+        inner.planning = false;
+        let Some(plan) = inner.planned.take() else {
+            return result;
+        };
+        // A new segment is needed: made without the lock, so other threads go on meanwhile.
+        drop(inner);
+        let made = plan.make(device);
+        let mut inner = lock(&self.inner);
+        inner.adopt(device, plan, made)?;
+        inner.malloc_in(device, size, stream, private)
     }
 
     /// As [`Pool::malloc_in`], also giving the number of pieces when the memory is a stitched
@@ -258,9 +281,8 @@ impl Pool {
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<(DevicePtr, u32)> {
-        let mut inner = lock(&self.inner);
-        let ptr = inner.malloc_in(&*self.device, size, stream, private)?;
-        Ok((ptr, inner.stitched_pieces(ptr)))
+        let ptr = self.malloc_in(size, stream, private)?;
+        Ok((ptr, lock(&self.inner).stitched_pieces(ptr)))
     }
 
     /// Allocates exactly `[addr, addr+size)` again for use on `stream`, from private pool

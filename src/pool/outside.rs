@@ -51,8 +51,11 @@ impl Pool {
 }
 
 impl Inner {
-    /// Bytes the cap bounds: the pool's own physical memory and memory counted from outside.
+    /// Bytes the cap bounds: the pool's own physical memory, memory being made for it outside
+    /// its lock, and memory counted from outside.
     pub(super) fn capped_bytes(&self) -> usize {
-        self.reserved().saturating_add(self.outside)
+        self.reserved()
+            .saturating_add(self.growing)
+            .saturating_add(self.outside)
     }
 }

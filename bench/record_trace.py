@@ -7,7 +7,7 @@ torch.cuda.memory._record_memory_history() records every event, then writes
 
     python3 bench/record_trace.py --workload moe --out traces/trace_moe_train.txt.gz
 
-Workloads (bench/workloads.py): moe, generate, mix.
+Workloads: those of bench/workloads.py.
 To record any other PyTorch program, call start() before it and write() after it.
 """
 import argparse
@@ -39,7 +39,7 @@ def write(path, device=0):
     return len(events)
 
 
-WORKLOADS = ("moe", "generate", "mix")
+WORKLOADS = tuple(workloads.WORKLOADS)
 
 
 def main():

@@ -982,11 +982,15 @@ impl glake::device::interpose::Interposer for GatedMaps {
     }
 }
 
-/// A malloc that makes a new segment does its driver calls without the pool's lock: while
-/// one thread's mapping is held up, another thread allocates and frees cached memory, and
-/// the first then gets its memory. (Stitching is off: a stitch still maps under the lock.)
-#[test]
-fn a_new_segment_is_mapped_without_holding_up_other_threads() {
+/// While one thread's malloc of `request` bytes is inside a (held-up) Map call, another
+/// thread allocates and frees `other` bytes from cached memory; then the first gets its
+/// memory. `prepare` leaves the pool as the case needs it.
+fn mapping_does_not_hold_up_others(
+    config: Config,
+    prepare: impl FnOnce(&Pool),
+    request: usize,
+    other: usize,
+) -> Pool {
     let host = common::host_device(1 << 30);
     let gated = Arc::new(glake::device::interpose::Interposed::with(
         host,
@@ -997,9 +1001,8 @@ fn a_new_segment_is_mapped_without_holding_up_other_threads() {
         },
     ));
     let device: SharedDevice = gated.clone();
-    let pool = Arc::new(pool_with(&device, stitch_off()));
-    let cached = pool.malloc(4 * MIB, Stream::DEFAULT).expect("malloc");
-    pool.free(cached).expect("free");
+    let pool = Arc::new(pool_with(&device, config));
+    prepare(&pool);
     *gated.hook().gate.lock().expect("gate") = false;
     let maps_before = gated
         .hook()
@@ -1007,7 +1010,7 @@ fn a_new_segment_is_mapped_without_holding_up_other_threads() {
         .load(std::sync::atomic::Ordering::SeqCst);
     let grower = {
         let pool = pool.clone();
-        std::thread::spawn(move || pool.malloc(64 * MIB, Stream::DEFAULT))
+        std::thread::spawn(move || pool.malloc(request, Stream::DEFAULT))
     };
     while gated
         .hook()
@@ -1020,12 +1023,12 @@ fn a_new_segment_is_mapped_without_holding_up_other_threads() {
     // The grower is inside a Map call now. Cached memory is served at once, and freed: an
     // other thread does it, so that a pool that held its lock fails here instead of hanging.
     let (done, finished) = std::sync::mpsc::channel();
-    let other = {
+    let others = {
         let pool = pool.clone();
         std::thread::spawn(move || {
             for _ in 0..100 {
                 let ptr = pool
-                    .malloc(3 * MIB, Stream::DEFAULT)
+                    .malloc(other, Stream::DEFAULT)
                     .expect("malloc from cache");
                 pool.free(ptr).expect("free");
             }
@@ -1036,7 +1039,7 @@ fn a_new_segment_is_mapped_without_holding_up_other_threads() {
     let grower_waited = !grower.is_finished();
     *gated.hook().gate.lock().expect("gate") = true;
     gated.hook().opened.notify_all();
-    other.join().expect("other thread");
+    others.join().expect("other thread");
     assert!(
         served.is_ok(),
         "cached mallocs waited for another thread's mapping"
@@ -1046,7 +1049,41 @@ fn a_new_segment_is_mapped_without_holding_up_other_threads() {
         .join()
         .expect("grower")
         .expect("malloc after the map");
-    assert_eq!(pool.allocation_of(ptr).expect("live").size, 64 * MIB);
+    assert_eq!(pool.allocation_of(ptr).expect("live").size, request);
     pool.free(ptr).expect("free");
     common::check(&pool);
+    Arc::try_unwrap(pool).ok().expect("the only owner")
+}
+
+/// A malloc that makes a new segment does its driver calls without the pool's lock.
+#[test]
+fn a_new_segment_is_mapped_without_holding_up_other_threads() {
+    let prepare = |pool: &Pool| {
+        let cached = pool.malloc(4 * MIB, Stream::DEFAULT).expect("malloc");
+        pool.free(cached).expect("free");
+    };
+    mapping_does_not_hold_up_others(stitch_off(), prepare, 64 * MIB, 3 * MIB);
+}
+
+/// A stitch maps its pieces without the pool's lock.
+#[test]
+fn a_stitch_is_mapped_without_holding_up_other_threads() {
+    let prepare = |pool: &Pool| {
+        // Two free 8 MiB segments for the stitch, and a 2 MiB one for the other thread.
+        let blocks: Vec<_> = [8 * MIB, 2 * MIB, 8 * MIB]
+            .iter()
+            .map(|&size| pool.malloc(size, Stream::DEFAULT).expect("malloc"))
+            .collect();
+        for ptr in blocks {
+            pool.free(ptr).expect("free");
+        }
+    };
+    let pool = mapping_does_not_hold_up_others(Config::default(), prepare, 16 * MIB, 3 * MIB / 2);
+    let stats = pool.stats();
+    assert_eq!(stats.stitches, 1);
+    assert_eq!(
+        stats.reserved_bytes.all.current,
+        18 * MIB as i64,
+        "nothing grown"
+    );
 }

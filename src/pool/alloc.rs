@@ -290,6 +290,9 @@ impl Inner {
                     if let Some(ptr) = self.stitch_new(device, size, stream)? {
                         return Ok(Some(ptr));
                     }
+                    if self.planned.is_some() {
+                        return Ok(None);
+                    }
                 }
             }
             let segment_size = sizes::large_segment(size, self.granularity)?;
@@ -305,6 +308,9 @@ impl Inner {
             if stitch && self.config.defrag_level == DefragLevel::WhenFull && attempt == 0 {
                 if let Some(ptr) = self.stitch_new(device, size, stream)? {
                     return Ok(Some(ptr));
+                }
+                if self.planned.is_some() {
+                    return Ok(None);
                 }
             }
             match attempt {

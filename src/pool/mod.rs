@@ -144,8 +144,8 @@ struct Inner {
     guard_count: u64,
     /// Set while a malloc may make its new segment outside the lock (see `unlocked`).
     planning: bool,
-    /// The segment such a malloc planned.
-    planned: Option<unlocked::GrowthPlan>,
+    /// The driver work such a malloc planned.
+    planned: Option<unlocked::Planned>,
     /// Bytes of planned segments being made outside the lock, held against the cap.
     growing: usize,
 }
@@ -261,15 +261,31 @@ impl Pool {
         inner.planning = true;
         let result = inner.malloc_in(device, size, stream, private);
         inner.planning = false;
-        let Some(plan) = inner.planned.take() else {
+        let Some(planned) = inner.planned.take() else {
             return result;
         };
-        // A new segment is needed: made without the lock, so other threads go on meanwhile.
+        // Driver work is needed: done without the lock, so other threads go on meanwhile.
         drop(inner);
-        let made = plan.make(device);
-        let mut inner = lock(&self.inner);
-        inner.adopt(device, plan, made)?;
-        inner.malloc_in(device, size, stream, private)
+        match planned {
+            unlocked::Planned::Segment(plan) => {
+                let made = plan.make(device);
+                let mut inner = lock(&self.inner);
+                inner.adopt(device, plan, made)?;
+                inner.malloc_in(device, size, stream, private)
+            }
+            unlocked::Planned::Stitch(job) => {
+                let made = job.make(device);
+                let mut inner = lock(&self.inner);
+                match inner.finish_stitch(device, job, made)? {
+                    Some(ptr) => {
+                        inner.set_requested(ptr, size);
+                        Ok(ptr)
+                    }
+                    // The device was full: every attempt again, under the lock.
+                    None => inner.malloc_in(device, size, stream, private),
+                }
+            }
+        }
     }
 
     /// As [`Pool::malloc_in`], also giving the number of pieces when the memory is a stitched

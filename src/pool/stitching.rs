@@ -11,6 +11,86 @@ use crate::device::{DevicePtr, PhysHandle, Stream};
 use crate::error::{Error, Result};
 use crate::stitch::{self, Piece, StitchId};
 
+use super::unlocked::{GrowthPlan, Planned};
+
+/// A stitch whose pieces are taken, to be mapped (outside the lock in planning mode).
+#[derive(Debug)]
+pub(super) struct StitchJob {
+    size: usize,
+    stream: Stream,
+    pieces: Vec<Piece>,
+    ids: Vec<BlockId>,
+    /// The segment to make for the bytes the free blocks lack.
+    shortfall: Option<GrowthPlan>,
+    shortfall_bytes: usize,
+    access: Vec<i32>,
+    granularity: usize,
+}
+
+/// A segment just made: its range and chunks.
+type NewSegment = (DevicePtr, Vec<blocks::Chunk>);
+
+/// What the driver made of a stitch job: the stitched range, and the shortfall's segment
+/// (its range and chunks) when there is one; or an error, or None when the device is full;
+/// with what could not be torn down.
+pub(super) struct StitchMade {
+    result: Result<Option<(DevicePtr, Option<NewSegment>)>>,
+    leftovers: Vec<Zombie>,
+}
+
+impl StitchJob {
+    /// The driver's part: the shortfall's segment made, then every piece mapped side by side.
+    pub(super) fn make(&self, device: &dyn crate::device::Device) -> StitchMade {
+        let mut leftovers = Vec::new();
+        let segment: Option<NewSegment> = match &self.shortfall {
+            None => None,
+            Some(plan) => {
+                let made = plan.make(device);
+                leftovers.extend(made.leftovers);
+                match made.result {
+                    Ok(Some(segment)) => Some(segment),
+                    other => {
+                        return StitchMade {
+                            result: other.map(|_| None),
+                            leftovers,
+                        }
+                    }
+                }
+            }
+        };
+        let mut handles: Vec<(PhysHandle, usize)> = self
+            .pieces
+            .iter()
+            .flat_map(|p| p.handles.iter().copied())
+            .collect();
+        if let Some((_, chunks)) = &segment {
+            handles.extend(blocks::handle_layout(chunks.as_slice()));
+        }
+        match map_range(device, &handles, 0, self.granularity, &self.access) {
+            Ok(va) => StitchMade {
+                result: Ok(Some((va, segment))),
+                leftovers,
+            },
+            Err((err, zombie)) => {
+                leftovers.extend(zombie);
+                if let Some((va, chunks)) = segment {
+                    let mut undo = Zombie {
+                        reservation: Some((va, chunks.iter().map(|c| c.len).sum())),
+                        ..Zombie::mapped(va, &chunks)
+                    };
+                    if undo.finish(device).is_err() {
+                        leftovers.push(undo);
+                    }
+                }
+                StitchMade {
+                    result: Err(err),
+                    leftovers,
+                }
+            }
+        }
+    }
+}
+
 /// Most idle stitched ranges kept mapped, whatever their bytes (each is a driver object).
 const MAX_IDLE_STITCHED: usize = 4096;
 
@@ -68,13 +148,34 @@ impl Inner {
     /// Builds a new stitched range of `size` bytes from free blocks of `stream`, creating new
     /// physical memory for any shortfall. Only whole chunks map, so a free block offers the run
     /// of whole chunks inside it (at least `frag_limit` bytes); the last piece maps its last
-    /// chunk whole but takes from the block only the bytes the request needs.
+    /// chunk whole but takes from the block only the bytes the request needs. In planning mode
+    /// (see `unlocked`) the driver calls are left to be made outside the lock.
     pub(super) fn stitch_new(
         &mut self,
         device: &dyn crate::device::Device,
         size: usize,
         stream: Stream,
     ) -> Result<Option<DevicePtr>> {
+        let Some(job) = self.prepare_stitch(device, size, stream)? else {
+            return Ok(None);
+        };
+        if self.planning && self.routing == 0 {
+            self.planned = Some(Planned::Stitch(job));
+            return Ok(None);
+        }
+        let made = job.make(device);
+        self.finish_stitch(device, job, made)
+    }
+
+    /// The part of a stitch made under the lock first: the plan, its pieces taken out of the
+    /// free blocks (so no other request takes them), and the shortfall's bytes held against
+    /// the cap.
+    fn prepare_stitch(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+    ) -> Result<Option<StitchJob>> {
         let min_piece = self.config.frag_limit.max(self.granularity);
         let map = &self.map;
         let candidates = map
@@ -108,7 +209,6 @@ impl Inner {
                 handles,
             });
         }
-        // Take the planned bytes first, so that growth cannot merge them.
         let mut ids: Vec<BlockId> = Vec::with_capacity(plan.take.len() + 1);
         for (piece, &(_, bytes)) in pieces.iter().zip(&plan.take) {
             match self.map.take_range(piece.addr, bytes, stream) {
@@ -119,37 +219,86 @@ impl Inner {
                 }
             }
         }
-        if plan.shortfall > 0 {
-            match self.grow(device, PoolKind::Large, grown, SHARED) {
-                Ok(Some(id)) => {
-                    self.map.take_front(id, plan.shortfall, stream);
-                    ids.push(id);
-                    let b = &self.map.blocks[id];
-                    let segment = &self.map.segments[b.segment];
-                    pieces.push(Piece {
-                        addr: b.addr,
-                        len: segment.size,
-                        handles: blocks::handle_layout(&segment.chunks),
-                    });
-                }
-                other => {
-                    self.give_back(&ids, stream);
-                    return other.map(|_| None);
-                }
+        self.sync_split_stats();
+        if grown > 0 {
+            // With the pieces taken, giving cached memory back cannot take them.
+            let room = self
+                .respect_soft_limit(device, grown)
+                .map(|()| self.fits_cap(grown));
+            if room != Ok(true) {
+                self.give_back(&ids, stream);
+                return room.map(|_| None);
             }
         }
-        let handles: Vec<(PhysHandle, usize)> = pieces
-            .iter()
-            .flat_map(|p| p.handles.iter().copied())
-            .collect();
-        let va = match map_range(device, &handles, 0, self.granularity, &self.access) {
-            Ok(va) => va,
-            Err((err, zombie)) => {
+        let shortfall = (grown > 0).then(|| {
+            self.growing += grown;
+            GrowthPlan::new(self, PoolKind::Large, grown, SHARED)
+        });
+        Ok(Some(StitchJob {
+            size,
+            stream,
+            pieces,
+            ids,
+            shortfall,
+            shortfall_bytes: plan.shortfall,
+            access: self.access.clone(),
+            granularity: self.granularity,
+        }))
+    }
+
+    /// The last part of a stitch, under the lock: the shortfall's segment booked, the range
+    /// registered as the allocation; on failure the pieces go back to the free blocks.
+    pub(super) fn finish_stitch(
+        &mut self,
+        device: &dyn crate::device::Device,
+        job: StitchJob,
+        made: StitchMade,
+    ) -> Result<Option<DevicePtr>> {
+        let StitchJob {
+            size,
+            stream,
+            mut pieces,
+            mut ids,
+            shortfall,
+            shortfall_bytes,
+            access,
+            ..
+        } = job;
+        self.zombies.extend(made.leftovers);
+        if let Some(plan) = &shortfall {
+            self.growing -= plan.size();
+        }
+        let (va, segment) = match made.result {
+            Ok(Some(done)) => done,
+            other => {
                 self.give_back(&ids, stream);
-                self.zombies.extend(zombie);
-                return Err(err);
+                return other.map(|_| None);
             }
         };
+        if let (Some(plan), Some((segment_va, chunks))) = (shortfall, segment) {
+            let handles = blocks::handle_layout(&chunks);
+            let id = self.add_new_segment(
+                device,
+                segment_va,
+                plan.size(),
+                chunks,
+                PoolKind::Large,
+                SHARED,
+                0,
+            );
+            self.map.take_front(id, shortfall_bytes, stream);
+            ids.push(id);
+            pieces.push(Piece {
+                addr: segment_va,
+                len: plan.size(),
+                handles,
+            });
+        }
+        if access != self.access {
+            // A peer was granted access meanwhile.
+            let mapped: usize = pieces.iter().map(|p| p.len).sum();
+            device.set_access(va, mapped, &self.access)?;
+        }
         let piece_count = pieces.len();
         let id = self.stitch.insert(va, pieces, stream);
         let mapped = self.stitch.blocks[id].size;

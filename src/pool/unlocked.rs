@@ -14,6 +14,15 @@ use super::Inner;
 use crate::device::{Device, DevicePtr};
 use crate::error::{Error, ErrorKind, Result};
 
+/// Driver work a malloc left to be done outside the lock.
+#[derive(Debug)]
+pub(super) enum Planned {
+    /// A new segment, to allocate from once it is booked.
+    Segment(GrowthPlan),
+    /// A stitch whose pieces are taken, to be mapped and registered.
+    Stitch(super::stitching::StitchJob),
+}
+
 /// A segment to make outside the lock.
 #[derive(Debug)]
 pub(super) struct GrowthPlan {
@@ -28,8 +37,8 @@ pub(super) struct GrowthPlan {
 /// What making a planned segment gave: its memory mapped at `va`, none (the device is
 /// full), or an error, with what could not be torn down.
 pub(super) struct Made {
-    result: Result<Option<(DevicePtr, Vec<Chunk>)>>,
-    leftovers: Vec<Zombie>,
+    pub(super) result: Result<Option<(DevicePtr, Vec<Chunk>)>>,
+    pub(super) leftovers: Vec<Zombie>,
 }
 
 /// The error that carries a planned growth out of the allocation path to the pool, which
@@ -42,6 +51,22 @@ pub(super) fn planned() -> Error {
 }
 
 impl GrowthPlan {
+    /// A segment of `size` bytes for `pool`/`tag`, laid out as `inner` makes its segments.
+    pub(super) fn new(inner: &Inner, pool: PoolKind, size: usize, tag: Tag) -> GrowthPlan {
+        GrowthPlan {
+            pool,
+            tag,
+            size,
+            chunk_sizes: inner.segment_chunks(size, tag),
+            access: inner.access.clone(),
+            granularity: inner.granularity,
+        }
+    }
+
+    pub(super) fn size(&self) -> usize {
+        self.size
+    }
+
     /// Creates the chunks and maps them at a new range, without the pool's lock.
     pub(super) fn make(&self, device: &dyn Device) -> Made {
         let mut leftovers = Vec::new();
@@ -106,6 +131,9 @@ impl Inner {
     /// attempt: plans a segment of `size` bytes for `pool`/`tag` instead of making it, when
     /// nothing asks for the lock to stay held. Returns whether it did.
     pub(super) fn plan_segment(&mut self, pool: PoolKind, size: usize, tag: Tag) -> bool {
+        if !self.planning {
+            return false;
+        }
         let over_soft = self
             .soft_limit
             .is_some_and(|soft| self.capped_bytes().saturating_add(size) > soft);
@@ -113,14 +141,7 @@ impl Inner {
             return false;
         }
         self.growing += size;
-        self.planned = Some(GrowthPlan {
-            pool,
-            tag,
-            size,
-            chunk_sizes: self.segment_chunks(size, tag),
-            access: self.access.clone(),
-            granularity: self.granularity,
-        });
+        self.planned = Some(Planned::Segment(GrowthPlan::new(self, pool, size, tag)));
         true
     }
 

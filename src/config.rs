@@ -88,7 +88,7 @@ impl Default for Config {
             memory_limit: None,
             max_stitch_pieces: 256,
             max_chunk: 32 * MIB,
-            chunk_divisor: 512,
+            chunk_divisor: 2048,
             sleep_host: SleepHost::Pinned,
             default_region: None,
             guard: false,

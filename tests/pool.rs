@@ -151,8 +151,18 @@ fn fragment_then_ask(
     (result, peak)
 }
 
-/// Memory a pool holds before its 64 MiB segment is made of 8 MiB handles (1/512 of it).
+/// Memory a pool holds before its 64 MiB segment is made of 8 MiB handles (1/512 of it, with
+/// [`handles_of_1_512`]).
 const LARGE_POOL: usize = 4 << 30;
+
+/// The default configuration with handles of at most 1/512 of the pool's memory, so that the
+/// tests reach large handles with a smaller ballast.
+fn handles_of_1_512() -> Config {
+    Config {
+        chunk_divisor: 512,
+        ..Config::default()
+    }
+}
 
 #[test]
 fn fixed_budget_fragmented_fits_with_stitching_only() {
@@ -160,7 +170,7 @@ fn fixed_budget_fragmented_fits_with_stitching_only() {
     // In a large pool a 64 MiB segment is made of 8 MiB handles: holes of whole handles
     // stitch. In a small pool (2 MiB handles) any hole does.
     for (ballast, block) in [(LARGE_POOL, 8 * MIB), (0, 4 * MIB)] {
-        let (with, peak_with) = fragment_then_ask(&device, Config::default(), ballast, block);
+        let (with, peak_with) = fragment_then_ask(&device, handles_of_1_512(), ballast, block);
         let (without, peak_without) = fragment_then_ask(&device, stitch_off(), ballast, block);
         println!(
             "fragmented 64 MiB budget, {} MiB blocks: stitch ok={} peak reserved {} MiB; caching ok={} peak reserved {} MiB",
@@ -181,13 +191,13 @@ fn holes_without_a_whole_handle_are_not_stitched() {
     let device = common::device();
     // 4 MiB holes between 8 MiB handles: a stitch would need half handles, which CUDA cannot
     // map, so under a full budget the request fails cleanly (and the holes stay usable).
-    let (result, peak) = fragment_then_ask(&device, Config::default(), LARGE_POOL, 4 * MIB);
+    let (result, peak) = fragment_then_ask(&device, handles_of_1_512(), LARGE_POOL, 4 * MIB);
     assert_eq!(result.unwrap_err().kind(), ErrorKind::OutOfMemory);
     assert!(peak <= 64 * MIB as i64);
     // GMLake's layout (2 MiB handles, whatever the pool) stitches them.
     let gmlake = Config {
         max_chunk: 2 * MIB,
-        ..Config::default()
+        ..handles_of_1_512()
     };
     let (result, _) = fragment_then_ask(&device, gmlake, LARGE_POOL, 4 * MIB);
     assert!(result.is_ok(), "{result:?}");

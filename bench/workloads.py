@@ -31,20 +31,28 @@ def build(cls, config):
     return model
 
 
-def training_step(model, vocab, batch, lengths):
-    """One step of AdamW on next-token loss with sequence lengths drawn from `lengths`."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+def train(model, loss_of, lr=1e-5):
+    """One step of AdamW on the loss `loss_of(rng)` gives."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
 
     def step(rng):
-        seq = rng.randint(*lengths)
-        ids = torch.randint(0, vocab, (batch, seq), device="cuda")
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        loss_of(rng).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def training_step(model, vocab, batch, lengths):
+    """Next-token loss with sequence lengths drawn from `lengths`."""
+
+    def loss_of(rng):
+        seq = rng.randint(*lengths)
+        ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+        return model(input_ids=ids, labels=ids).loss
+
+    return train(model, loss_of)
 
 
 def opt_lora():
@@ -145,20 +153,15 @@ def _resnet50(classes=1000):
 
 def vision():
     model = build(lambda _: _resnet50(), None)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model.train()
 
-    def step(rng):
+    def loss_of(rng):
         side = rng.choice(range(96, 385, 32))
         batch = rng.choice([8, 16, 24, 32, 48, 64, 96])
         images = torch.randn(batch, 3, side, side, device="cuda", dtype=torch.bfloat16)
         labels = torch.randint(0, 1000, (batch,), device="cuda")
-        loss = torch.nn.functional.cross_entropy(model(images).float(), labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        return torch.nn.functional.cross_entropy(model(images).float(), labels)
 
-    return step
+    return train(model, loss_of, lr=1e-4)
 
 
 def lora_vocab():

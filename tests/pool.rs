@@ -993,15 +993,27 @@ impl glake::device::interpose::Interposer for GatedMaps {
 }
 
 /// While one thread's malloc of `request` bytes is inside a (held-up) Map call, another
-/// thread allocates and frees `other` bytes from cached memory; then the first gets its
-/// memory. `prepare` leaves the pool as the case needs it.
+/// thread allocates and frees `other` bytes from cached memory, and `meanwhile` runs; then
+/// the first gets its memory. `prepare` leaves the pool as the case needs it.
 fn mapping_does_not_hold_up_others(
     config: Config,
     prepare: impl FnOnce(&Pool),
     request: usize,
     other: usize,
+    meanwhile: impl FnOnce(&Pool),
 ) -> Pool {
-    let host = common::host_device(1 << 30);
+    // Two devices, so that access can be granted to a peer.
+    let host = Arc::new(
+        glake::device::host::HostDevice::new(
+            0,
+            glake::device::host::HostOptions {
+                total_memory: 1 << 30,
+                device_count: 2,
+                ..Default::default()
+            },
+        )
+        .expect("host device"),
+    );
     let gated = Arc::new(glake::device::interpose::Interposed::with(
         host,
         GatedMaps {
@@ -1046,6 +1058,7 @@ fn mapping_does_not_hold_up_others(
         })
     };
     let served = finished.recv_timeout(std::time::Duration::from_secs(10));
+    meanwhile(&pool);
     let grower_waited = !grower.is_finished();
     *gated.hook().gate.lock().expect("gate") = true;
     gated.hook().opened.notify_all();
@@ -1072,7 +1085,7 @@ fn a_new_segment_is_mapped_without_holding_up_other_threads() {
         let cached = pool.malloc(4 * MIB, Stream::DEFAULT).expect("malloc");
         pool.free(cached).expect("free");
     };
-    mapping_does_not_hold_up_others(stitch_off(), prepare, 64 * MIB, 3 * MIB);
+    mapping_does_not_hold_up_others(stitch_off(), prepare, 64 * MIB, 3 * MIB, |_| {});
 }
 
 /// A stitch maps its pieces without the pool's lock.
@@ -1088,7 +1101,8 @@ fn a_stitch_is_mapped_without_holding_up_other_threads() {
             pool.free(ptr).expect("free");
         }
     };
-    let pool = mapping_does_not_hold_up_others(Config::default(), prepare, 16 * MIB, 3 * MIB / 2);
+    let pool =
+        mapping_does_not_hold_up_others(Config::default(), prepare, 16 * MIB, 3 * MIB / 2, |_| {});
     let stats = pool.stats();
     assert_eq!(stats.stitches, 1);
     assert_eq!(
@@ -1096,4 +1110,54 @@ fn a_stitch_is_mapped_without_holding_up_other_threads() {
         18 * MIB as i64,
         "nothing grown"
     );
+}
+
+/// Access granted to a peer while a stitch (with memory it makes for its shortfall) is being
+/// mapped reaches everything booked afterwards: the stitch made with the old access is
+/// dropped and made again.
+#[test]
+fn access_granted_during_a_stitch_reaches_its_memory() {
+    let prepare = |pool: &Pool| {
+        let blocks: Vec<_> = [8 * MIB, 2 * MIB, 8 * MIB]
+            .iter()
+            .map(|&size| pool.malloc(size, Stream::DEFAULT).expect("malloc"))
+            .collect();
+        for ptr in blocks {
+            pool.free(ptr).expect("free");
+        }
+        // A small segment for the other thread (the stitch takes all three large blocks).
+        let small = pool.malloc(4096, Stream::DEFAULT).expect("malloc");
+        pool.free(small).expect("free");
+    };
+    let grant = |pool: &Pool| pool.enable_peer_access(1).expect("peer access");
+    // 20 MiB: the two 8 MiB pieces and 4 MiB of new memory.
+    let pool = mapping_does_not_hold_up_others(Config::default(), prepare, 20 * MIB, 4096, grant);
+    let peer = glake::device::host::HostDevice::new(
+        1,
+        glake::device::host::HostOptions {
+            device_count: 2,
+            ..Default::default()
+        },
+    )
+    .expect("peer device");
+    let mut byte = [0u8; 1];
+    for segment in pool.snapshot().segments {
+        let end = segment.address + segment.total_size as u64 - 1;
+        for at in [segment.address, end] {
+            // SAFETY: `byte` holds one byte; the peer only reads the device range.
+            let read = unsafe {
+                glake::device::Device::copy_to_host(
+                    &peer,
+                    byte.as_mut_ptr(),
+                    at,
+                    1,
+                    Stream::DEFAULT,
+                )
+            };
+            assert!(
+                read.is_ok(),
+                "{at:#x} of a segment is not reachable from the peer"
+            );
+        }
+    }
 }

@@ -257,7 +257,11 @@ impl Inner {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
             }
             match attempt {
-                0 => self.reclaim_other_streams(device, stream)?,
+                0 => {
+                    // Later attempts wait and release under the lock: planning is for the first.
+                    self.planning = false;
+                    self.reclaim_other_streams(device, stream)?
+                }
                 1 => {
                     self.stats.num_alloc_retries += 1;
                     self.release_cached(device)?;
@@ -314,7 +318,11 @@ impl Inner {
                 }
             }
             match attempt {
-                0 => self.reclaim_other_streams(device, stream)?,
+                0 => {
+                    // Later attempts wait and release under the lock: planning is for the first.
+                    self.planning = false;
+                    self.reclaim_other_streams(device, stream)?
+                }
                 1 => {
                     self.stats.num_alloc_retries += 1;
                     self.release_cached(device)?;

@@ -264,8 +264,29 @@ impl Pool {
         let Some(planned) = inner.planned.take() else {
             return result;
         };
-        // Driver work is needed: done without the lock, so other threads go on meanwhile.
+        // Driver work is needed: done without the lock, so other threads go on meanwhile. A
+        // capture another thread begins meanwhile must not end because of it: this thread's
+        // calls are relaxed, as the locked path makes them while a capture may be underway.
         drop(inner);
+        let previous = device.exchange_capture_mode(crate::device::CaptureMode::Relaxed);
+        let result = self.finish_planned(planned, size, stream, private);
+        if let Ok(previous) = previous {
+            if let Err(err) = device.exchange_capture_mode(previous) {
+                log::warn!("glake: restoring the stream capture mode failed: {err}");
+            }
+        }
+        result
+    }
+
+    /// Makes the driver work a malloc planned, without the lock, and books it with the lock.
+    fn finish_planned(
+        &self,
+        planned: unlocked::Planned,
+        size: usize,
+        stream: Stream,
+        private: Option<PrivatePoolId>,
+    ) -> Result<DevicePtr> {
+        let device = &*self.device;
         match planned {
             unlocked::Planned::Segment(plan) => {
                 let made = plan.make(device);

@@ -30,6 +30,14 @@ pub(super) struct StitchJob {
 /// A segment just made: its range and chunks.
 type NewSegment = (DevicePtr, Vec<blocks::Chunk>);
 
+/// The handles of a segment just made, with their lengths, as a stitch maps them after its
+/// pieces.
+fn segment_handles(segment: &Option<NewSegment>) -> Vec<(PhysHandle, usize)> {
+    segment
+        .as_ref()
+        .map_or_else(Vec::new, |(_, chunks)| blocks::handle_layout(chunks))
+}
+
 /// What the driver made of a stitch job: the stitched range, and the shortfall's segment
 /// (its range and chunks) when there is one; or an error, or None when the device is full;
 /// with what could not be torn down.
@@ -63,9 +71,7 @@ impl StitchJob {
             .iter()
             .flat_map(|p| p.handles.iter().copied())
             .collect();
-        if let Some((_, chunks)) = &segment {
-            handles.extend(blocks::handle_layout(chunks.as_slice()));
-        }
+        handles.extend(segment_handles(&segment));
         match map_range(device, &handles, 0, self.granularity, &self.access) {
             Ok(va) => StitchMade {
                 result: Ok(Some((va, segment))),
@@ -275,6 +281,33 @@ impl Inner {
                 return other.map(|_| None);
             }
         };
+        if access != self.access {
+            // A peer was granted access meanwhile: nothing made with the old access is booked
+            // (the allocation is made again under the lock).
+            let mapped: usize = pieces.iter().map(|p| p.len).sum::<usize>()
+                + segment
+                    .as_ref()
+                    .map_or(0, |(_, c)| c.iter().map(|c| c.len).sum());
+            let handles = pieces.iter().flat_map(|p| &p.handles);
+            let stitched = Zombie {
+                unmaps: mappings(va, handles.chain(segment_handles(&segment).iter())),
+                handles: Vec::new(),
+                reservation: Some((va, mapped)),
+            };
+            self.discard(device, stitched);
+            if let Some((segment_va, chunks)) = &segment {
+                let size = chunks.iter().map(|c| c.len).sum();
+                self.discard(
+                    device,
+                    Zombie {
+                        reservation: Some((*segment_va, size)),
+                        ..Zombie::mapped(*segment_va, chunks)
+                    },
+                );
+            }
+            self.give_back(&ids, stream);
+            return Ok(None);
+        }
         if let (Some(plan), Some((segment_va, chunks))) = (shortfall, segment) {
             let handles = blocks::handle_layout(&chunks);
             let id = self.add_new_segment(
@@ -293,11 +326,6 @@ impl Inner {
                 len: plan.size(),
                 handles,
             });
-        }
-        if access != self.access {
-            // A peer was granted access meanwhile.
-            let mapped: usize = pieces.iter().map(|p| p.len).sum();
-            device.set_access(va, mapped, &self.access)?;
         }
         let piece_count = pieces.len();
         let id = self.stitch.insert(va, pieces, stream);

@@ -165,11 +165,22 @@ impl Inner {
                 reservation: Some((va, plan.size)),
                 ..Zombie::mapped(va, &chunks)
             };
-            self.bury(device, zombie);
+            self.discard(device, zombie);
             return Ok(());
         }
         self.add_new_segment(device, va, plan.size, chunks, plan.pool, plan.tag, 0);
         Ok(())
+    }
+
+    /// Tears down memory made outside the lock that is not booked after all: now, or, while a
+    /// capture may be underway (unmapping is not allowed then), when the cache is next
+    /// released.
+    pub(super) fn discard(&mut self, device: &dyn Device, zombie: Zombie) {
+        if self.routing > 0 {
+            self.zombies.push(zombie);
+        } else {
+            self.bury(device, zombie);
+        }
     }
 
     /// Puts a segment just made on the books, with its statistics and event; returns its

@@ -1078,29 +1078,29 @@ fn mapping_does_not_hold_up_others(
     Arc::try_unwrap(pool).ok().expect("the only owner")
 }
 
+/// Leaves one cached (free) segment of each size in `sizes`, made in that order.
+fn free_segments(pool: &Pool, sizes: &[usize]) {
+    let blocks: Vec<_> = sizes
+        .iter()
+        .map(|&size| pool.malloc(size, Stream::DEFAULT).expect("malloc"))
+        .collect();
+    for ptr in blocks {
+        pool.free(ptr).expect("free");
+    }
+}
+
 /// A malloc that makes a new segment does its driver calls without the pool's lock.
 #[test]
 fn a_new_segment_is_mapped_without_holding_up_other_threads() {
-    let prepare = |pool: &Pool| {
-        let cached = pool.malloc(4 * MIB, Stream::DEFAULT).expect("malloc");
-        pool.free(cached).expect("free");
-    };
+    let prepare = |pool: &Pool| free_segments(pool, &[4 * MIB]);
     mapping_does_not_hold_up_others(stitch_off(), prepare, 64 * MIB, 3 * MIB, |_| {});
 }
 
 /// A stitch maps its pieces without the pool's lock.
 #[test]
 fn a_stitch_is_mapped_without_holding_up_other_threads() {
-    let prepare = |pool: &Pool| {
-        // Two free 8 MiB segments for the stitch, and a 2 MiB one for the other thread.
-        let blocks: Vec<_> = [8 * MIB, 2 * MIB, 8 * MIB]
-            .iter()
-            .map(|&size| pool.malloc(size, Stream::DEFAULT).expect("malloc"))
-            .collect();
-        for ptr in blocks {
-            pool.free(ptr).expect("free");
-        }
-    };
+    // Two free 8 MiB segments for the stitch, and a 2 MiB one for the other thread.
+    let prepare = |pool: &Pool| free_segments(pool, &[8 * MIB, 2 * MIB, 8 * MIB]);
     let pool =
         mapping_does_not_hold_up_others(Config::default(), prepare, 16 * MIB, 3 * MIB / 2, |_| {});
     let stats = pool.stats();
@@ -1117,18 +1117,8 @@ fn a_stitch_is_mapped_without_holding_up_other_threads() {
 /// dropped and made again.
 #[test]
 fn access_granted_during_a_stitch_reaches_its_memory() {
-    let prepare = |pool: &Pool| {
-        let blocks: Vec<_> = [8 * MIB, 2 * MIB, 8 * MIB]
-            .iter()
-            .map(|&size| pool.malloc(size, Stream::DEFAULT).expect("malloc"))
-            .collect();
-        for ptr in blocks {
-            pool.free(ptr).expect("free");
-        }
-        // A small segment for the other thread (the stitch takes all three large blocks).
-        let small = pool.malloc(4096, Stream::DEFAULT).expect("malloc");
-        pool.free(small).expect("free");
-    };
+    // Three large free segments for the stitch, and a small one for the other thread.
+    let prepare = |pool: &Pool| free_segments(pool, &[8 * MIB, 2 * MIB, 8 * MIB, 4096]);
     let grant = |pool: &Pool| pool.enable_peer_access(1).expect("peer access");
     // 20 MiB: the two 8 MiB pieces and 4 MiB of new memory.
     let pool = mapping_does_not_hold_up_others(Config::default(), prepare, 20 * MIB, 4096, grant);

@@ -447,15 +447,6 @@ impl BlockMap {
         }
     }
 
-    /// Total free bytes of the shared `pool` that `stream` could use at once.
-    pub fn free_bytes_for(&self, pool: PoolKind, stream: Stream) -> usize {
-        self.free
-            .iter()
-            .filter(|(key, _)| serves(key, SHARED, pool, stream))
-            .flat_map(|(_, index)| index.entries().map(|(s, _, _)| s))
-            .sum()
-    }
-
     /// Streams that own free blocks.
     pub fn owning_streams(&self) -> Vec<Stream> {
         let mut streams: Vec<Stream> = self

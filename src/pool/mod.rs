@@ -4,9 +4,9 @@
 //! no request pays for the mapping granularity. Order of attempts for a large request: best-fit
 //! free block of the stream (split if larger) -> a cached stitched block within `reuse_limit`
 //! -> stitch free blocks of the stream, creating only the missing bytes (defrag level 0) ->
-//! create new physical memory (whole granules; the rest of the last stays free) -> take back other streams' free memory and retry -> free cached
-//! memory and retry -> out of memory. Small requests (up to `small_limit`, rounded to 512 bytes)
-//! come from 2 MiB segments and are never stitched.
+//! create new physical memory (whole granules; the rest of the last stays free) -> take back
+//! other streams' free memory and retry -> free cached memory and retry -> out of memory.
+//! Small requests (up to `small_limit`) come from 2 MiB segments and are never stitched.
 //!
 //! Private pools (PyTorch's graph pools) hold the memory of CUDA graph captures: requests routed
 //! to one are served only from its own segments, and its memory, free or not, is neither
@@ -21,9 +21,10 @@
 //!
 //! The engine is split by concern: `sizes` (size classes), `alloc` (the order of attempts),
 //! `streams` (frees and stream-ordered reuse), `private` (graph pools and capture safety),
-//! `growth` (creating, mapping and releasing physical memory), `stitching` (the pool's side of
-//! stitching) and `inspect` (pointer lookups, errors, snapshots, invariants), with the
-//! bookkeeping in [`blocks`], the memory cap in [`cap`], snapshots in [`snapshot`] and the
+//! `growth` (creating, mapping and releasing physical memory), `unlocked` (new segments and
+//! stitches made outside the lock), `stitching` (the pool's side of stitching) and `inspect`
+//! (pointer lookups, errors, snapshots, invariants), with the bookkeeping in [`blocks`] and its
+//! free-block indexes in `bins`, the memory cap in [`cap`], snapshots in [`snapshot`] and the
 //! record of segments created and released in [`events`].
 
 pub mod blocks;

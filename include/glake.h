@@ -115,6 +115,7 @@ enum glake_driver_call
   GLAKE_CALL_MEM_INFO = 19,
   GLAKE_CALL_HOST_REGISTER = 20,
   GLAKE_CALL_HOST_QUERY = 21,
+  GLAKE_CALL_SHARE = 22,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -331,6 +332,11 @@ typedef struct glake_stats {
   struct glake_stat stitched_mapped_bytes;
   // Bytes of swappable allocations swapped out to host memory now.
   struct glake_stat swapped_bytes;
+  // Bytes mapped from memory other processes made (read-only memory deduplicated): memory
+  // this process would hold otherwise. Counted in `reserved_bytes`, not against the cap.
+  int64_t shared_bytes;
+  // Bytes of this process's memory offered read-only to other processes.
+  int64_t offered_bytes;
 } glake_stats;
 
 // One op of the profiled iteration, in execution order.
@@ -493,6 +499,11 @@ typedef struct glake_transfer_stats {
 
 
 
+
+// Segments holding memory shared read-only with other processes: no request is served from
+// their free blocks (a write there would reach the other processes' data); they go back to
+// the device once wholly free.
+#define READ_ONLY (FIRST_REGION - 2)
 
 #ifdef __cplusplus
 extern "C" {

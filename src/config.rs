@@ -62,6 +62,12 @@ pub struct Config {
     /// past its end faults at once; freed memory is unmapped at once. Slow, and costs a
     /// mapping granule per allocation: a debugging mode.
     pub guard: bool,
+    /// Where processes sharing read-only memory meet (`GLAKE_DEDUP_DIR`); by default
+    /// `$XDG_RUNTIME_DIR/glake`, else `/tmp/glake-<uid>`.
+    pub dedup_dir: Option<std::path::PathBuf>,
+    /// Every content hashes alike (`GLAKE_DEDUP_WEAK_HASH=1`), so the byte-by-byte check
+    /// alone decides what is shared: a drill for hash collisions, slow with many offers.
+    pub dedup_weak_hash: bool,
 }
 
 /// Host memory of sleeping regions.
@@ -92,6 +98,8 @@ impl Default for Config {
             sleep_host: SleepHost::Pinned,
             default_region: None,
             guard: false,
+            dedup_dir: None,
+            dedup_weak_hash: false,
         }
     }
 }
@@ -154,6 +162,12 @@ const SLEEP_REGION: Var = Var {
 };
 const GUARD: Var = Var {
     names: &["GLAKE_GUARD"],
+};
+const DEDUP_DIR: Var = Var {
+    names: &["GLAKE_DEDUP_DIR"],
+};
+const DEDUP_WEAK_HASH: Var = Var {
+    names: &["GLAKE_DEDUP_WEAK_HASH"],
 };
 
 impl Var {
@@ -312,6 +326,18 @@ impl Config {
             match parse_bool(&value) {
                 Some(on) => self.guard = on,
                 None => warn_bad_value(name, &value, &format!("{}", self.guard as u8)),
+            }
+        }
+        if let Some((name, value)) = DEDUP_DIR.lookup() {
+            match value.trim() {
+                "" => warn_bad_value(name, &value, "the default directory"),
+                dir => self.dedup_dir = Some(dir.into()),
+            }
+        }
+        if let Some((name, value)) = DEDUP_WEAK_HASH.lookup() {
+            match parse_bool(&value) {
+                Some(on) => self.dedup_weak_hash = on,
+                None => warn_bad_value(name, &value, &format!("{}", self.dedup_weak_hash as u8)),
             }
         }
         if let Some((name, value)) = SLEEP_REGION.lookup() {

@@ -6,6 +6,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod config;
+pub mod dedup;
 pub mod device;
 pub mod error;
 pub mod ffi;

@@ -117,6 +117,11 @@ pub struct MemoryStats {
     pub stitched_mapped_bytes: Stat,
     /// Bytes of swappable allocations swapped out to host memory now.
     pub swapped_bytes: Stat,
+    /// Bytes mapped from memory other processes made (read-only memory deduplicated): memory
+    /// this process would hold otherwise. Counted in `reserved_bytes`, not against the cap.
+    pub shared_bytes: i64,
+    /// Bytes of this process's memory offered read-only to other processes.
+    pub offered_bytes: i64,
 }
 
 impl MemoryStats {

@@ -11,6 +11,7 @@
 
 use std::collections::HashSet;
 use std::ffi::{c_void, CStr};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::raw::c_char;
 use std::ptr;
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
@@ -27,7 +28,7 @@ const MIN_DRIVER_VERSION: i32 = 11020;
 
 /// Every driver symbol this file calls, spelled as the `cudarc::driver::sys` wrappers load them.
 /// Checked up front because a missing one would make the wrapper panic.
-const REQUIRED_SYMBOLS: [&str; 39] = [
+const REQUIRED_SYMBOLS: [&str; 42] = [
     "cuInit",
     "cuDriverGetVersion",
     "cuGetErrorName",
@@ -67,7 +68,14 @@ const REQUIRED_SYMBOLS: [&str; 39] = [
     "cuMemHostUnregister",
     "cuPointerGetAttributes",
     "cuThreadExchangeStreamCaptureMode",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    "cuMemGetAllocationPropertiesFromHandle",
 ];
+
+/// Shareable memory is exported as POSIX file descriptors (passed over Unix sockets).
+const POSIX_FD: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 
 /// Result of the library and symbol check, done once per process.
 static SYMBOLS: OnceLock<Result<()>> = OnceLock::new();
@@ -326,9 +334,16 @@ impl CudaDevice {
 
     /// Pinned device memory on this device, no shareable handle types.
     fn allocation_prop(&self) -> sys::CUmemAllocationProp {
+        self.allocation_prop_with(sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE)
+    }
+
+    fn allocation_prop_with(
+        &self,
+        handle_types: sys::CUmemAllocationHandleType,
+    ) -> sys::CUmemAllocationProp {
         sys::CUmemAllocationProp {
             type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            requestedHandleTypes: handle_types,
             location: device_location(self.ordinal),
             win32HandleMetaData: ptr::null_mut(),
             allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -338,6 +353,56 @@ impl CudaDevice {
                 reserved: [0; 4],
             },
         }
+    }
+
+    /// `cuMemSetAccess` of `[va, va+size)` for `devices`, with `flags`.
+    fn grant(
+        &self,
+        va: DevicePtr,
+        size: usize,
+        devices: &[i32],
+        flags: sys::CUmemAccess_flags,
+    ) -> Result<()> {
+        if devices.is_empty() {
+            return Ok(());
+        }
+        if let Some(bad) = devices.iter().find(|&&d| d < 0) {
+            return Err(Error::invalid_argument(format!(
+                "negative CUDA device ordinal {bad}"
+            )));
+        }
+        let descs: Vec<sys::CUmemAccessDesc> = devices
+            .iter()
+            .map(|&d| sys::CUmemAccessDesc {
+                location: device_location(d),
+                flags,
+            })
+            .collect();
+        let _guard = self.enter()?;
+        // SAFETY: `descs` holds `descs.len()` initialised descriptors for the call's duration.
+        check(
+            unsafe { sys::cuMemSetAccess(va, size, descs.as_ptr(), descs.len()) },
+            "cuMemSetAccess",
+        )
+    }
+
+    /// `cuMemCreate` of `size` bytes with `prop`, booked as a live handle.
+    fn create_with(&self, size: usize, prop: sys::CUmemAllocationProp) -> Result<PhysHandle> {
+        let _guard = self.enter()?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer and fully initialised `prop`.
+        check(
+            unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) },
+            "cuMemCreate",
+        )
+        .map_err(|e| {
+            e.context(format!(
+                "creating {size} bytes on CUDA device {}",
+                self.ordinal
+            ))
+        })?;
+        self.handles().insert(handle);
+        Ok(PhysHandle(handle))
     }
 
     /// The live-handle set; a poisoned lock is still usable (the set is updated atomically).
@@ -458,22 +523,98 @@ impl Device for CudaDevice {
     }
 
     fn create_physical(&self, size: usize) -> Result<PhysHandle> {
+        self.create_with(size, self.allocation_prop())
+    }
+
+    fn create_shareable(&self, size: usize) -> Result<PhysHandle> {
+        self.create_with(size, self.allocation_prop_with(POSIX_FD))
+    }
+
+    fn export_handle(&self, handle: PhysHandle) -> Result<OwnedFd> {
         let _guard = self.enter()?;
-        let prop = self.allocation_prop();
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: valid out-pointer and fully initialised `prop`.
+        let handles = self.handles();
+        if !handles.contains(&handle.0) {
+            return Err(unknown_handle(handle));
+        }
+        let mut fd: libc::c_int = -1;
+        // SAFETY: the handle is live (checked above, lock held); for POSIX descriptors the
+        // driver writes an `int` through the out-pointer.
         check(
-            unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) },
-            "cuMemCreate",
-        )
-        .map_err(|e| {
-            e.context(format!(
-                "creating {size} bytes on CUDA device {}",
+            unsafe {
+                sys::cuMemExportToShareableHandle(
+                    (&mut fd as *mut libc::c_int).cast(),
+                    handle.0,
+                    POSIX_FD,
+                    0,
+                )
+            },
+            "cuMemExportToShareableHandle",
+        )?;
+        if fd < 0 {
+            return Err(Error::driver(
+                "cuMemExportToShareableHandle gave no descriptor",
+            ));
+        }
+        // SAFETY: the driver handed over a new descriptor that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn import_handle(&self, fd: BorrowedFd<'_>, size: usize) -> Result<PhysHandle> {
+        let _guard = self.enter()?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer; for POSIX descriptors the driver takes the descriptor's
+        // value as the pointer argument and does not take ownership of it.
+        check(
+            unsafe {
+                sys::cuMemImportFromShareableHandle(
+                    &mut handle,
+                    fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                    POSIX_FD,
+                )
+            },
+            "cuMemImportFromShareableHandle",
+        )?;
+        let mut prop = self.allocation_prop();
+        // SAFETY: the handle was just imported; `prop` is a valid out-pointer.
+        let known = check(
+            unsafe { sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, handle) },
+            "cuMemGetAllocationPropertiesFromHandle",
+        );
+        // Another GPU's memory cannot back this device's ranges.
+        let same_device = prop.location.id == self.ordinal;
+        if known.is_err() || !same_device || size % self.granularity != 0 {
+            // SAFETY: releasing the handle imported above, used nowhere.
+            unsafe { sys::cuMemRelease(handle) };
+            return Err(Error::invalid_argument(format!(
+                "import: the descriptor is not {size} bytes of memory of CUDA device {}",
                 self.ordinal
-            ))
-        })?;
+            )));
+        }
         self.handles().insert(handle);
         Ok(PhysHandle(handle))
+    }
+
+    fn identity(&self) -> Result<String> {
+        // CUDA 11.4 and later; the wrapper would panic on an older driver without it.
+        // SAFETY: the symbol is only looked up; `symbols()` succeeded, so the library loaded.
+        if unsafe { sys::culib().get::<*const ()>(b"cuDeviceGetUuid_v2") }.is_err() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "the CUDA driver has no cuDeviceGetUuid_v2 (CUDA 11.4)",
+            ));
+        }
+        let _guard = self.enter()?;
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: valid out-pointer and device; the symbol is present (checked above).
+        check(
+            unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, self.device) },
+            "cuDeviceGetUuid_v2",
+        )?;
+        Ok(uuid
+            .bytes
+            .iter()
+            .map(|b| format!("{:02x}", *b as u8))
+            .collect::<String>())
     }
 
     fn release_physical(&self, handle: PhysHandle) -> Result<()> {
@@ -510,26 +651,20 @@ impl Device for CudaDevice {
     }
 
     fn set_access(&self, va: DevicePtr, size: usize, devices: &[i32]) -> Result<()> {
-        if devices.is_empty() {
-            return Ok(());
-        }
-        if let Some(bad) = devices.iter().find(|&&d| d < 0) {
-            return Err(Error::invalid_argument(format!(
-                "negative CUDA device ordinal {bad}"
-            )));
-        }
-        let descs: Vec<sys::CUmemAccessDesc> = devices
-            .iter()
-            .map(|&d| sys::CUmemAccessDesc {
-                location: device_location(d),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            })
-            .collect();
-        let _guard = self.enter()?;
-        // SAFETY: `descs` holds `descs.len()` initialised descriptors for the call's duration.
-        check(
-            unsafe { sys::cuMemSetAccess(va, size, descs.as_ptr(), descs.len()) },
-            "cuMemSetAccess",
+        self.grant(
+            va,
+            size,
+            devices,
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        )
+    }
+
+    fn set_access_read_only(&self, va: DevicePtr, size: usize, devices: &[i32]) -> Result<()> {
+        self.grant(
+            va,
+            size,
+            devices,
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
         )
     }
 

@@ -7,6 +7,7 @@ use super::{
     SharedDevice, Stream,
 };
 use crate::error::Result;
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 /// Runs around each driver call: may refuse it, time it, count it.
 pub trait Interposer: Send + Sync {
@@ -84,6 +85,26 @@ impl<I: Interposer> Device for Interposed<I> {
         self.hook.around(CallKind::SetAccess, || {
             self.inner.set_access(va, size, devices)
         })
+    }
+    fn set_access_read_only(&self, va: DevicePtr, size: usize, devices: &[i32]) -> Result<()> {
+        self.hook.around(CallKind::SetAccess, || {
+            self.inner.set_access_read_only(va, size, devices)
+        })
+    }
+    fn create_shareable(&self, size: usize) -> Result<PhysHandle> {
+        self.hook
+            .around(CallKind::Share, || self.inner.create_shareable(size))
+    }
+    fn export_handle(&self, handle: PhysHandle) -> Result<OwnedFd> {
+        self.hook
+            .around(CallKind::Share, || self.inner.export_handle(handle))
+    }
+    fn import_handle(&self, fd: BorrowedFd<'_>, size: usize) -> Result<PhysHandle> {
+        self.hook
+            .around(CallKind::Share, || self.inner.import_handle(fd, size))
+    }
+    fn identity(&self) -> Result<String> {
+        self.inner.identity()
     }
     fn create_stream(&self) -> Result<Stream> {
         self.hook

@@ -9,6 +9,7 @@ pub mod fault;
 pub mod host;
 pub mod interpose;
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -82,10 +83,12 @@ pub enum CallKind {
     MemInfo,
     HostRegister,
     HostQuery,
+    /// Creating, exporting or importing shareable physical memory.
+    Share,
 }
 
 impl CallKind {
-    pub const ALL: [CallKind; 22] = [
+    pub const ALL: [CallKind; 23] = [
         CallKind::Reserve,
         CallKind::Unreserve,
         CallKind::CreatePhysical,
@@ -108,6 +111,7 @@ impl CallKind {
         CallKind::MemInfo,
         CallKind::HostRegister,
         CallKind::HostQuery,
+        CallKind::Share,
     ];
 }
 
@@ -156,6 +160,34 @@ pub trait Device: Send + Sync {
     fn unmap(&self, va: DevicePtr, size: usize) -> Result<()>;
     /// Grants read/write access to `[va, va+size)` to each device in `devices`.
     fn set_access(&self, va: DevicePtr, size: usize, devices: &[i32]) -> Result<()>;
+    /// Grants read-only access to `[va, va+size)` to each device in `devices`: a write there
+    /// faults (memory shared with other processes).
+    fn set_access_read_only(&self, _va: DevicePtr, _size: usize, _devices: &[i32]) -> Result<()> {
+        Err(unsupported_sharing(self.kind()))
+    }
+
+    /// Creates `size` bytes of physical memory that [`Device::export_handle`] can hand to
+    /// another process.
+    fn create_shareable(&self, _size: usize) -> Result<PhysHandle> {
+        Err(unsupported_sharing(self.kind()))
+    }
+    /// A file descriptor for `handle` (made by [`Device::create_shareable`] or imported) that
+    /// another process of the same user imports with [`Device::import_handle`]. The memory
+    /// lives while any process holds a handle, a mapping or such a descriptor.
+    fn export_handle(&self, _handle: PhysHandle) -> Result<OwnedFd> {
+        Err(unsupported_sharing(self.kind()))
+    }
+    /// Imports `size` bytes of physical memory of this device exported by any process; the
+    /// handle is released with [`Device::release_physical`] like any other, and `fd` stays the
+    /// caller's.
+    fn import_handle(&self, _fd: BorrowedFd<'_>, _size: usize) -> Result<PhysHandle> {
+        Err(unsupported_sharing(self.kind()))
+    }
+    /// A name of the physical device that every process of the machine agrees on (the GPU's
+    /// UUID): processes sharing memory meet under it.
+    fn identity(&self) -> Result<String> {
+        Ok(format!("{}-{}", self.kind().name(), self.ordinal()))
+    }
 
     fn create_stream(&self) -> Result<Stream>;
     fn destroy_stream(&self, stream: Stream) -> Result<()>;
@@ -241,6 +273,16 @@ pub trait Device: Send + Sync {
     fn numa_node(&self) -> Option<u32> {
         None
     }
+}
+
+fn unsupported_sharing(kind: BackendKind) -> Error {
+    Error::new(
+        crate::error::ErrorKind::Unsupported,
+        format!(
+            "the {} backend cannot share memory between processes",
+            kind.name()
+        ),
+    )
 }
 
 /// A shared device handle.

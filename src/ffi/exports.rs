@@ -73,10 +73,11 @@ pub enum glake_driver_call {
     GLAKE_CALL_MEM_INFO = 19,
     GLAKE_CALL_HOST_REGISTER = 20,
     GLAKE_CALL_HOST_QUERY = 21,
+    GLAKE_CALL_SHARE = 22,
 }
 
 const_assert_eq!(
-    glake_driver_call::GLAKE_CALL_HOST_QUERY as usize + 1,
+    glake_driver_call::GLAKE_CALL_SHARE as usize + 1,
     device::CallKind::ALL.len()
 );
 
@@ -115,7 +116,7 @@ pub struct glake_config {
 const_assert_eq!(std::mem::size_of::<glake_config>(), 72);
 assert_eq_size!(Stat, [i64; 4]);
 assert_eq_size!(StatArray, [i64; 12]);
-const_assert_eq!(std::mem::size_of::<MemoryStats>(), (9 * 12 + 11 + 12) * 8);
+const_assert_eq!(std::mem::size_of::<MemoryStats>(), (9 * 12 + 13 + 12) * 8);
 
 impl glake_config {
     fn from_config(config: &Config) -> Self {

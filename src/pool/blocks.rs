@@ -27,6 +27,10 @@ pub const SHARED: Tag = 0;
 pub const FIRST_REGION: Tag = 1 << 31;
 /// Guard-page mode's segments: one allocation each, its end against an unmapped range.
 pub const GUARDED: Tag = FIRST_REGION - 1;
+/// Segments holding memory shared read-only with other processes: no request is served from
+/// their free blocks (a write there would reach the other processes' data); they go back to
+/// the device once wholly free.
+pub const READ_ONLY: Tag = FIRST_REGION - 2;
 
 /// Whether `tag` names a sleep region: memory kept apart so it can sleep and wake as one, but
 /// cached and released like the shared pool's.
@@ -363,7 +367,9 @@ impl BlockMap {
     pub fn idle_segments(&self) -> Vec<SegmentId> {
         self.segments
             .iter()
-            .filter(|(_, s)| s.tag == SHARED || s.tag == GUARDED || is_region(s.tag))
+            .filter(|(_, s)| {
+                s.tag == SHARED || s.tag == GUARDED || s.tag == READ_ONLY || is_region(s.tag)
+            })
             .filter(|(_, s)| {
                 let b = &self.blocks[s.first];
                 b.state == BlockState::Free && b.next.is_none()
@@ -638,17 +644,22 @@ impl BlockMap {
             .map(|(id, _)| id)
             .collect();
         for segment in moved {
-            let free: Vec<BlockId> = self
-                .segment_blocks(segment)
-                .filter(|&b| self.blocks[b].state == BlockState::Free)
-                .collect();
-            for &b in &free {
-                self.unlink_free(b);
-            }
-            self.segments[segment].tag = to;
-            for b in free {
-                self.link_free(b);
-            }
+            self.retag_segment(segment, to);
+        }
+    }
+
+    /// Moves segment `segment` to pool `to`, its free blocks to that pool's free sets.
+    pub fn retag_segment(&mut self, segment: SegmentId, to: Tag) {
+        let free: Vec<BlockId> = self
+            .segment_blocks(segment)
+            .filter(|&b| self.blocks[b].state == BlockState::Free)
+            .collect();
+        for &b in &free {
+            self.unlink_free(b);
+        }
+        self.segments[segment].tag = to;
+        for b in free {
+            self.link_free(b);
         }
     }
 

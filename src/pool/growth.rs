@@ -189,6 +189,7 @@ impl Inner {
             .reserved_bytes
             .add(removed.pool, -(physical as i64));
         self.stats.num_device_free += removed.chunks.len() as i64;
+        self.forget_shared(&removed.chunks);
         self.sync_split_stats();
         let zombie = Zombie {
             reservation: Some((removed.va, removed.size + removed.guard)),
@@ -208,6 +209,7 @@ impl Inner {
         let s = &mut self.map.segments[segment];
         let chunks = std::mem::take(&mut s.chunks);
         let (va, pool) = (s.va, s.pool);
+        self.forget_shared(&chunks);
         let physical: usize = chunks.iter().map(|c| c.len).sum();
         self.stats.reserved_bytes.add(pool, -(physical as i64));
         self.stats.num_device_free += chunks.len() as i64;

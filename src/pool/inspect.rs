@@ -57,7 +57,7 @@ impl Inner {
         }
     }
 
-    fn base_of(&self, ptr: DevicePtr) -> Option<DevicePtr> {
+    pub(super) fn base_of(&self, ptr: DevicePtr) -> Option<DevicePtr> {
         if self.live.contains_key(&ptr) {
             return Some(ptr);
         }

@@ -34,6 +34,8 @@ pub mod snapshot;
 
 mod alloc;
 mod bins;
+mod dedup;
+pub use dedup::ShareReport;
 mod growth;
 mod guard;
 mod inspect;
@@ -149,6 +151,12 @@ struct Inner {
     planned: Option<unlocked::Planned>,
     /// Bytes of planned segments being made outside the lock, held against the cap.
     growing: usize,
+    /// The device's dedup index, opened when memory is first shared.
+    sharing: Option<crate::dedup::Sharing>,
+    /// Handles shared with other processes (made here or imported), by handle.
+    shared: KeyMap<crate::device::PhysHandle, dedup::SharedHandle>,
+    /// Bytes of imported handles mapped: other processes' memory, outside this pool's cap.
+    shared_bytes: usize,
 }
 
 /// Numbers pools for the thread-local region routing.
@@ -226,6 +234,9 @@ impl Pool {
                 planning: false,
                 planned: None,
                 growing: 0,
+                sharing: None,
+                shared: KeyMap::default(),
+                shared_bytes: 0,
             }),
         };
         if let Some(name) = default_region {
@@ -377,6 +388,15 @@ impl Pool {
     /// stay asleep with their bytes: call again to finish.
     pub fn wake(&self, name: &str) -> Result<()> {
         lock(&self.inner).wake(&*self.device, name)
+    }
+
+    /// Marks `[ptr, ptr+len)`, inside one live allocation, read-only from now on, and shares
+    /// its memory with other processes of this user holding the same bytes on the same device
+    /// (see [`crate::dedup`]). Waits for the device: no work may use the range meanwhile.
+    /// Only whole physical handles inside the range are shared; a write to them afterwards
+    /// faults.
+    pub fn share_read_only(&self, ptr: DevicePtr, len: usize) -> Result<ShareReport> {
+        lock(&self.inner).share_read_only(&*self.device, ptr, len)
     }
 
     /// What region `name` holds now (an `InvalidArgument` error for an unknown name).
@@ -581,7 +601,12 @@ impl Pool {
     }
 
     pub fn stats(&self) -> MemoryStats {
-        lock(&self.inner).stats
+        let inner = lock(&self.inner);
+        let mut stats = inner.stats;
+        let (shared, offered) = inner.sharing_totals();
+        stats.shared_bytes = shared as i64;
+        stats.offered_bytes = offered as i64;
+        stats
     }
 
     pub fn reset_peak_stats(&self) {

@@ -54,7 +54,9 @@ impl Inner {
     /// Bytes the cap bounds: the pool's own physical memory, memory being made for it outside
     /// its lock, and memory counted from outside.
     pub(super) fn capped_bytes(&self) -> usize {
+        // Memory imported from other processes is theirs: it costs this device nothing more.
         self.reserved()
+            .saturating_sub(self.shared_bytes)
             .saturating_add(self.growing)
             .saturating_add(self.outside)
     }

@@ -24,9 +24,9 @@ impl HostDevice {
         len: usize,
         stream: Stream,
     ) -> Result<()> {
-        if src.is_null() || !self.reachable(dst, len) {
+        if src.is_null() || !self.writable(dst, len) {
             return Err(Error::invalid_argument(format!(
-                "copy_to_device: {dst:#x}+{len} is not accessible device memory"
+                "copy_to_device: {dst:#x}+{len} is not writable device memory"
             )));
         }
         if process::host_memory(src as usize, len) == HostMemory::Pinned {
@@ -92,7 +92,7 @@ impl HostDevice {
         stream: Stream,
     ) -> Result<()> {
         {
-            if !self.reachable(dst, len) || !self.reachable(src, len) {
+            if !self.writable(dst, len) || !self.reachable(src, len) {
                 return Err(Error::invalid_argument(format!(
                     "copy_device: {src:#x} -> {dst:#x} ({len} bytes) is not accessible"
                 )));
@@ -148,6 +148,12 @@ impl HostDevice {
     /// device may use a peer's memory, or one ordinal's memory is the same from any object).
     fn reachable(&self, va: DevicePtr, len: usize) -> bool {
         lock(&self.memory).accessible(va, len) || process::granted(va, len, self.ordinal)
+    }
+
+    /// Whether this device may write `[va, va+len)`: its own memory mapped writable, or a
+    /// peer's granted to it (only writable memory is granted to peers).
+    fn writable(&self, va: DevicePtr, len: usize) -> bool {
+        lock(&self.memory).writable(va, len) || process::granted(va, len, self.ordinal)
     }
 
     /// Pinned buffers handed out and not freed (leak checks in tests).

@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::CString;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use super::{lock, HostDevice};
 use crate::device::{DevicePtr, PhysHandle};
@@ -88,6 +89,16 @@ struct Chunk {
     size: usize,
     mappings: usize,
     released: bool,
+    /// Shareable memory has a memfd of its own (`offset` is 0 in it), which the kernel keeps
+    /// while any process holds it or maps it.
+    own: Option<Shareable>,
+}
+
+#[derive(Debug)]
+struct Shareable {
+    fd: OwnedFd,
+    /// Made by another process (or exported and imported again): not this device's memory.
+    imported: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -95,6 +106,7 @@ struct Mapping {
     size: usize,
     handle: PhysHandle,
     accessible: bool,
+    writable: bool,
 }
 
 /// Everything a host device has created: chunks, reservations, mappings and pinned buffers.
@@ -105,6 +117,8 @@ pub(super) struct Memory {
     reservations: BTreeMap<DevicePtr, usize>,
     mappings: BTreeMap<DevicePtr, Mapping>,
     created_bytes: usize,
+    /// Bytes of live imported chunks (another process's memory, not counted as created).
+    imported_bytes: usize,
     /// Buffers handed out as pinned memory, by address (kept here, under the same lock).
     pub(super) pinned: HashMap<usize, std::alloc::Layout>,
     next_handle: u64,
@@ -118,6 +132,7 @@ impl Memory {
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
             created_bytes: 0,
+            imported_bytes: 0,
             pinned: HashMap::new(),
             next_handle: 1,
         }
@@ -147,6 +162,21 @@ impl Memory {
         while at < end {
             match self.mappings.range(..=at).next_back() {
                 Some((&start, m)) if start + m.size as u64 > at && m.accessible => {
+                    at = start + m.size as u64;
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// True when every byte of `[va, va+len)` is mapped with write access granted.
+    pub(super) fn writable(&self, va: DevicePtr, len: usize) -> bool {
+        let end = va + len as u64;
+        let mut at = va;
+        while at < end {
+            match self.mappings.range(..=at).next_back() {
+                Some((&start, m)) if start + m.size as u64 > at && m.writable => {
                     at = start + m.size as u64;
                 }
                 _ => return false,
@@ -211,11 +241,93 @@ impl HostDevice {
         };
         if done {
             if let Some(chunk) = memory.chunks.remove(&handle) {
-                self.punch(chunk.offset, chunk.size);
-                memory.offsets.release(chunk.offset, chunk.size);
-                memory.created_bytes -= chunk.size;
+                match chunk.own {
+                    // Closing the descriptor drops this process's hold on the memory.
+                    Some(Shareable { imported: true, .. }) => memory.imported_bytes -= chunk.size,
+                    Some(Shareable {
+                        imported: false, ..
+                    }) => memory.created_bytes -= chunk.size,
+                    None => {
+                        self.punch(chunk.offset, chunk.size);
+                        memory.offsets.release(chunk.offset, chunk.size);
+                        memory.created_bytes -= chunk.size;
+                    }
+                }
             }
         }
+    }
+
+    /// Bytes of imported memory this device holds (another process's).
+    pub fn imported_bytes(&self) -> usize {
+        lock(&self.memory).imported_bytes
+    }
+
+    /// [`Device::create_shareable`](crate::device::Device::create_shareable): a memfd of its
+    /// own, counted against the device's memory like any chunk.
+    pub(super) fn create_shareable_chunk(&self, size: usize) -> Result<PhysHandle> {
+        if size == 0 {
+            return Err(Error::invalid_argument("create_shareable: size 0"));
+        }
+        self.check_aligned("create_shareable", &[size as u64])?;
+        let mut memory = lock(&self.memory);
+        if memory.created_bytes + size > self.options.total_memory {
+            return Err(Error::out_of_memory(format!(
+                "host device {}: cannot create {size} shareable bytes ({} of {} in use)",
+                self.ordinal, memory.created_bytes, self.options.total_memory
+            )));
+        }
+        let fd = create_memfd(self.ordinal, size)?;
+        // SAFETY: `create_memfd` hands over a descriptor nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        memory.created_bytes += size;
+        Ok(insert_shareable(&mut memory, size, fd, false))
+    }
+
+    /// [`Device::export_handle`](crate::device::Device::export_handle): a duplicate of the
+    /// chunk's memfd.
+    pub(super) fn export_chunk(&self, handle: PhysHandle) -> Result<OwnedFd> {
+        let memory = lock(&self.memory);
+        match memory.chunks.get(&handle.0) {
+            Some(Chunk {
+                released: false,
+                own: Some(own),
+                ..
+            }) => own
+                .fd
+                .try_clone()
+                .map_err(|e| Error::driver(format!("export: dup: {e}"))),
+            Some(c) if !c.released => Err(Error::invalid_argument(format!(
+                "export: handle {} was not created shareable",
+                handle.0
+            ))),
+            _ => Err(Error::invalid_argument(format!(
+                "export: unknown handle {}",
+                handle.0
+            ))),
+        }
+    }
+
+    /// [`Device::import_handle`](crate::device::Device::import_handle): the descriptor must
+    /// name a memfd of exactly `size` bytes.
+    pub(super) fn import_chunk(&self, fd: BorrowedFd<'_>, size: usize) -> Result<PhysHandle> {
+        self.check_aligned("import", &[size as u64])?;
+        // SAFETY: an all-zero `stat` is a valid value to be overwritten.
+        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on a descriptor the caller lends; `stat` is a valid out-pointer.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0 {
+            return Err(os_error("import: fstat"));
+        }
+        if stat.st_mode & libc::S_IFMT != libc::S_IFREG || stat.st_size as usize != size {
+            return Err(Error::invalid_argument(format!(
+                "import: the descriptor is not {size} bytes of shareable memory"
+            )));
+        }
+        let fd = fd
+            .try_clone_to_owned()
+            .map_err(|e| Error::driver(format!("import: dup: {e}")))?;
+        let mut memory = lock(&self.memory);
+        memory.imported_bytes += size;
+        Ok(insert_shareable(&mut memory, size, fd, true))
     }
 
     /// [`Device::reserve`](crate::device::Device::reserve).
@@ -309,6 +421,7 @@ impl HostDevice {
                 size,
                 mappings: 0,
                 released: false,
+                own: None,
             },
         );
         memory.created_bytes += size;
@@ -341,9 +454,12 @@ impl HostDevice {
     ) -> Result<()> {
         self.check_aligned("map", &[va, size as u64, offset as u64])?;
         let mut memory = lock(&self.memory);
-        let file_offset = match memory.chunks.get(&handle.0) {
+        let (fd, file_offset) = match memory.chunks.get(&handle.0) {
             // Like CUDA, only a whole handle maps (cuMemMap's offset must be 0).
-            Some(chunk) if !chunk.released && offset == 0 && size == chunk.size => chunk.offset,
+            Some(chunk) if !chunk.released && offset == 0 && size == chunk.size => (
+                chunk.own.as_ref().map_or(self.memfd, |own| own.fd.as_raw_fd()),
+                chunk.offset,
+            ),
             _ => {
                 return Err(Error::new(
                     ErrorKind::Unsupported,
@@ -366,7 +482,7 @@ impl HostDevice {
                 size,
                 libc::PROT_NONE,
                 libc::MAP_SHARED | libc::MAP_FIXED,
-                self.memfd,
+                fd,
                 file_offset as libc::off_t,
             )
         };
@@ -379,6 +495,7 @@ impl HostDevice {
                 size,
                 handle,
                 accessible: false,
+                writable: false,
             },
         );
         if let Some(chunk) = memory.chunks.get_mut(&handle.0) {
@@ -435,8 +552,15 @@ impl HostDevice {
         Ok(())
     }
 
-    /// [`Device::set_access`](crate::device::Device::set_access).
-    pub(super) fn grant_access(&self, va: DevicePtr, size: usize, devices: &[i32]) -> Result<()> {
+    /// [`Device::set_access`](crate::device::Device::set_access) and
+    /// [`Device::set_access_read_only`](crate::device::Device::set_access_read_only).
+    pub(super) fn grant_access(
+        &self,
+        va: DevicePtr,
+        size: usize,
+        devices: &[i32],
+        writable: bool,
+    ) -> Result<()> {
         if devices.is_empty() {
             return Err(Error::invalid_argument("set_access: no devices"));
         }
@@ -465,25 +589,44 @@ impl HostDevice {
                 }
             }
         }
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
         // SAFETY: every page of the range is one of our shared mappings.
-        if unsafe {
-            libc::mprotect(
-                va as *mut libc::c_void,
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-            )
-        } != 0
-        {
+        if unsafe { libc::mprotect(va as *mut libc::c_void, size, prot) } != 0 {
             return Err(os_error("mprotect"));
         }
         for start in starts {
             if let Some(m) = memory.mappings.get_mut(&start) {
                 m.accessible = true;
+                m.writable = writable;
             }
         }
-        super::process::grant(va, size, devices);
+        // Read-only memory is this backend's own device's alone: no peer is granted it.
+        if writable {
+            super::process::grant(va, size, devices);
+        }
         Ok(())
     }
+}
+
+/// Books a shareable chunk with its own descriptor.
+fn insert_shareable(memory: &mut Memory, size: usize, fd: OwnedFd, imported: bool) -> PhysHandle {
+    let handle = memory.next_handle;
+    memory.next_handle += 1;
+    memory.chunks.insert(
+        handle,
+        Chunk {
+            offset: 0,
+            size,
+            mappings: 0,
+            released: false,
+            own: Some(Shareable { fd, imported }),
+        },
+    );
+    PhysHandle(handle)
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ mod process;
 mod streams;
 
 use std::collections::HashMap;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
@@ -167,7 +168,23 @@ impl Device for HostDevice {
     }
 
     fn set_access(&self, va: DevicePtr, size: usize, devices: &[i32]) -> Result<()> {
-        self.grant_access(va, size, devices)
+        self.grant_access(va, size, devices, true)
+    }
+
+    fn set_access_read_only(&self, va: DevicePtr, size: usize, devices: &[i32]) -> Result<()> {
+        self.grant_access(va, size, devices, false)
+    }
+
+    fn create_shareable(&self, size: usize) -> Result<PhysHandle> {
+        self.create_shareable_chunk(size)
+    }
+
+    fn export_handle(&self, handle: PhysHandle) -> Result<OwnedFd> {
+        self.export_chunk(handle)
+    }
+
+    fn import_handle(&self, fd: BorrowedFd<'_>, size: usize) -> Result<PhysHandle> {
+        self.import_chunk(fd, size)
     }
 
     fn create_stream(&self) -> Result<Stream> {

@@ -1,0 +1,438 @@
+//! The pool's side of cross-process deduplication (see [`crate::dedup`]): marking a live
+//! allocation's memory read-only, and putting memory of other processes in its place.
+//!
+//! Only whole physical handles inside the marked range are shared (CUDA maps whole handles).
+//! Runs of neighbouring handles become one shared handle each, so an importer maps few. Each
+//! run is hashed; an offer of another process with the same hash is imported, compared byte by
+//! byte and, when equal, mapped read-only at the run's addresses, the run's own memory
+//! released. Without one, the run moves into shareable memory of its own (a device copy) and is
+//! offered to the others. Either way the run's addresses stay the same.
+//!
+//! The segment holding a shared run leaves the shared pool for [`READ_ONLY`]: its free blocks
+//! are never handed out again (a write would reach the other processes' bytes), and it goes
+//! back to the device once wholly free.
+
+use super::blocks::{is_region, Chunk, SegmentId, READ_ONLY, SHARED};
+use super::growth::Zombie;
+use super::{Inner, Target};
+use crate::dedup::content::Reader;
+use crate::dedup::Sharing;
+use crate::device::{Device, DevicePtr, PhysHandle, Stream};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Largest run made into one shared handle: larger runs cost more transient memory when
+/// moved into shareable memory, smaller ones more mappings for each importer.
+const MAX_RUN: usize = 1 << 30;
+
+/// What marking memory read-only did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct ShareReport {
+    /// Bytes now mapped from another process's memory, their own memory released.
+    pub shared_bytes: u64,
+    /// Bytes moved into shareable memory and offered to other processes.
+    pub offered_bytes: u64,
+    /// Bytes of the range left as they were: parts of handles the range does not cover
+    /// whole, or handles shared already.
+    pub kept_bytes: u64,
+}
+
+/// A handle of this pool that other processes may map, or that maps another's memory.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct SharedHandle {
+    len: usize,
+    /// Its number in this process's offers.
+    export: u64,
+    /// Memory of another process (not counted against this pool's cap).
+    imported: bool,
+}
+
+/// A run of whole chunks of one segment: `chunks[first..last]`, at `va`.
+struct Run {
+    segment: SegmentId,
+    first: usize,
+    last: usize,
+    va: DevicePtr,
+    len: usize,
+}
+
+impl Inner {
+    /// Marks `[ptr, ptr+len)`, inside one live allocation, read-only from now on and shares its
+    /// whole handles with other processes holding the same bytes. Waits for the device; no
+    /// work may use the range while the call runs.
+    pub(super) fn share_read_only(
+        &mut self,
+        device: &dyn Device,
+        ptr: DevicePtr,
+        len: usize,
+    ) -> Result<ShareReport> {
+        if self.routing > 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                "memory cannot be shared while a graph capture may be underway",
+            ));
+        }
+        let segment = self.shareable_segment(ptr, len)?;
+        self.synchronize_all(device)?;
+        if self.sharing.is_none() {
+            let identity = device.identity()?;
+            self.sharing = Some(Sharing::open(self.config.dedup_dir.as_deref(), &identity)?);
+        }
+        let runs = self.runs(segment, ptr, len);
+        let covered: usize = runs.iter().map(|r| r.len).sum();
+        // Cached stitched ranges may map these handles too: they go first.
+        if runs.iter().any(|r| self.stitched_over(r.va, r.len)) {
+            self.collect_stitched(device, true)?;
+        }
+        let mut report = ShareReport {
+            kept_bytes: (len - covered) as u64,
+            ..ShareReport::default()
+        };
+        let stream = device.create_stream()?;
+        let result = self.share_runs(device, stream, runs, &mut report);
+        if let Err(err) = device.destroy_stream(stream) {
+            log::warn!("glake: dedup stream not destroyed: {err}");
+        }
+        if report.shared_bytes + report.offered_bytes > 0 {
+            self.map.retag_segment(segment, READ_ONLY);
+        }
+        result.map(|()| report)
+    }
+
+    /// The segment of the live allocation holding `[ptr, ptr+len)`, if its memory may be
+    /// shared.
+    fn shareable_segment(&self, ptr: DevicePtr, len: usize) -> Result<SegmentId> {
+        let base = self.base_of(ptr).ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidPointer,
+                format!("{ptr:#x} is not in an allocation of this pool"),
+            )
+        })?;
+        let live = self
+            .live
+            .get(&base)
+            .ok_or_else(|| Error::internal("an allocation without its record"))?;
+        let end = ptr.checked_add(len as u64);
+        if len == 0 || end.is_none_or(|end| end > base + live.size as u64) {
+            return Err(Error::invalid_argument(format!(
+                "{ptr:#x}+{len} is empty or leaves the allocation at {base:#x} ({} bytes)",
+                live.size
+            )));
+        }
+        let refuse = |what: &str| {
+            Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("memory of {what} is not shared between processes"),
+            ))
+        };
+        let Target::Block(block) = live.target else {
+            return refuse("a stitched allocation");
+        };
+        if self.swappable.contains_key(&base) {
+            return refuse("a swappable allocation");
+        }
+        let segment = self.map.blocks[block].segment;
+        let tag = self.map.segments[segment].tag;
+        if tag != SHARED && tag != READ_ONLY && !is_region(tag) {
+            return refuse("a private or guarded pool");
+        }
+        Ok(segment)
+    }
+
+    /// The runs of whole chunks of `segment` inside `[ptr, ptr+len)` not shared already.
+    fn runs(&self, segment: SegmentId, ptr: DevicePtr, len: usize) -> Vec<Run> {
+        let s = &self.map.segments[segment];
+        let from = ptr - s.va;
+        let to = from + len as u64;
+        let mut runs: Vec<Run> = Vec::new();
+        for (i, chunk) in s.chunks.iter().enumerate() {
+            let start = chunk.offset as u64;
+            let inside = start >= from && start + chunk.len as u64 <= to;
+            if !inside || self.shared.contains_key(&chunk.handle) {
+                continue;
+            }
+            match runs.last_mut() {
+                Some(run) if run.last == i && run.len + chunk.len <= MAX_RUN => {
+                    run.last = i + 1;
+                    run.len += chunk.len;
+                }
+                _ => runs.push(Run {
+                    segment,
+                    first: i,
+                    last: i + 1,
+                    va: s.va + start,
+                    len: chunk.len,
+                }),
+            }
+        }
+        runs
+    }
+
+    fn share_runs(
+        &mut self,
+        device: &dyn Device,
+        stream: Stream,
+        runs: Vec<Run>,
+        report: &mut ShareReport,
+    ) -> Result<()> {
+        let mut reader = Reader::new(device, stream, self.config.dedup_weak_hash)?;
+        for run in runs {
+            let hash = reader.hash(run.va, run.len)?;
+            if let Some((handle, fd)) = self.matching_offer(device, &mut reader, &run, hash)? {
+                self.put_in_place(device, &run, handle, true)?;
+                // This process serves the memory too, so later importers still find it after
+                // its first owner is gone.
+                let export = self.sharing_ref()?.offer(hash, run.len, fd);
+                self.shared_bytes += run.len;
+                report.shared_bytes += run.len as u64;
+                self.note_shared(handle, run.len, export, true);
+                continue;
+            }
+            if !self.fits_cap(run.len) {
+                report.kept_bytes += run.len as u64;
+                continue;
+            }
+            let handle = self.shareable_copy(device, stream, &run)?;
+            self.put_in_place(device, &run, handle, false)?;
+            report.offered_bytes += run.len as u64;
+            let export = device
+                .export_handle(handle)
+                .and_then(|fd| self.sharing_ref()?.offer(hash, run.len, fd));
+            self.note_shared(handle, run.len, export, false);
+        }
+        Ok(())
+    }
+
+    fn sharing_ref(&self) -> Result<&Sharing> {
+        self.sharing
+            .as_ref()
+            .ok_or_else(|| Error::internal("dedup used before its index was opened"))
+    }
+
+    /// Books `handle` as shared; a failed offer only means other processes cannot get it.
+    fn note_shared(&mut self, handle: PhysHandle, len: usize, export: Result<u64>, imported: bool) {
+        let export = match export {
+            Ok(export) => export,
+            Err(err) => {
+                log::warn!("glake: dedup: memory not offered to other processes: {err}");
+                0
+            }
+        };
+        self.shared.insert(
+            handle,
+            SharedHandle {
+                len,
+                export,
+                imported,
+            },
+        );
+    }
+
+    /// Another process's memory with the bytes of `run`, imported and checked equal byte by
+    /// byte, with its descriptor.
+    fn matching_offer(
+        &mut self,
+        device: &dyn Device,
+        reader: &mut Reader<'_>,
+        run: &Run,
+        hash: u128,
+    ) -> Result<Option<(PhysHandle, std::os::fd::OwnedFd)>> {
+        let offers = self.sharing_ref()?.offers(hash, run.len)?;
+        for offer in offers {
+            let fd = match self.sharing_ref()?.fetch(&offer) {
+                Ok(Some(fd)) => fd,
+                Ok(None) => continue,
+                Err(err) => {
+                    log::info!(
+                        "glake: dedup: offer of process {} skipped: {err}",
+                        offer.pid
+                    );
+                    continue;
+                }
+            };
+            let handle = match device.import_handle(std::os::fd::AsFd::as_fd(&fd), run.len) {
+                Ok(handle) => handle,
+                Err(err) => {
+                    log::info!(
+                        "glake: dedup: offer of process {} skipped: {err}",
+                        offer.pid
+                    );
+                    continue;
+                }
+            };
+            match self.same_bytes(device, reader, handle, run) {
+                Ok(true) => return Ok(Some((handle, fd))),
+                Ok(false) => log::info!(
+                    "glake: dedup: {} bytes of process {} hash alike but differ",
+                    run.len,
+                    offer.pid
+                ),
+                Err(err) => log::info!("glake: dedup: compare failed: {err}"),
+            }
+            if let Err(err) = device.release_physical(handle) {
+                self.bury(device, Zombie::handles(&[chunk_of(handle, 0, run.len)]));
+                log::warn!("glake: dedup: {err}");
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether `handle`, mapped read-only in a range of its own for the check, holds the bytes
+    /// of `run`.
+    fn same_bytes(
+        &mut self,
+        device: &dyn Device,
+        reader: &mut Reader<'_>,
+        handle: PhysHandle,
+        run: &Run,
+    ) -> Result<bool> {
+        let va = device.reserve(run.len, self.granularity)?;
+        let checked = device.map(va, run.len, handle, 0).and_then(|()| {
+            let same = device
+                .set_access_read_only(va, run.len, &[device.ordinal()])
+                .and_then(|()| reader.equal(va, run.va, run.len));
+            let unmapped = device.unmap(va, run.len);
+            let same = same?;
+            unmapped.map(|()| same)
+        });
+        match checked {
+            Ok(same) => {
+                device.unreserve(va, run.len)?;
+                Ok(same)
+            }
+            Err(err) => {
+                self.bury(
+                    device,
+                    Zombie {
+                        unmaps: Vec::new(),
+                        handles: Vec::new(),
+                        reservation: Some((va, run.len)),
+                    },
+                );
+                Err(err)
+            }
+        }
+    }
+
+    /// New shareable memory holding a copy of `run`'s bytes.
+    fn shareable_copy(
+        &mut self,
+        device: &dyn Device,
+        stream: Stream,
+        run: &Run,
+    ) -> Result<PhysHandle> {
+        let handle = device.create_shareable(run.len)?;
+        let copied = (|| {
+            let va = device.reserve(run.len, self.granularity)?;
+            let result = device.map(va, run.len, handle, 0).and_then(|()| {
+                let copied = device
+                    .set_access(va, run.len, &[device.ordinal()])
+                    .and_then(|()| device.copy_device(va, run.va, run.len, stream))
+                    .and_then(|()| device.synchronize_stream(stream));
+                let unmapped = device.unmap(va, run.len);
+                copied.and(unmapped)
+            });
+            let unreserved = device.unreserve(va, run.len);
+            result.and(unreserved)
+        })();
+        if let Err(err) = copied {
+            if device.release_physical(handle).is_err() {
+                self.bury(device, Zombie::handles(&[chunk_of(handle, 0, run.len)]));
+            }
+            return Err(err);
+        }
+        Ok(handle)
+    }
+
+    /// Maps `handle` read-only at `run`'s addresses in place of its chunks, which are
+    /// released. On failure the chunks are mapped back and `handle` released: nothing changed.
+    fn put_in_place(
+        &mut self,
+        device: &dyn Device,
+        run: &Run,
+        handle: PhysHandle,
+        imported: bool,
+    ) -> Result<()> {
+        let old: Vec<Chunk> = self.map.segments[run.segment].chunks[run.first..run.last].to_vec();
+        let segment_va = self.map.segments[run.segment].va;
+        let swapped = (|| {
+            for (i, c) in old.iter().enumerate() {
+                if let Err(err) = device.unmap(segment_va + c.offset as u64, c.len) {
+                    return Err((err, i));
+                }
+            }
+            device
+                .map(run.va, run.len, handle, 0)
+                .and_then(|()| {
+                    device
+                        .set_access_read_only(run.va, run.len, &self.access)
+                        .or_else(|err| device.unmap(run.va, run.len).and(Err(err)))
+                })
+                .map_err(|err| (err, old.len()))
+        })();
+        if let Err((err, unmapped)) = swapped {
+            // Back as it was: the old chunks mapped and granted again.
+            let restore = old[..unmapped].iter().try_for_each(|c| {
+                let va = segment_va + c.offset as u64;
+                device
+                    .map(va, c.len, c.handle, 0)
+                    .and_then(|()| device.set_access(va, c.len, &self.access))
+            });
+            if let Err(again) = restore {
+                log::error!("glake: dedup: restoring {:#x} failed: {again}", run.va);
+            }
+            if device.release_physical(handle).is_err() {
+                self.bury(device, Zombie::handles(&[chunk_of(handle, 0, run.len)]));
+            }
+            return Err(err);
+        }
+        self.bury(device, Zombie::handles(&old));
+        let chunks = &mut self.map.segments[run.segment].chunks;
+        chunks.splice(
+            run.first..run.last,
+            [chunk_of(handle, old[0].offset, run.len)],
+        );
+        self.stats.num_device_free += old.len() as i64;
+        if !imported {
+            self.stats.num_device_alloc += 1;
+        }
+        Ok(())
+    }
+
+    /// Forgets `chunks` leaving the pool: shared ones stop being offered.
+    pub(super) fn forget_shared(&mut self, chunks: &[Chunk]) {
+        if self.shared.is_empty() {
+            return;
+        }
+        for chunk in chunks {
+            let Some(shared) = self.shared.remove(&chunk.handle) else {
+                continue;
+            };
+            if shared.imported {
+                self.shared_bytes -= shared.len;
+            }
+            if let (Some(sharing), true) = (&self.sharing, shared.export != 0) {
+                sharing.withdraw(shared.export);
+            }
+        }
+    }
+
+    /// Bytes this pool maps from other processes' memory, and bytes it offers.
+    pub(super) fn sharing_totals(&self) -> (usize, usize) {
+        let offered = self
+            .shared
+            .values()
+            .filter(|s| !s.imported)
+            .map(|s| s.len)
+            .sum();
+        (self.shared_bytes, offered)
+    }
+}
+
+fn chunk_of(handle: PhysHandle, offset: usize, len: usize) -> Chunk {
+    Chunk {
+        handle,
+        offset,
+        len,
+    }
+}

@@ -1,0 +1,344 @@
+//! Cross-process deduplication on the host backend, with real processes: each "replica" is
+//! this test binary run again as a child (`replica` below), talking to the test over its
+//! standard input and output. Host devices of different processes share memory through memfd
+//! descriptors, as CUDA devices do through exported handles.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+
+use common::{pattern, read, write};
+use glake::device::host::{HostDevice, HostOptions};
+use glake::device::{SharedDevice, Stream};
+use glake::{Config, ErrorKind, Pool};
+
+/// Bytes of each layer of a replica's "weights": four 2 MiB handles.
+const LAYER: usize = 8 << 20;
+
+/// A replica process: layers of weights filled from seeds, marked read-only one by one.
+struct Replica {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+/// What a replica reported after marking its weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Marked {
+    shared: u64,
+    offered: u64,
+    kept: u64,
+    /// Bytes of memory the replica's device holds of its own.
+    created: u64,
+}
+
+impl Replica {
+    /// Starts a replica with one layer per seed, sharing through `dir`.
+    fn start(dir: &Path, seeds: &[u64], envs: &[(&str, &str)]) -> Replica {
+        let seeds: Vec<String> = seeds.iter().map(u64::to_string).collect();
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
+            .args(["--exact", "replica", "--nocapture", "--test-threads=1"])
+            .env("GLAKE_TEST_REPLICA", seeds.join(","))
+            .env("GLAKE_DEDUP_DIR", dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        for (k, v) in envs {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Replica {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// The next line the replica says that starts with `tag`, without the tag.
+    fn expect(&mut self, tag: &str) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.stdout.read_line(&mut line).unwrap();
+            assert!(n > 0, "replica ended before saying {tag}");
+            // The test harness may start the line with its own "test replica ... ".
+            if let Some(at) = line.find(tag) {
+                return line[at + tag.len()..].trim().to_string();
+            }
+        }
+    }
+
+    fn marked(&mut self) -> Marked {
+        let text = self.expect("MARKED");
+        let n: Vec<u64> = text.split(' ').map(|v| v.parse().unwrap()).collect();
+        Marked {
+            shared: n[0],
+            offered: n[1],
+            kept: n[2],
+            created: n[3],
+        }
+    }
+
+    /// Asks the replica to read its weights back; true when every byte is as written.
+    fn weights_intact(&mut self) -> bool {
+        writeln!(self.stdin, "check").unwrap();
+        self.expect("CHECK") == "ok"
+    }
+
+    fn finish(mut self) {
+        drop(self.stdin);
+        assert!(self.child.wait().unwrap().success());
+    }
+}
+
+/// The child side: runs only when started by `Replica::start`.
+#[test]
+fn replica() {
+    let Ok(seeds) = std::env::var("GLAKE_TEST_REPLICA") else {
+        return;
+    };
+    let seeds: Vec<u64> = seeds.split(',').map(|s| s.parse().unwrap()).collect();
+    let host = Arc::new(HostDevice::new(0, HostOptions::default()).unwrap());
+    let device: SharedDevice = host.clone();
+    let mut config = Config::default();
+    config.apply_env();
+    let pool = Pool::new(device.clone(), config).unwrap();
+    let layers: Vec<u64> = seeds
+        .iter()
+        .map(|&seed| {
+            let ptr = pool.malloc(LAYER, Stream::DEFAULT).unwrap();
+            write(&device, ptr, &pattern(seed, LAYER));
+            ptr
+        })
+        .collect();
+    let mut total = glake::pool::ShareReport::default();
+    for &ptr in &layers {
+        match pool.share_read_only(ptr, LAYER) {
+            Ok(report) => {
+                total.shared_bytes += report.shared_bytes;
+                total.offered_bytes += report.offered_bytes;
+                total.kept_bytes += report.kept_bytes;
+            }
+            Err(err) => {
+                println!("ERROR {:?} {}", err.kind(), err.message());
+                total.kept_bytes += LAYER as u64;
+            }
+        }
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.shared_bytes as u64, total.shared_bytes);
+    assert_eq!(stats.offered_bytes as u64, total.offered_bytes);
+    println!(
+        "MARKED {} {} {} {}",
+        total.shared_bytes,
+        total.offered_bytes,
+        total.kept_bytes,
+        host.created_bytes()
+    );
+    let mut lines = std::io::stdin().lock().lines();
+    while let Some(Ok(line)) = lines.next() {
+        if line == "check" {
+            let intact = layers
+                .iter()
+                .zip(&seeds)
+                .all(|(&ptr, &seed)| read(&device, ptr, LAYER) == pattern(seed, LAYER));
+            println!("CHECK {}", if intact { "ok" } else { "bad" });
+        }
+    }
+    for ptr in layers {
+        pool.free(ptr).unwrap();
+    }
+    pool.empty_cache().unwrap();
+    assert_eq!(host.created_bytes(), 0, "memory left behind");
+    pool.check_invariants().unwrap();
+}
+
+/// A private meeting directory for one test.
+fn meeting(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("glake-dedup-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn identical_replicas_hold_their_weights_once() {
+    let dir = meeting("identical");
+    let mut first = Replica::start(&dir, &[1, 2, 3], &[]);
+    let a = first.marked();
+    assert_eq!((a.shared, a.offered, a.kept), (0, 3 * LAYER as u64, 0));
+    let mut second = Replica::start(&dir, &[1, 2, 3], &[]);
+    let b = second.marked();
+    assert_eq!((b.shared, b.offered, b.kept), (3 * LAYER as u64, 0, 0));
+    assert_eq!(
+        b.created, 0,
+        "the second replica keeps no weights of its own"
+    );
+    assert!(first.weights_intact() && second.weights_intact());
+    first.finish();
+    second.finish();
+}
+
+#[test]
+fn different_weights_share_nothing() {
+    let dir = meeting("different");
+    let mut first = Replica::start(&dir, &[1, 2], &[]);
+    let mut second = {
+        first.marked();
+        Replica::start(&dir, &[5, 6], &[])
+    };
+    let b = second.marked();
+    assert_eq!((b.shared, b.offered), (0, 2 * LAYER as u64));
+    assert_eq!(b.created, 2 * LAYER as u64);
+    assert!(second.weights_intact() && first.weights_intact());
+    first.finish();
+    second.finish();
+}
+
+#[test]
+fn a_fine_tune_shares_only_its_unchanged_layers() {
+    let dir = meeting("finetune");
+    let mut base = Replica::start(&dir, &[1, 2, 3, 4, 5, 6], &[]);
+    base.marked();
+    // Layers 2 and 5 differ from the base.
+    let mut tuned = Replica::start(&dir, &[1, 12, 3, 4, 15, 6], &[]);
+    let t = tuned.marked();
+    assert_eq!(t.shared, 4 * LAYER as u64);
+    assert_eq!(t.offered, 2 * LAYER as u64);
+    assert_eq!(t.created, 2 * LAYER as u64);
+    assert!(tuned.weights_intact() && base.weights_intact());
+    base.finish();
+    tuned.finish();
+}
+
+#[test]
+fn memory_outlives_its_killed_first_owner() {
+    let dir = meeting("killed");
+    let mut first = Replica::start(&dir, &[7, 8], &[]);
+    first.marked();
+    let mut second = Replica::start(&dir, &[7, 8], &[]);
+    assert_eq!(second.marked().shared, 2 * LAYER as u64);
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    assert!(
+        second.weights_intact(),
+        "the importer's bytes went with the exporter"
+    );
+    // A later replica finds the memory through the second one.
+    let mut third = Replica::start(&dir, &[7, 8], &[]);
+    let c = third.marked();
+    assert_eq!((c.shared, c.created), (2 * LAYER as u64, 0));
+    assert!(third.weights_intact() && second.weights_intact());
+    second.finish();
+    third.finish();
+}
+
+#[test]
+fn a_hash_collision_shares_nothing() {
+    let dir = meeting("collision");
+    let weak = [("GLAKE_DEDUP_WEAK_HASH", "1")];
+    let mut first = Replica::start(&dir, &[1, 2], &weak);
+    first.marked();
+    // Every content hashes alike: only the byte compare keeps these apart.
+    let mut second = Replica::start(&dir, &[3, 2], &weak);
+    let b = second.marked();
+    assert_eq!((b.shared, b.offered), (LAYER as u64, LAYER as u64));
+    assert!(second.weights_intact() && first.weights_intact());
+    first.finish();
+    second.finish();
+}
+
+#[test]
+fn a_stale_or_garbled_index_shares_nothing_and_loses_nothing() {
+    // Stale: records of a process long gone are dropped, and the memory offered anew.
+    let dir = meeting("stale");
+    let dir_made = glake::dedup::index::directory(Some(&dir)).unwrap();
+    let index = glake::dedup::index::Index::open(&dir_made, "host-0").unwrap();
+    let mut weak = Replica::start(&dir, &[1], &[("GLAKE_DEDUP_WEAK_HASH", "1")]);
+    weak.marked();
+    weak.finish();
+    index
+        .publish(glake::dedup::index::Record {
+            hash: 0,
+            len: LAYER as u64,
+            pid: u32::MAX - 3,
+            export: 1,
+        })
+        .unwrap();
+    let mut replica = Replica::start(&dir, &[1], &[("GLAKE_DEDUP_WEAK_HASH", "1")]);
+    let r = replica.marked();
+    assert_eq!((r.shared, r.offered), (0, LAYER as u64));
+    assert!(replica.weights_intact());
+    replica.finish();
+    assert!(index
+        .records()
+        .unwrap()
+        .iter()
+        .all(|rec| rec.pid != u32::MAX - 3));
+
+    // Garbled: a clear error, the weights untouched.
+    std::fs::write(index.path(), "not an index\n").unwrap();
+    let mut replica = Replica::start(&dir, &[1], &[]);
+    let text = replica.expect("ERROR");
+    assert!(
+        text.starts_with("InvalidState") && text.contains("unreadable"),
+        "{text}"
+    );
+    let r = replica.marked();
+    assert_eq!((r.shared, r.offered, r.created), (0, 0, LAYER as u64));
+    assert!(replica.weights_intact());
+    replica.finish();
+}
+
+#[test]
+fn shared_memory_is_read_only_and_freed_memory_is_not_reused() {
+    let dir = meeting("readonly");
+    let host = Arc::new(HostDevice::new(0, HostOptions::default()).unwrap());
+    let device: SharedDevice = host.clone();
+    let config = Config {
+        dedup_dir: Some(dir),
+        ..Config::default()
+    };
+    let pool = Pool::new(device.clone(), config).unwrap();
+    let ptr = pool.malloc(LAYER + 4096, Stream::DEFAULT).unwrap();
+    write(&device, ptr, &pattern(9, LAYER + 4096));
+    let report = pool.share_read_only(ptr, LAYER + 4096).unwrap();
+    // The segment is five 2 MiB handles; the allocation covers four whole, 4096 bytes of
+    // the fifth, which stays as it was.
+    assert_eq!(
+        report.offered_bytes + report.kept_bytes,
+        (LAYER + 4096) as u64
+    );
+    assert!(report.offered_bytes >= LAYER as u64);
+    assert_eq!(read(&device, ptr, LAYER), pattern(9, LAYER + 4096)[..LAYER]);
+    let err = unsafe { device.copy_to_device(ptr, [1u8; 8].as_ptr(), 8, Stream::DEFAULT) };
+    assert!(err.is_err(), "a write to shared memory must be refused");
+    // Errors of the call itself.
+    assert_eq!(
+        pool.share_read_only(ptr + (64 << 20), 8)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidPointer
+    );
+    assert_eq!(
+        pool.share_read_only(ptr, LAYER + 8192).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    // Marking again changes nothing.
+    let again = pool.share_read_only(ptr, LAYER + 4096).unwrap();
+    assert_eq!((again.shared_bytes, again.offered_bytes), (0, 0));
+    pool.free(ptr).unwrap();
+    // The freed memory is never handed out again (a write would reach other processes)...
+    let other = pool.malloc(LAYER, Stream::DEFAULT).unwrap();
+    assert!(other < ptr || other >= ptr + (LAYER + 4096) as u64);
+    pool.free(other).unwrap();
+    pool.check_invariants().unwrap();
+    // ...and goes back to the device with the cache.
+    pool.empty_cache().unwrap();
+    assert_eq!(host.created_bytes(), 0);
+    assert_eq!(pool.stats().offered_bytes, 0);
+}

@@ -241,6 +241,24 @@ typedef uint32_t glake_sleep_mode;
 // Opaque pool handle.
 typedef struct glake_pool glake_pool;
 
+// A range of device memory.
+typedef struct glake_range {
+  void *ptr;
+  size_t bytes;
+} glake_range;
+
+// What `glake_share_read_only` did with a range.
+typedef struct glake_share_report {
+  // Bytes now mapped from another process's memory; their own memory went back to the
+  // device.
+  uint64_t shared_bytes;
+  // Bytes moved into shareable memory of this process and offered to other processes.
+  uint64_t offered_bytes;
+  // Bytes left as they were: parts of physical handles the range does not cover whole,
+  // bytes shared already, or bytes the cap left no room to move.
+  uint64_t kept_bytes;
+} glake_share_report;
+
 // Pool settings. Fill with `glake_config_default`, then change fields.
 typedef struct glake_config {
   // `sizeof(glake_config)`, set by `glake_config_default`; guards against header mismatch.
@@ -500,11 +518,6 @@ typedef struct glake_transfer_stats {
 
 
 
-// Segments holding memory shared read-only with other processes: no request is served from
-// their free blocks (a write there would reach the other processes' data); they go back to
-// the device once wholly free.
-#define READ_ONLY (FIRST_REGION - 2)
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -515,6 +528,29 @@ const char *glake_last_error_message(void);
 
 // A constant name for a status code ("GLAKE_STATUS_OUT_OF_MEMORY"), or "GLAKE_STATUS_UNKNOWN".
 const char *glake_status_name(uint32_t status);
+
+// Declares each of `ranges` (`count` of them, each inside one live allocation of `pool`)
+// read-only from now on and shares it with the processes of this user that hold the same
+// bytes on the same device (replicas of a model's weights hold them once). Each run of whole
+// physical handles in a range is hashed and looked up in the device's index
+// (`GLAKE_DEDUP_DIR`); another process's equal memory, checked byte by byte, is mapped at the
+// same addresses and this process's own memory released; without one, the run moves into
+// shareable memory offered to later processes. Addresses do not change. Afterwards a write to
+// those handles faults (the device's access is read-only). Waits for all work on the device;
+// no work may use the ranges during the call. Ranges of stitched, swappable, guarded or
+// private-pool allocations are kept as they are. `out` (may be NULL) receives what was done.
+// GLAKE_STATUS_INVALID_POINTER or GLAKE_STATUS_INVALID_ARGUMENT for a range outside a live
+// allocation (nothing changes); GLAKE_STATUS_INVALID_STATE when the index is unreadable or a
+// graph capture may be underway. On an error every range keeps its bytes; runs done before
+// it stay shared.
+//
+// # Safety
+// `ranges` must be valid for `count` reads (NULL only when `count` is 0); `out` must be NULL
+// or valid for writing a `glake_share_report`.
+glake_status glake_share_read_only(struct glake_pool *pool,
+                                   const struct glake_range *ranges,
+                                   size_t count,
+                                   struct glake_share_report *out);
 
 // Initialises logging (`GLAKE_LOG`, e.g. `GLAKE_LOG=debug`); safe to call many times, and a
 // logger installed by the program is kept.

@@ -232,6 +232,8 @@ impl MemoryStats {
             ),
             ("glake.swapped_bytes.current", self.swapped_bytes.current),
             ("glake.swapped_bytes.peak", self.swapped_bytes.peak),
+            ("glake.shared_bytes", self.shared_bytes),
+            ("glake.offered_bytes", self.offered_bytes),
         ];
         out.extend(counters.iter().map(|(k, v)| (k.to_string(), *v)));
         out

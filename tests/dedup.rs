@@ -1,7 +1,7 @@
-//! Cross-process deduplication on the host backend, with real processes: each "replica" is
-//! this test binary run again as a child (`replica` below), talking to the test over its
-//! standard input and output. Host devices of different processes share memory through memfd
-//! descriptors, as CUDA devices do through exported handles.
+//! Cross-process deduplication with real processes: each "replica" is this test binary run
+//! again as a child (`replica` below), talking to the test over its standard input and output,
+//! on the backend under test (`GLAKE_TEST_BACKEND`). Host devices of different processes share
+//! memory through memfd descriptors, as CUDA devices do through exported handles.
 
 mod common;
 
@@ -31,7 +31,7 @@ struct Marked {
     shared: u64,
     offered: u64,
     kept: u64,
-    /// Bytes of memory the replica's device holds of its own.
+    /// Bytes of memory the replica holds of its own: reserved, less what it maps of others'.
     created: u64,
 }
 
@@ -103,8 +103,12 @@ fn replica() {
         return;
     };
     let seeds: Vec<u64> = seeds.split(',').map(|s| s.parse().unwrap()).collect();
-    let host = Arc::new(HostDevice::new(0, HostOptions::default()).unwrap());
-    let device: SharedDevice = host.clone();
+    let host = (!common::backend_is_cuda())
+        .then(|| Arc::new(HostDevice::new(0, HostOptions::default()).unwrap()));
+    let device: SharedDevice = match &host {
+        Some(host) => host.clone(),
+        None => common::device(),
+    };
     let mut config = Config::default();
     config.apply_env();
     let pool = Pool::new(device.clone(), config).unwrap();
@@ -133,12 +137,17 @@ fn replica() {
     let stats = pool.stats();
     assert_eq!(stats.shared_bytes as u64, total.shared_bytes);
     assert_eq!(stats.offered_bytes as u64, total.offered_bytes);
+    let own = stats.reserved_bytes.all.current - stats.shared_bytes;
+    if let Some(host) = &host {
+        assert_eq!(
+            host.created_bytes() as i64,
+            own,
+            "the books and the device disagree"
+        );
+    }
     println!(
         "MARKED {} {} {} {}",
-        total.shared_bytes,
-        total.offered_bytes,
-        total.kept_bytes,
-        host.created_bytes()
+        total.shared_bytes, total.offered_bytes, total.kept_bytes, own
     );
     let mut lines = std::io::stdin().lock().lines();
     while let Some(Ok(line)) = lines.next() {
@@ -154,7 +163,11 @@ fn replica() {
         pool.free(ptr).unwrap();
     }
     pool.empty_cache().unwrap();
-    assert_eq!(host.created_bytes(), 0, "memory left behind");
+    assert_eq!(
+        pool.stats().reserved_bytes.all.current,
+        0,
+        "memory left behind"
+    );
     pool.check_invariants().unwrap();
 }
 
@@ -257,7 +270,8 @@ fn a_stale_or_garbled_index_shares_nothing_and_loses_nothing() {
     // Stale: records of a process long gone are dropped, and the memory offered anew.
     let dir = meeting("stale");
     let dir_made = glake::dedup::index::directory(Some(&dir)).unwrap();
-    let index = glake::dedup::index::Index::open(&dir_made, "host-0").unwrap();
+    let identity = common::device().identity().unwrap();
+    let index = glake::dedup::index::Index::open(&dir_made, &identity).unwrap();
     let mut weak = Replica::start(&dir, &[1], &[("GLAKE_DEDUP_WEAK_HASH", "1")]);
     weak.marked();
     weak.finish();
@@ -341,4 +355,41 @@ fn shared_memory_is_read_only_and_freed_memory_is_not_reused() {
     pool.empty_cache().unwrap();
     assert_eq!(host.created_bytes(), 0);
     assert_eq!(pool.stats().offered_bytes, 0);
+}
+
+#[test]
+fn many_ranges_at_once_each_run_once() {
+    let dir = meeting("many");
+    let host = Arc::new(HostDevice::new(0, HostOptions::default()).unwrap());
+    let device: SharedDevice = host.clone();
+    let config = Config {
+        dedup_dir: Some(dir),
+        ..Config::default()
+    };
+    let pool = Pool::new(device.clone(), config).unwrap();
+    let ptr = pool.malloc(LAYER, Stream::DEFAULT).unwrap();
+    let bytes = pattern(4, LAYER);
+    write(&device, ptr, &bytes);
+    let half = (LAYER / 2) as u64;
+    // Two halves of one segment (two runs: the second's chunks move once the first is one
+    // chunk), one of them twice, and an overlapping range.
+    let ranges = [
+        (ptr, LAYER / 2),
+        (ptr + half, LAYER / 2),
+        (ptr + half, LAYER / 2),
+        (ptr, LAYER),
+    ];
+    let report = pool.share_read_only_many(&ranges).unwrap();
+    assert_eq!(report.offered_bytes, LAYER as u64);
+    assert_eq!(pool.snapshot().segments[0].chunk_sizes, vec![LAYER / 2; 2]);
+    assert_eq!(read(&device, ptr, LAYER), bytes);
+    assert_eq!(
+        pool.share_read_only_many(&[(ptr, 8), (1, 8)])
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidPointer
+    );
+    pool.free(ptr).unwrap();
+    pool.empty_cache().unwrap();
+    assert_eq!(host.created_bytes(), 0);
 }

@@ -4,6 +4,7 @@
 //! calling thread. Nothing below this module knows about C.
 #![allow(non_camel_case_types)]
 
+mod dedup;
 mod exports;
 mod handles;
 mod planner;
@@ -12,6 +13,7 @@ mod session;
 mod sleep;
 mod transfer;
 
+pub use dedup::*;
 pub use exports::*;
 pub use planner::*;
 pub use profiler::*;

@@ -26,7 +26,6 @@ const MAX_RUN: usize = 1 << 30;
 
 /// What marking memory read-only did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[repr(C)]
 pub struct ShareReport {
     /// Bytes now mapped from another process's memory, their own memory released.
     pub shared_bytes: u64,
@@ -47,24 +46,27 @@ pub(super) struct SharedHandle {
     imported: bool,
 }
 
-/// A run of whole chunks of one segment: `chunks[first..last]`, at `va`.
+/// A run of `count` whole chunks of one segment, the first `offset` bytes into it, at `va`.
+/// (Chunk indexes shift as earlier runs of the segment become one chunk each.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Run {
     segment: SegmentId,
-    first: usize,
-    last: usize,
+    offset: usize,
+    count: usize,
     va: DevicePtr,
     len: usize,
 }
 
 impl Inner {
-    /// Marks `[ptr, ptr+len)`, inside one live allocation, read-only from now on and shares its
-    /// whole handles with other processes holding the same bytes. Waits for the device; no
-    /// work may use the range while the call runs.
+    /// Marks each of `ranges` (address, length), each inside one live allocation, read-only
+    /// from now on and shares their whole handles with other processes holding the same bytes.
+    /// A range of memory that cannot be shared (stitched, swappable, guarded, private pools)
+    /// is kept as it is; a range outside any allocation fails the call before anything
+    /// changes. Waits for the device; no work may use the ranges while the call runs.
     pub(super) fn share_read_only(
         &mut self,
         device: &dyn Device,
-        ptr: DevicePtr,
-        len: usize,
+        ranges: &[(DevicePtr, usize)],
     ) -> Result<ShareReport> {
         if self.routing > 0 {
             return Err(Error::new(
@@ -72,29 +74,48 @@ impl Inner {
                 "memory cannot be shared while a graph capture may be underway",
             ));
         }
-        let segment = self.shareable_segment(ptr, len)?;
+        let segments = ranges
+            .iter()
+            .map(|&(ptr, len)| match self.shareable_segment(ptr, len) {
+                Ok(segment) => Ok(Some(segment)),
+                Err(err) if err.kind() == ErrorKind::Unsupported => {
+                    log::info!("glake: dedup: {ptr:#x}+{len} kept: {err}");
+                    Ok(None)
+                }
+                Err(err) => Err(err),
+            })
+            .collect::<Result<Vec<_>>>()?;
         self.synchronize_all(device)?;
         if self.sharing.is_none() {
             let identity = device.identity()?;
             self.sharing = Some(Sharing::open(self.config.dedup_dir.as_deref(), &identity)?);
         }
-        let runs = self.runs(segment, ptr, len);
-        let covered: usize = runs.iter().map(|r| r.len).sum();
+        let mut report = ShareReport::default();
+        let mut runs = Vec::new();
+        for (&(ptr, len), segment) in ranges.iter().zip(segments) {
+            let found = segment.map_or_else(Vec::new, |s| self.runs(s, ptr, len));
+            let covered: usize = found.iter().map(|r| r.len).sum();
+            report.kept_bytes += (len - covered) as u64;
+            runs.extend(found);
+        }
+        // Ranges given twice or overlapping make overlapping runs: the first of each is done.
+        runs.sort_unstable();
+        let mut end = (usize::MAX, 0);
+        runs.retain(|r| {
+            let overlaps = end.0 == r.segment && r.offset < end.1;
+            if !overlaps {
+                end = (r.segment, r.offset + r.len);
+            }
+            !overlaps
+        });
         // Cached stitched ranges may map these handles too: they go first.
         if runs.iter().any(|r| self.stitched_over(r.va, r.len)) {
             self.collect_stitched(device, true)?;
         }
-        let mut report = ShareReport {
-            kept_bytes: (len - covered) as u64,
-            ..ShareReport::default()
-        };
         let stream = device.create_stream()?;
         let result = self.share_runs(device, stream, runs, &mut report);
         if let Err(err) = device.destroy_stream(stream) {
             log::warn!("glake: dedup stream not destroyed: {err}");
-        }
-        if report.shared_bytes + report.offered_bytes > 0 {
-            self.map.retag_segment(segment, READ_ONLY);
         }
         result.map(|()| report)
     }
@@ -145,21 +166,23 @@ impl Inner {
         let from = ptr - s.va;
         let to = from + len as u64;
         let mut runs: Vec<Run> = Vec::new();
-        for (i, chunk) in s.chunks.iter().enumerate() {
+        for chunk in &s.chunks {
             let start = chunk.offset as u64;
             let inside = start >= from && start + chunk.len as u64 <= to;
             if !inside || self.shared.contains_key(&chunk.handle) {
                 continue;
             }
             match runs.last_mut() {
-                Some(run) if run.last == i && run.len + chunk.len <= MAX_RUN => {
-                    run.last = i + 1;
+                Some(run)
+                    if run.offset + run.len == chunk.offset && run.len + chunk.len <= MAX_RUN =>
+                {
+                    run.count += 1;
                     run.len += chunk.len;
                 }
                 _ => runs.push(Run {
                     segment,
-                    first: i,
-                    last: i + 1,
+                    offset: chunk.offset,
+                    count: 1,
                     va: s.va + start,
                     len: chunk.len,
                 }),
@@ -353,8 +376,15 @@ impl Inner {
         handle: PhysHandle,
         imported: bool,
     ) -> Result<()> {
-        let old: Vec<Chunk> = self.map.segments[run.segment].chunks[run.first..run.last].to_vec();
-        let segment_va = self.map.segments[run.segment].va;
+        let segment = &self.map.segments[run.segment];
+        let first = segment
+            .chunks
+            .iter()
+            .position(|c| c.offset == run.offset)
+            .ok_or_else(|| Error::internal("a run's first chunk is gone"))?;
+        let span = first..first + run.count;
+        let old: Vec<Chunk> = segment.chunks[span.clone()].to_vec();
+        let segment_va = segment.va;
         let swapped = (|| {
             for (i, c) in old.iter().enumerate() {
                 if let Err(err) = device.unmap(segment_va + c.offset as u64, c.len) {
@@ -388,10 +418,9 @@ impl Inner {
         }
         self.bury(device, Zombie::handles(&old));
         let chunks = &mut self.map.segments[run.segment].chunks;
-        chunks.splice(
-            run.first..run.last,
-            [chunk_of(handle, old[0].offset, run.len)],
-        );
+        chunks.splice(span, [chunk_of(handle, run.offset, run.len)]);
+        // No request may be served from this segment's free memory again.
+        self.map.retag_segment(run.segment, READ_ONLY);
         self.stats.num_device_free += old.len() as i64;
         if !imported {
             self.stats.num_device_alloc += 1;

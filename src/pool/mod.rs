@@ -396,7 +396,15 @@ impl Pool {
     /// Only whole physical handles inside the range are shared; a write to them afterwards
     /// faults.
     pub fn share_read_only(&self, ptr: DevicePtr, len: usize) -> Result<ShareReport> {
-        lock(&self.inner).share_read_only(&*self.device, ptr, len)
+        self.share_read_only_many(&[(ptr, len)])
+    }
+
+    /// [`Pool::share_read_only`] of many ranges (address, length) at once: one wait for the
+    /// device and one set of staging buffers for all (a model's tensors). Ranges of memory that
+    /// cannot be shared (stitched, swappable, guarded or private-pool allocations) are kept
+    /// as they are; one outside any allocation fails the call before anything changes.
+    pub fn share_read_only_many(&self, ranges: &[(DevicePtr, usize)]) -> Result<ShareReport> {
+        lock(&self.inner).share_read_only(&*self.device, ranges)
     }
 
     /// What region `name` holds now (an `InvalidArgument` error for an unknown name).

@@ -13,6 +13,7 @@
 mod devices;
 pub mod native;
 mod regions;
+mod sharing;
 mod timing;
 
 use std::cell::RefCell;

@@ -5,6 +5,7 @@
 #   bash scripts/gpu-torch.sh load     # bench/load_state_dict.py: a 10 GB state dict to the GPU
 #   bash scripts/gpu-torch.sh swap     # bench/swap_bench.py: SmartSwap against checkpointing
 #   bash scripts/gpu-torch.sh sleep    # bench/sleep_bench.py: sleep/wake against torch_memory_saver
+#   bash scripts/gpu-torch.sh dedup    # bench/dedup_bench.py: N replicas with and without dedup
 #   bash scripts/gpu-torch.sh all      # tests and bench (the default)
 # Extra arguments after the first go to train_bench.py. Results go to $OUT (or ./gpu-results):
 # pytest.txt, bench.jsonl, bench.md, swap.md, swap.jsonl.
@@ -43,6 +44,9 @@ if [ "$what" = sleep ]; then
       export PYTHONPATH="$PYTHONPATH:/tmp/glake-tms"
   fi
   python3 bench/sleep_bench.py --markdown "$out/sleep.md" --jsonl "$out/sleep.jsonl" "$@" || status=1
+fi
+if [ "$what" = dedup ]; then
+  python3 bench/dedup_bench.py --markdown "$out/dedup.md" --jsonl "$out/dedup.jsonl" "$@" || status=1
 fi
 if [ "$what" = load ]; then
   python3 bench/load_state_dict.py --markdown "$out/load.md" --jsonl "$out/load.jsonl" "$@" || status=1

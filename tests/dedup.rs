@@ -393,3 +393,41 @@ fn many_ranges_at_once_each_run_once() {
     pool.empty_cache().unwrap();
     assert_eq!(host.created_bytes(), 0);
 }
+
+#[test]
+fn the_device_comparison_finds_one_differing_byte() {
+    let device = common::device();
+    let g = device.granularity();
+    let pool = Pool::new(device.clone(), Config::default()).unwrap();
+    let a = pool.malloc(4 * g, Stream::DEFAULT).unwrap();
+    let b = pool.malloc(4 * g, Stream::DEFAULT).unwrap();
+    let mut bytes = pattern(3, 4 * g);
+    write(&device, a, &bytes);
+    write(&device, b, &bytes);
+    match device.equal_bytes(a, b, 4 * g, Stream::DEFAULT) {
+        Err(err) if err.kind() == ErrorKind::Unsupported => return, // compared through the host
+        other => assert!(other.unwrap()),
+    }
+    for at in [0, 4 * g - 1, 2 * g + 5] {
+        bytes[at] ^= 1;
+        write(&device, b, &bytes);
+        assert!(
+            !device.equal_bytes(a, b, 4 * g, Stream::DEFAULT).unwrap(),
+            "byte {at}"
+        );
+        bytes[at] ^= 1;
+    }
+    write(&device, b, &bytes);
+    assert!(device
+        .equal_bytes(a + 8, b + 8, 4 * g - 8, Stream::DEFAULT)
+        .unwrap());
+    assert_eq!(
+        device
+            .equal_bytes(a, b, 12, Stream::DEFAULT)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::Unsupported
+    );
+    pool.free(a).unwrap();
+    pool.free(b).unwrap();
+}

@@ -44,6 +44,11 @@ impl<'a> Reader<'a> {
         Ok(reader)
     }
 
+    /// The stream the staging copies run on.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+
     /// Queues the copy of `len` bytes at `va` into staging buffer `buffer`.
     fn stage(&self, buffer: usize, va: DevicePtr, len: usize) -> Result<()> {
         // SAFETY: the buffer is STAGE bytes, `len <= STAGE`, and it outlives the copy (every

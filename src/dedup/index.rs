@@ -161,8 +161,16 @@ impl Index {
     }
 
     pub fn publish(&self, record: Record) -> Result<()> {
+        self.publish_all(&[record])
+    }
+
+    /// Adds `new` in one rewrite of the file.
+    pub fn publish_all(&self, new: &[Record]) -> Result<()> {
+        if new.is_empty() {
+            return Ok(());
+        }
         self.locked(|records| {
-            records.push(record);
+            records.extend_from_slice(new);
             ((), true)
         })
     }

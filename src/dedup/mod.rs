@@ -13,6 +13,7 @@ pub mod channel;
 pub mod content;
 pub mod index;
 
+use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
@@ -41,9 +42,18 @@ impl Sharing {
         })
     }
 
-    /// Other processes' offers of `len` bytes hashing to `hash`, oldest first.
-    pub fn offers(&self, hash: u128, len: usize) -> Result<Vec<Record>> {
-        self.index.candidates(hash, len as u64, self.pid)
+    /// Every offer of other processes, by (hash, length), oldest first: one read of the
+    /// index for a whole batch of lookups.
+    pub fn offer_book(&self) -> Result<HashMap<(u128, u64), Vec<Record>>> {
+        let mut book: HashMap<(u128, u64), Vec<Record>> = HashMap::new();
+        for record in self.index.records()? {
+            if record.pid != self.pid {
+                book.entry((record.hash, record.len))
+                    .or_default()
+                    .push(record);
+            }
+        }
+        Ok(book)
     }
 
     /// The descriptor of `offer`, when its process still serves it; offers found stale leave
@@ -63,21 +73,28 @@ impl Sharing {
         }
     }
 
-    /// Serves `fd` (`len` bytes hashing to `hash`) to other processes; returns its export
-    /// number.
-    pub fn offer(&self, hash: u128, len: usize, fd: OwnedFd) -> Result<u64> {
+    /// Serves `fd` (`len` bytes hashing to `hash`) to other processes; returns the record
+    /// for [`Sharing::publish`], which makes it known.
+    pub fn serve(&self, hash: u128, len: usize, fd: OwnedFd) -> Result<Record> {
         let export = channel::serve(&self.dir, fd, len as u64)?;
-        let record = Record {
+        Ok(Record {
             hash,
             len: len as u64,
             pid: self.pid,
             export,
-        };
-        if let Err(err) = self.index.publish(record) {
-            channel::unserve(export);
-            return Err(err);
+        })
+    }
+
+    /// Makes `records` (from [`Sharing::serve`]) known to other processes, in one write of the
+    /// index; on failure they stop being served.
+    pub fn publish(&self, records: &[Record]) -> Result<()> {
+        let published = self.index.publish_all(records);
+        if published.is_err() {
+            for record in records {
+                channel::unserve(record.export);
+            }
         }
-        Ok(export)
+        published
     }
 
     /// Stops serving `export` (its memory is released here).

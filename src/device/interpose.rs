@@ -91,6 +91,10 @@ impl<I: Interposer> Device for Interposed<I> {
             self.inner.set_access_read_only(va, size, devices)
         })
     }
+    fn equal_bytes(&self, a: DevicePtr, b: DevicePtr, len: usize, stream: Stream) -> Result<bool> {
+        self.hook
+            .around(CallKind::Copy, || self.inner.equal_bytes(a, b, len, stream))
+    }
     fn create_shareable(&self, size: usize) -> Result<PhysHandle> {
         self.hook
             .around(CallKind::Share, || self.inner.create_shareable(size))

@@ -166,6 +166,22 @@ pub trait Device: Send + Sync {
         Err(unsupported_sharing(self.kind()))
     }
 
+    /// Whether `[a, a+len)` and `[b, b+len)`, both readable by this device, hold the same bytes,
+    /// compared by the device itself after the work queued on `stream`; returns once known.
+    /// Unsupported where the backend has no way to (callers then read both through the host).
+    fn equal_bytes(
+        &self,
+        _a: DevicePtr,
+        _b: DevicePtr,
+        _len: usize,
+        _stream: Stream,
+    ) -> Result<bool> {
+        Err(Error::new(
+            crate::error::ErrorKind::Unsupported,
+            "this backend compares device memory through the host",
+        ))
+    }
+
     /// Creates `size` bytes of physical memory that [`Device::export_handle`] can hand to
     /// another process.
     fn create_shareable(&self, _size: usize) -> Result<PhysHandle> {

@@ -19,6 +19,7 @@ use crate::dedup::content::Reader;
 use crate::dedup::Sharing;
 use crate::device::{Device, DevicePtr, PhysHandle, Stream};
 use crate::error::{Error, ErrorKind, Result};
+use std::time::{Duration, Instant};
 
 /// Largest run made into one shared handle: larger runs cost more transient memory when
 /// moved into shareable memory, smaller ones more mappings for each importer.
@@ -199,31 +200,65 @@ impl Inner {
         report: &mut ShareReport,
     ) -> Result<()> {
         let mut reader = Reader::new(device, stream, self.config.dedup_weak_hash)?;
-        for run in runs {
-            let hash = reader.hash(run.va, run.len)?;
-            if let Some((handle, fd)) = self.matching_offer(device, &mut reader, &run, hash)? {
-                self.put_in_place(device, &run, handle, true)?;
-                // This process serves the memory too, so later importers still find it after
-                // its first owner is gone.
-                let export = self.sharing_ref()?.offer(hash, run.len, fd);
-                self.shared_bytes += run.len;
-                report.shared_bytes += run.len as u64;
-                self.note_shared(handle, run.len, export, true);
-                continue;
+        let mut phases = Phases::default();
+        let mut book = self.sharing_ref()?.offer_book()?;
+        let mut served = Vec::new();
+        let result = (|| {
+            for run in &runs {
+                let hash = phases.time(|p| &mut p.hash, || reader.hash(run.va, run.len))?;
+                let offers = book.remove(&(hash, run.len as u64)).unwrap_or_default();
+                let found = self.matching_offer(device, &mut reader, run, offers, &mut phases)?;
+                if let Some((handle, fd)) = found {
+                    phases.time(
+                        |p| &mut p.map,
+                        || self.put_in_place(device, run, handle, true),
+                    )?;
+                    // This process serves the memory too, so later importers still find it
+                    // after its first owner is gone.
+                    let export = self.serve(hash, run.len, fd, &mut served);
+                    self.shared_bytes += run.len;
+                    report.shared_bytes += run.len as u64;
+                    self.note_shared(handle, run.len, export, true);
+                    continue;
+                }
+                if !self.fits_cap(run.len) {
+                    report.kept_bytes += run.len as u64;
+                    continue;
+                }
+                let handle =
+                    phases.time(|p| &mut p.copy, || self.shareable_copy(device, stream, run))?;
+                phases.time(
+                    |p| &mut p.map,
+                    || self.put_in_place(device, run, handle, false),
+                )?;
+                report.offered_bytes += run.len as u64;
+                let export = device
+                    .export_handle(handle)
+                    .and_then(|fd| self.serve(hash, run.len, fd, &mut served));
+                self.note_shared(handle, run.len, export, false);
             }
-            if !self.fits_cap(run.len) {
-                report.kept_bytes += run.len as u64;
-                continue;
-            }
-            let handle = self.shareable_copy(device, stream, &run)?;
-            self.put_in_place(device, &run, handle, false)?;
-            report.offered_bytes += run.len as u64;
-            let export = device
-                .export_handle(handle)
-                .and_then(|fd| self.sharing_ref()?.offer(hash, run.len, fd));
-            self.note_shared(handle, run.len, export, false);
-        }
-        Ok(())
+            Ok(())
+        })();
+        let published = phases.time(|p| &mut p.publish, || self.sharing_ref()?.publish(&served));
+        log::info!(
+            "glake: dedup of {} runs ({} bytes): {phases}",
+            runs.len(),
+            runs.iter().map(|r| r.len).sum::<usize>()
+        );
+        result.and(published)
+    }
+
+    /// Serves `fd`, keeping its record for the index.
+    fn serve(
+        &self,
+        hash: u128,
+        len: usize,
+        fd: std::os::fd::OwnedFd,
+        served: &mut Vec<crate::dedup::index::Record>,
+    ) -> Result<u64> {
+        let record = self.sharing_ref()?.serve(hash, len, fd)?;
+        served.push(record);
+        Ok(record.export)
     }
 
     fn sharing_ref(&self) -> Result<&Sharing> {
@@ -258,11 +293,14 @@ impl Inner {
         device: &dyn Device,
         reader: &mut Reader<'_>,
         run: &Run,
-        hash: u128,
+        offers: Vec<crate::dedup::index::Record>,
+        phases: &mut Phases,
     ) -> Result<Option<(PhysHandle, std::os::fd::OwnedFd)>> {
-        let offers = self.sharing_ref()?.offers(hash, run.len)?;
         for offer in offers {
-            let fd = match self.sharing_ref()?.fetch(&offer) {
+            let started = Instant::now();
+            let fetched = self.sharing_ref()?.fetch(&offer);
+            phases.find += started.elapsed();
+            let fd = match fetched {
                 Ok(Some(fd)) => fd,
                 Ok(None) => continue,
                 Err(err) => {
@@ -283,7 +321,10 @@ impl Inner {
                     continue;
                 }
             };
-            match self.same_bytes(device, reader, handle, run) {
+            let started = Instant::now();
+            let same = self.same_bytes(device, reader, handle, run);
+            phases.compare += started.elapsed();
+            match same {
                 Ok(true) => return Ok(Some((handle, fd))),
                 Ok(false) => log::info!(
                     "glake: dedup: {} bytes of process {} hash alike but differ",
@@ -313,7 +354,15 @@ impl Inner {
         let checked = device.map(va, run.len, handle, 0).and_then(|()| {
             let same = device
                 .set_access_read_only(va, run.len, &[device.ordinal()])
-                .and_then(|()| reader.equal(va, run.va, run.len));
+                .and_then(
+                    |()| match device.equal_bytes(va, run.va, run.len, reader.stream()) {
+                        // Without a device comparison, both are read through the host.
+                        Err(err) if err.kind() == ErrorKind::Unsupported => {
+                            reader.equal(va, run.va, run.len)
+                        }
+                        other => other,
+                    },
+                );
             let unmapped = device.unmap(va, run.len);
             let same = same?;
             unmapped.map(|()| same)
@@ -455,6 +504,42 @@ impl Inner {
             .map(|s| s.len)
             .sum();
         (self.shared_bytes, offered)
+    }
+}
+
+/// Where a share call spent its time (logged at info level).
+#[derive(Debug, Default)]
+struct Phases {
+    hash: Duration,
+    find: Duration,
+    compare: Duration,
+    copy: Duration,
+    map: Duration,
+    publish: Duration,
+}
+
+impl Phases {
+    fn time<T>(&mut self, phase: fn(&mut Self) -> &mut Duration, f: impl FnOnce() -> T) -> T {
+        let started = Instant::now();
+        let out = f();
+        *phase(self) += started.elapsed();
+        out
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = |d: Duration| d.as_secs_f64();
+        write!(
+            f,
+            "hash {:.3} s, fetch {:.3} s, compare {:.3} s, copy {:.3} s, map {:.3} s, publish {:.3} s",
+            s(self.hash),
+            s(self.find),
+            s(self.compare),
+            s(self.copy),
+            s(self.map),
+            s(self.publish)
+        )
     }
 }
 

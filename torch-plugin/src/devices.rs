@@ -63,6 +63,8 @@ pub fn pool(device: i32) -> Result<&'static Arc<Pool>> {
         return Ok(pool);
     }
     let _creating = locked(&CREATING);
+    // The native allocator path never calls gmlake_init: GLAKE_LOG works from here too.
+    glake::init_logging();
     if let Some(pool) = slot.get() {
         return Ok(pool);
     }

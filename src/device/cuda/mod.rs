@@ -9,6 +9,8 @@
 //! method makes the device's primary context current for the duration of the call and restores
 //! the thread's previous context afterwards, leaving the caller's CUDA runtime state untouched.
 
+mod kernels;
+
 use std::collections::HashSet;
 use std::ffi::{c_void, CStr};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -28,7 +30,7 @@ const MIN_DRIVER_VERSION: i32 = 11020;
 
 /// Every driver symbol this file calls, spelled as the `cudarc::driver::sys` wrappers load them.
 /// Checked up front because a missing one would make the wrapper panic.
-const REQUIRED_SYMBOLS: [&str; 42] = [
+const REQUIRED_SYMBOLS: [&str; 46] = [
     "cuInit",
     "cuDriverGetVersion",
     "cuGetErrorName",
@@ -71,6 +73,10 @@ const REQUIRED_SYMBOLS: [&str; 42] = [
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
     "cuMemGetAllocationPropertiesFromHandle",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
 ];
 
 /// Shareable memory is exported as POSIX file descriptors (passed over Unix sockets).
@@ -232,6 +238,8 @@ pub struct CudaDevice {
     /// Live physical handles. The driver dereferences a handle as a pointer and crashes on a
     /// stale or foreign one, so `map` and `release_physical` check here first.
     handles: Mutex<HashSet<sys::CUmemGenericAllocationHandle>>,
+    /// The library's own device code, JIT-compiled on first use (or why it could not be).
+    kernels: OnceLock<Result<kernels::Kernels>>,
 }
 
 // SAFETY: `CUdevice` is an integer and `CUcontext` an opaque handle; the driver API calls made
@@ -306,6 +314,7 @@ impl CudaDevice {
             ctx,
             granularity: 0,
             handles: Mutex::new(HashSet::new()),
+            kernels: OnceLock::new(),
         };
         let guard = ContextGuard::enter(ctx)?;
         let prop = this.allocation_prop();
@@ -432,6 +441,11 @@ fn unknown_handle(handle: PhysHandle) -> Error {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        if let Some(Ok(kernels)) = self.kernels.get() {
+            if let Ok(_guard) = self.enter() {
+                kernels.unload();
+            }
+        }
         // SAFETY: releases the reference retained in `open`; nothing uses `ctx` afterwards.
         let status = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
         // At process exit the driver may already be shut down; nothing left to do then.
@@ -666,6 +680,10 @@ impl Device for CudaDevice {
             devices,
             sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
         )
+    }
+
+    fn equal_bytes(&self, a: DevicePtr, b: DevicePtr, len: usize, stream: Stream) -> Result<bool> {
+        self.compare_on_device(a, b, len, stream)
     }
 
     fn create_stream(&self) -> Result<Stream> {

@@ -117,6 +117,9 @@ pub struct Block {
     pub owner: Owner,
     /// Where the block sits in its free bins while free (small pool).
     free_slot: Slot,
+    /// The free set (index into `BlockMap::free`) the block sits in while free, or last sat
+    /// in: unlinking needs no search, and linking tries it first.
+    free_set: u32,
 }
 
 /// Change in the free-but-split ("inactive split") accounting caused by one operation.
@@ -223,34 +226,45 @@ impl BlockMap {
         Self::default()
     }
 
-    fn free_index(&mut self, key: FreeKey) -> &mut FreeIndex {
-        let index = match self.free.iter().position(|(k, _)| *k == key) {
+    /// The position in `free` of the set of `key`, made if missing; `hint` (a block's last set)
+    /// is tried first. Sets are never removed, so positions stay valid.
+    fn free_set(&mut self, key: FreeKey, hint: u32) -> usize {
+        let hint = hint as usize;
+        if self.free.get(hint).is_some_and(|(k, _)| *k == key) {
+            return hint;
+        }
+        match self.free.iter().position(|(k, _)| *k == key) {
             Some(index) => index,
             None => {
                 self.free.push((key, FreeIndex::for_pool(key.1)));
                 self.free.len() - 1
             }
-        };
-        &mut self.free[index].1
-    }
-
-    fn is_split(&self, id: BlockId) -> bool {
-        let block = &self.blocks[id];
-        block.size < self.segments[block.segment].size
+        }
     }
 
     fn link_free(&mut self, id: BlockId) {
-        let (tag, pool, owner, size, addr) = {
+        let (tag, pool, owner, size, addr, hint, split) = {
             let b = &self.blocks[id];
             let s = &self.segments[b.segment];
-            (s.tag, s.pool, b.owner, b.size, b.addr)
+            (
+                s.tag,
+                s.pool,
+                b.owner,
+                b.size,
+                b.addr,
+                b.free_set,
+                b.size < s.size,
+            )
         };
-        let slot = match self.free_index((tag, pool, owner)) {
+        let set = self.free_set((tag, pool, owner), hint);
+        let slot = match &mut self.free[set].1 {
             FreeIndex::Classes(classes) => classes.insert((size, addr, id)),
             FreeIndex::Binned(bins) => bins.insert((size, addr, id)),
         };
-        self.blocks[id].free_slot = slot;
-        if self.is_split(id) {
+        let block = &mut self.blocks[id];
+        block.free_slot = slot;
+        block.free_set = set as u32;
+        if split {
             self.inactive_split.count += 1;
             self.inactive_split.bytes += size as i64;
             self.inactive_split_by_pool[pool as usize].count += 1;
@@ -259,20 +273,31 @@ impl BlockMap {
     }
 
     fn unlink_free(&mut self, id: BlockId) {
-        let (tag, pool, owner, size, addr) = {
+        let (pool, size, addr, slot, set, split) = {
             let b = &self.blocks[id];
             let s = &self.segments[b.segment];
-            (s.tag, s.pool, b.owner, b.size, b.addr)
+            debug_assert!(self
+                .free
+                .get(b.free_set as usize)
+                .is_some_and(|(k, _)| *k == (s.tag, s.pool, b.owner)));
+            (
+                s.pool,
+                b.size,
+                b.addr,
+                b.free_slot,
+                b.free_set,
+                b.size < s.size,
+            )
         };
-        let slot = self.blocks[id].free_slot;
-        let moved = match self.free_index((tag, pool, owner)) {
-            FreeIndex::Classes(classes) => classes.remove((size, addr, id), slot),
-            FreeIndex::Binned(bins) => bins.remove((size, addr, id), slot),
+        let moved = match self.free.get_mut(set as usize).map(|(_, index)| index) {
+            Some(FreeIndex::Classes(classes)) => classes.remove((size, addr, id), slot),
+            Some(FreeIndex::Binned(bins)) => bins.remove((size, addr, id), slot),
+            None => None,
         };
         if let Some(moved) = moved {
             self.blocks[moved].free_slot = slot;
         }
-        if self.is_split(id) {
+        if split {
             self.inactive_split.count -= 1;
             self.inactive_split.bytes -= size as i64;
             self.inactive_split_by_pool[pool as usize].count -= 1;
@@ -308,6 +333,7 @@ impl BlockMap {
             state: BlockState::Free,
             owner: None,
             free_slot: 0,
+            free_set: 0,
         });
         self.segments[segment].first = block;
         self.by_addr.insert(va, segment);
@@ -464,9 +490,11 @@ impl BlockMap {
     /// new block in the same state with the same owner, and is returned. Neither block is
     /// linked into the free sets here: callers link only what stays free, once.
     fn split_off(&mut self, id: BlockId, size: usize) -> BlockId {
-        let (addr, total, segment, next, state, owner) = {
+        let (addr, total, segment, next, state, owner, free_set) = {
             let b = &self.blocks[id];
-            (b.addr, b.size, b.segment, b.next, b.state, b.owner)
+            (
+                b.addr, b.size, b.segment, b.next, b.state, b.owner, b.free_set,
+            )
         };
         debug_assert!(size < total);
         let rest = self.blocks.insert(Block {
@@ -478,6 +506,7 @@ impl BlockMap {
             state,
             owner,
             free_slot: 0,
+            free_set,
         });
         if let Some(n) = next {
             self.blocks[n].prev = Some(rest);
@@ -508,6 +537,19 @@ impl BlockMap {
         block.state = BlockState::Allocated;
         block.owner = Some(stream);
         rest
+    }
+
+    /// Marks the last `size` bytes of free block `id` (less than its size) allocated on
+    /// `stream`, as `take_range` of them would, without looking the block up by address; the
+    /// front stays free with the block's owner. Returns the block of those bytes.
+    pub fn take_back(&mut self, id: BlockId, size: usize, stream: Stream) -> BlockId {
+        debug_assert_eq!(self.blocks[id].state, BlockState::Free);
+        debug_assert!(size < self.blocks[id].size);
+        self.unlink_free(id);
+        let back = self.split_off(id, self.blocks[id].size - size);
+        self.link_free(id);
+        self.claim_front(back, size, stream);
+        back
     }
 
     /// Marks free block `id` allocated on `stream`, whole.

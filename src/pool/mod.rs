@@ -149,6 +149,9 @@ struct Inner {
     planned: Option<unlocked::Planned>,
     /// Bytes of planned segments being made outside the lock, held against the cap.
     growing: usize,
+    /// Bytes asked for by the request `malloc` is serving (0 otherwise): `register` books them
+    /// with the new allocation, sparing a second lookup of it.
+    request: usize,
 }
 
 /// Numbers pools for the thread-local region routing.
@@ -226,6 +229,7 @@ impl Pool {
                 planning: false,
                 planned: None,
                 growing: 0,
+                request: 0,
             }),
         };
         if let Some(name) = default_region {

@@ -172,11 +172,12 @@ impl Inner {
                 extra_streams: Vec::new(),
             },
         );
-        self.stats.requested_bytes.add(pool, self.request as i64);
-        self.stats.allocation.add(pool, 1);
-        self.stats.allocated_bytes.add(pool, size as i64);
-        self.stats.active.add(pool, 1);
-        self.stats.active_bytes.add(pool, size as i64);
+        let stats = &mut self.stats;
+        stats.requested_bytes.increase(pool, self.request as u64);
+        stats.allocation.increase(pool, 1);
+        stats.allocated_bytes.increase(pool, size as u64);
+        stats.active.increase(pool, 1);
+        stats.active_bytes.increase(pool, size as u64);
         self.sync_split_stats();
         self.observe(super::AllocationEvent::Allocated { ptr, bytes: size });
     }

@@ -197,13 +197,33 @@ pub fn handle_layout(chunks: &[Chunk]) -> Vec<(PhysHandle, usize)> {
     chunks.iter().map(|c| (c.handle, c.len)).collect()
 }
 
+/// `chunks.partition_point(pred)`, trying index `guess` first: a segment's chunks are of one
+/// length but the last, so the index follows from an offset, and the search (a few cache
+/// misses on a segment of many chunks, on every large allocation) is only the fallback.
+fn partition_at(chunks: &[Chunk], guess: usize, pred: impl Fn(&Chunk) -> bool) -> usize {
+    let at = guess.min(chunks.len());
+    let before = at == 0 || pred(&chunks[at - 1]);
+    let after = chunks.get(at).is_none_or(|c| !pred(c));
+    if before && after {
+        at
+    } else {
+        chunks.partition_point(pred)
+    }
+}
+
 impl Segment {
+    /// The length of the segment's first chunk (its chunks are of one length but the last).
+    fn chunk_len(&self) -> usize {
+        self.chunks.first().map_or(1, |c| c.len.max(1))
+    }
+
     /// The widest run of whole chunks inside `[addr, addr+len)`, as (start, length).
     pub fn whole_chunks(&self, addr: DevicePtr, len: usize) -> Option<(DevicePtr, usize)> {
         let from = addr.checked_sub(self.va)? as usize;
         let to = from + len;
-        let first = self.chunks.partition_point(|c| c.offset < from);
-        let end = self.chunks.partition_point(|c| c.offset + c.len <= to);
+        let unit = self.chunk_len();
+        let first = partition_at(&self.chunks, from.div_ceil(unit), |c| c.offset < from);
+        let end = partition_at(&self.chunks, to / unit, |c| c.offset + c.len <= to);
         (first < end).then(|| {
             let start = self.chunks[first].offset;
             let stop = self.chunks[end - 1].offset + self.chunks[end - 1].len;
@@ -215,8 +235,11 @@ impl Segment {
     /// to the one holding the last byte.
     pub fn chunks_covering(&self, addr: DevicePtr, len: usize) -> &[Chunk] {
         let from = addr.saturating_sub(self.va) as usize;
-        let first = self.chunks.partition_point(|c| c.offset < from);
-        let end = self.chunks.partition_point(|c| c.offset < from + len);
+        let unit = self.chunk_len();
+        let first = partition_at(&self.chunks, from.div_ceil(unit), |c| c.offset < from);
+        let end = partition_at(&self.chunks, (from + len).div_ceil(unit), |c| {
+            c.offset < from + len
+        });
         &self.chunks[first..end.max(first)]
     }
 }
@@ -887,6 +910,41 @@ mod tests {
         assert_eq!(s.chunks_covering(at(8), 9 * MIB).len(), 2);
         assert_eq!(s.chunks_covering(at(8), 8 * MIB).len(), 1);
         assert_eq!(s.chunks_covering(va, 20 * MIB).len(), 3);
+    }
+
+    #[test]
+    fn chunk_lookups_match_a_search_on_any_layout() {
+        let mut m = BlockMap::new();
+        let va = 0x4000_0000;
+        for sizes in [&[4, 4, 4, 2][..], &[2, 8, 4, 8], &[8], &[1, 1, 16, 1]] {
+            let chunks = chunks_of(&sizes.iter().map(|&s| s * MIB).collect::<Vec<_>>());
+            let total = chunks.iter().map(|c| c.len).sum::<usize>();
+            let (seg, _) = m.add_segment(va, total, chunks, PoolKind::Large, SHARED);
+            let s = m.segments[seg].clone();
+            for from in (0..=total).step_by(MIB / 2) {
+                for len in (0..=total - from).step_by(MIB / 2) {
+                    let first = s.chunks.partition_point(|c| c.offset < from);
+                    let end = s.chunks.partition_point(|c| c.offset + c.len <= from + len);
+                    let want = (first < end).then(|| {
+                        let stop = s.chunks[end - 1].offset + s.chunks[end - 1].len;
+                        (
+                            va + s.chunks[first].offset as u64,
+                            stop - s.chunks[first].offset,
+                        )
+                    });
+                    let at = va + from as u64;
+                    assert_eq!(s.whole_chunks(at, len), want, "{sizes:?} {from} {len}");
+                    let end = s.chunks.partition_point(|c| c.offset < from + len);
+                    let covering = &s.chunks[first..end.max(first)];
+                    assert_eq!(
+                        s.chunks_covering(at, len),
+                        covering,
+                        "{sizes:?} {from} {len}"
+                    );
+                }
+            }
+            assert!(m.remove_segment(seg).is_some());
+        }
     }
 
     #[test]

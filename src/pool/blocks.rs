@@ -97,8 +97,14 @@ pub fn chunk_sizes(size: usize, unit: usize, limit: usize) -> Vec<usize> {
 pub struct Segment {
     pub va: DevicePtr,
     pub size: usize,
-    /// The physical handles behind the range, in address order, covering it exactly.
-    pub chunks: Vec<Chunk>,
+    /// The physical handles behind the range, in address order, covering it exactly (none
+    /// while its memory is given back). Read with [`Segment::chunks`] and replaced with
+    /// [`Segment::set_chunks`], so that `unit` follows them.
+    chunks: Vec<Chunk>,
+    /// The chunks' length when they are laid out evenly (chunk `k` at offset `k * unit`, all of
+    /// that length but the last, which is no longer and ends the segment), else 0. Whole-chunk
+    /// lookups, made on every large allocation, then need no access to the chunk list.
+    unit: usize,
     pub pool: PoolKind,
     pub tag: Tag,
     pub first: BlockId,
@@ -197,33 +203,55 @@ pub fn handle_layout(chunks: &[Chunk]) -> Vec<(PhysHandle, usize)> {
     chunks.iter().map(|c| (c.handle, c.len)).collect()
 }
 
-/// `chunks.partition_point(pred)`, trying index `guess` first: a segment's chunks are of one
-/// length but the last, so the index follows from an offset, and the search (a few cache
-/// misses on a segment of many chunks, on every large allocation) is only the fallback.
-fn partition_at(chunks: &[Chunk], guess: usize, pred: impl Fn(&Chunk) -> bool) -> usize {
-    let at = guess.min(chunks.len());
-    let before = at == 0 || pred(&chunks[at - 1]);
-    let after = chunks.get(at).is_none_or(|c| !pred(c));
-    if before && after {
-        at
+/// The `unit` of a segment of `size` bytes made of `chunks` (see [`Segment`]).
+fn even_unit(chunks: &[Chunk], size: usize) -> usize {
+    let (Some(first), Some(last)) = (chunks.first(), chunks.last()) else {
+        return 0;
+    };
+    let unit = first.len;
+    let n = chunks.len();
+    let even = unit > 0
+        && last.offset + last.len == size
+        && chunks.iter().enumerate().all(|(k, c)| {
+            c.offset == k * unit && (c.len == unit || (k == n - 1 && c.len > 0 && c.len < unit))
+        });
+    if even {
+        unit
     } else {
-        chunks.partition_point(pred)
+        0
     }
 }
 
 impl Segment {
-    /// The length of the segment's first chunk (its chunks are of one length but the last).
-    fn chunk_len(&self) -> usize {
-        self.chunks.first().map_or(1, |c| c.len.max(1))
+    /// The physical handles behind the range, in address order.
+    pub fn chunks(&self) -> &[Chunk] {
+        &self.chunks
+    }
+
+    /// Replaces the chunks (the segment's memory given back, or made again).
+    pub fn set_chunks(&mut self, chunks: Vec<Chunk>) -> Vec<Chunk> {
+        self.unit = even_unit(&chunks, self.size);
+        std::mem::replace(&mut self.chunks, chunks)
     }
 
     /// The widest run of whole chunks inside `[addr, addr+len)`, as (start, length).
     pub fn whole_chunks(&self, addr: DevicePtr, len: usize) -> Option<(DevicePtr, usize)> {
         let from = addr.checked_sub(self.va)? as usize;
         let to = from + len;
-        let unit = self.chunk_len();
-        let first = partition_at(&self.chunks, from.div_ceil(unit), |c| c.offset < from);
-        let end = partition_at(&self.chunks, to / unit, |c| c.offset + c.len <= to);
+        let (unit, n) = (self.unit, self.chunks.len());
+        if unit > 0 {
+            // Chunk k spans [k * unit, (k + 1) * unit), the last ends the segment.
+            let first = from.div_ceil(unit).min(n);
+            let end = if to >= self.size {
+                n
+            } else {
+                (to / unit).min(n - 1)
+            };
+            let stop = if end == n { self.size } else { end * unit };
+            return (first < end).then(|| (self.va + (first * unit) as u64, stop - first * unit));
+        }
+        let first = self.chunks.partition_point(|c| c.offset < from);
+        let end = self.chunks.partition_point(|c| c.offset + c.len <= to);
         (first < end).then(|| {
             let start = self.chunks[first].offset;
             let stop = self.chunks[end - 1].offset + self.chunks[end - 1].len;
@@ -235,11 +263,17 @@ impl Segment {
     /// to the one holding the last byte.
     pub fn chunks_covering(&self, addr: DevicePtr, len: usize) -> &[Chunk] {
         let from = addr.saturating_sub(self.va) as usize;
-        let unit = self.chunk_len();
-        let first = partition_at(&self.chunks, from.div_ceil(unit), |c| c.offset < from);
-        let end = partition_at(&self.chunks, (from + len).div_ceil(unit), |c| {
-            c.offset < from + len
-        });
+        let (first, end) = if self.unit > 0 {
+            let n = self.chunks.len();
+            let first = from.div_ceil(self.unit).min(n);
+            (first, (from + len).div_ceil(self.unit).min(n))
+        } else {
+            let first = self.chunks.partition_point(|c| c.offset < from);
+            (
+                first,
+                self.chunks.partition_point(|c| c.offset < from + len),
+            )
+        };
         &self.chunks[first..end.max(first)]
     }
 }
@@ -341,6 +375,7 @@ impl BlockMap {
         let segment = self.segments.insert(Segment {
             va,
             size,
+            unit: even_unit(&chunks, size),
             chunks,
             pool,
             tag,
@@ -752,6 +787,9 @@ impl BlockMap {
             }
             if at != segment.va + segment.size as u64 {
                 return Err(format!("segment {sid} not covered"));
+            }
+            if segment.unit != even_unit(&segment.chunks, segment.size) {
+                return Err(format!("segment {sid}: chunk unit out of step"));
             }
         }
         if covered != self.blocks.len() {

@@ -27,6 +27,25 @@ impl Stat {
         self.peak = self.peak.max(self.current);
     }
 
+    /// `add(amount)` for an amount known not to be negative, without the sign test: the
+    /// allocator's hot path books counts and sizes with it.
+    #[inline]
+    pub fn increase(&mut self, amount: u64) {
+        let amount = amount as i64;
+        self.allocated += amount;
+        self.current += amount;
+        self.peak = self.peak.max(self.current);
+    }
+
+    /// `add(-amount)`, as [`Stat::increase`]. The peak stays: it is never below the current
+    /// value.
+    #[inline]
+    pub fn decrease(&mut self, amount: u64) {
+        let amount = amount as i64;
+        self.freed += amount;
+        self.current -= amount;
+    }
+
     fn reset_peak(&mut self) {
         self.peak = self.current;
     }
@@ -55,6 +74,26 @@ impl StatArray {
         match pool {
             PoolKind::Small => self.small_pool.add(amount),
             PoolKind::Large => self.large_pool.add(amount),
+        }
+    }
+
+    /// `add(pool, amount)` for an amount known not to be negative (see [`Stat::increase`]).
+    #[inline]
+    pub fn increase(&mut self, pool: PoolKind, amount: u64) {
+        self.all.increase(amount);
+        match pool {
+            PoolKind::Small => self.small_pool.increase(amount),
+            PoolKind::Large => self.large_pool.increase(amount),
+        }
+    }
+
+    /// `add(pool, -amount)` (see [`Stat::decrease`]).
+    #[inline]
+    pub fn decrease(&mut self, pool: PoolKind, amount: u64) {
+        self.all.decrease(amount);
+        match pool {
+            PoolKind::Small => self.small_pool.decrease(amount),
+            PoolKind::Large => self.large_pool.decrease(amount),
         }
     }
 

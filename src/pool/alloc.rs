@@ -39,17 +39,18 @@ impl Inner {
         let pool = sizes::pool_of(size, self.config.small_limit);
         let rounded = sizes::round(size)?;
         self.admit(device, size, rounded)?;
+        self.request = size;
         let ptr = match pool {
-            PoolKind::Small => self.malloc_small(device, rounded, stream, tag)?,
-            PoolKind::Large => self.malloc_large(device, rounded, stream, tag)?,
+            PoolKind::Small => self.malloc_small(device, rounded, stream, tag),
+            PoolKind::Large => self.malloc_large(device, rounded, stream, tag),
         };
-        let Some(ptr) = ptr else {
+        self.request = 0;
+        let Some(ptr) = ptr? else {
             if self.planned.is_some() {
                 return Err(super::unlocked::planned());
             }
             return Err(self.no_memory(device, size));
         };
-        self.set_requested(ptr, size);
         Ok(ptr)
     }
 
@@ -141,7 +142,8 @@ impl Inner {
         Ok(addr)
     }
 
-    /// Records the bytes asked for by the new allocation at `ptr`.
+    /// Records the bytes asked for by the new allocation at `ptr`, for allocations registered
+    /// outside [`Inner::malloc`] (which books them in [`Inner::register`]).
     pub(super) fn set_requested(&mut self, ptr: DevicePtr, requested: usize) {
         if let Some(live) = self.live.get_mut(&ptr) {
             live.requested = requested;
@@ -149,7 +151,8 @@ impl Inner {
         }
     }
 
-    /// Records a new allocation and its statistics.
+    /// Records a new allocation and its statistics, with the bytes of the request being served
+    /// (`request`; 0 outside [`Inner::malloc`], where callers book them with `set_requested`).
     pub(super) fn register(
         &mut self,
         ptr: DevicePtr,
@@ -163,16 +166,18 @@ impl Inner {
             Live {
                 target,
                 size,
-                requested: 0,
+                requested: self.request,
                 stream,
                 pool,
                 extra_streams: Vec::new(),
             },
         );
-        self.stats.allocation.add(pool, 1);
-        self.stats.allocated_bytes.add(pool, size as i64);
-        self.stats.active.add(pool, 1);
-        self.stats.active_bytes.add(pool, size as i64);
+        let stats = &mut self.stats;
+        stats.requested_bytes.increase(pool, self.request as u64);
+        stats.allocation.increase(pool, 1);
+        stats.allocated_bytes.increase(pool, size as u64);
+        stats.active.increase(pool, 1);
+        stats.active_bytes.increase(pool, size as u64);
         self.sync_split_stats();
         self.observe(super::AllocationEvent::Allocated { ptr, bytes: size });
     }
@@ -207,15 +212,12 @@ impl Inner {
         stream: Stream,
         pool: PoolKind,
     ) -> DevicePtr {
-        let (addr, whole) = (self.map.blocks[id].addr, self.map.blocks[id].size);
-        let rest = whole - size;
+        let rest = self.map.blocks[id].size - size;
         let id = if rest < sizes::MIN_BLOCK {
             self.map.take(id, stream);
             id
         } else if pool == PoolKind::Large && self.back_leaves_more_chunks(id, size) {
-            // Inside the free block by construction, so the range is always taken.
-            let back = addr + rest as u64;
-            self.map.take_range(back, size, stream).unwrap_or(id)
+            self.map.take_back(id, size, stream)
         } else {
             self.map.take_front(id, size, stream);
             id

@@ -101,8 +101,14 @@ pub fn chunk_sizes(size: usize, unit: usize, limit: usize) -> Vec<usize> {
 pub struct Segment {
     pub va: DevicePtr,
     pub size: usize,
-    /// The physical handles behind the range, in address order, covering it exactly.
-    pub chunks: Vec<Chunk>,
+    /// The physical handles behind the range, in address order, covering it exactly (none
+    /// while its memory is given back). Read with [`Segment::chunks`] and replaced with
+    /// [`Segment::set_chunks`], so that `unit` follows them.
+    chunks: Vec<Chunk>,
+    /// The chunks' length when they are laid out evenly (chunk `k` at offset `k * unit`, all of
+    /// that length but the last, which is no longer and ends the segment), else 0. Whole-chunk
+    /// lookups, made on every large allocation, then need no access to the chunk list.
+    unit: usize,
     pub pool: PoolKind,
     pub tag: Tag,
     pub first: BlockId,
@@ -121,6 +127,9 @@ pub struct Block {
     pub owner: Owner,
     /// Where the block sits in its free bins while free (small pool).
     free_slot: Slot,
+    /// The free set (index into `BlockMap::free`) the block sits in while free, or last sat
+    /// in: unlinking needs no search, and linking tries it first.
+    free_set: u32,
 }
 
 /// Change in the free-but-split ("inactive split") accounting caused by one operation.
@@ -198,11 +207,53 @@ pub fn handle_layout(chunks: &[Chunk]) -> Vec<(PhysHandle, usize)> {
     chunks.iter().map(|c| (c.handle, c.len)).collect()
 }
 
+/// The `unit` of a segment of `size` bytes made of `chunks` (see [`Segment`]).
+fn even_unit(chunks: &[Chunk], size: usize) -> usize {
+    let (Some(first), Some(last)) = (chunks.first(), chunks.last()) else {
+        return 0;
+    };
+    let unit = first.len;
+    let n = chunks.len();
+    let even = unit > 0
+        && last.offset + last.len == size
+        && chunks.iter().enumerate().all(|(k, c)| {
+            c.offset == k * unit && (c.len == unit || (k == n - 1 && c.len > 0 && c.len < unit))
+        });
+    if even {
+        unit
+    } else {
+        0
+    }
+}
+
 impl Segment {
+    /// The physical handles behind the range, in address order.
+    pub fn chunks(&self) -> &[Chunk] {
+        &self.chunks
+    }
+
+    /// Replaces the chunks (the segment's memory given back, or made again).
+    pub fn set_chunks(&mut self, chunks: Vec<Chunk>) -> Vec<Chunk> {
+        self.unit = even_unit(&chunks, self.size);
+        std::mem::replace(&mut self.chunks, chunks)
+    }
+
     /// The widest run of whole chunks inside `[addr, addr+len)`, as (start, length).
     pub fn whole_chunks(&self, addr: DevicePtr, len: usize) -> Option<(DevicePtr, usize)> {
         let from = addr.checked_sub(self.va)? as usize;
         let to = from + len;
+        let (unit, n) = (self.unit, self.chunks.len());
+        if unit > 0 {
+            // Chunk k spans [k * unit, (k + 1) * unit), the last ends the segment.
+            let first = from.div_ceil(unit).min(n);
+            let end = if to >= self.size {
+                n
+            } else {
+                (to / unit).min(n - 1)
+            };
+            let stop = if end == n { self.size } else { end * unit };
+            return (first < end).then(|| (self.va + (first * unit) as u64, stop - first * unit));
+        }
         let first = self.chunks.partition_point(|c| c.offset < from);
         let end = self.chunks.partition_point(|c| c.offset + c.len <= to);
         (first < end).then(|| {
@@ -216,8 +267,17 @@ impl Segment {
     /// to the one holding the last byte.
     pub fn chunks_covering(&self, addr: DevicePtr, len: usize) -> &[Chunk] {
         let from = addr.saturating_sub(self.va) as usize;
-        let first = self.chunks.partition_point(|c| c.offset < from);
-        let end = self.chunks.partition_point(|c| c.offset < from + len);
+        let (first, end) = if self.unit > 0 {
+            let n = self.chunks.len();
+            let first = from.div_ceil(self.unit).min(n);
+            (first, (from + len).div_ceil(self.unit).min(n))
+        } else {
+            let first = self.chunks.partition_point(|c| c.offset < from);
+            (
+                first,
+                self.chunks.partition_point(|c| c.offset < from + len),
+            )
+        };
         &self.chunks[first..end.max(first)]
     }
 }
@@ -227,34 +287,45 @@ impl BlockMap {
         Self::default()
     }
 
-    fn free_index(&mut self, key: FreeKey) -> &mut FreeIndex {
-        let index = match self.free.iter().position(|(k, _)| *k == key) {
+    /// The position in `free` of the set of `key`, made if missing; `hint` (a block's last set)
+    /// is tried first. Sets are never removed, so positions stay valid.
+    fn free_set(&mut self, key: FreeKey, hint: u32) -> usize {
+        let hint = hint as usize;
+        if self.free.get(hint).is_some_and(|(k, _)| *k == key) {
+            return hint;
+        }
+        match self.free.iter().position(|(k, _)| *k == key) {
             Some(index) => index,
             None => {
                 self.free.push((key, FreeIndex::for_pool(key.1)));
                 self.free.len() - 1
             }
-        };
-        &mut self.free[index].1
-    }
-
-    fn is_split(&self, id: BlockId) -> bool {
-        let block = &self.blocks[id];
-        block.size < self.segments[block.segment].size
+        }
     }
 
     fn link_free(&mut self, id: BlockId) {
-        let (tag, pool, owner, size, addr) = {
+        let (tag, pool, owner, size, addr, hint, split) = {
             let b = &self.blocks[id];
             let s = &self.segments[b.segment];
-            (s.tag, s.pool, b.owner, b.size, b.addr)
+            (
+                s.tag,
+                s.pool,
+                b.owner,
+                b.size,
+                b.addr,
+                b.free_set,
+                b.size < s.size,
+            )
         };
-        let slot = match self.free_index((tag, pool, owner)) {
+        let set = self.free_set((tag, pool, owner), hint);
+        let slot = match &mut self.free[set].1 {
             FreeIndex::Classes(classes) => classes.insert((size, addr, id)),
             FreeIndex::Binned(bins) => bins.insert((size, addr, id)),
         };
-        self.blocks[id].free_slot = slot;
-        if self.is_split(id) {
+        let block = &mut self.blocks[id];
+        block.free_slot = slot;
+        block.free_set = set as u32;
+        if split {
             self.inactive_split.count += 1;
             self.inactive_split.bytes += size as i64;
             self.inactive_split_by_pool[pool as usize].count += 1;
@@ -263,20 +334,31 @@ impl BlockMap {
     }
 
     fn unlink_free(&mut self, id: BlockId) {
-        let (tag, pool, owner, size, addr) = {
+        let (pool, size, addr, slot, set, split) = {
             let b = &self.blocks[id];
             let s = &self.segments[b.segment];
-            (s.tag, s.pool, b.owner, b.size, b.addr)
+            debug_assert!(self
+                .free
+                .get(b.free_set as usize)
+                .is_some_and(|(k, _)| *k == (s.tag, s.pool, b.owner)));
+            (
+                s.pool,
+                b.size,
+                b.addr,
+                b.free_slot,
+                b.free_set,
+                b.size < s.size,
+            )
         };
-        let slot = self.blocks[id].free_slot;
-        let moved = match self.free_index((tag, pool, owner)) {
-            FreeIndex::Classes(classes) => classes.remove((size, addr, id), slot),
-            FreeIndex::Binned(bins) => bins.remove((size, addr, id), slot),
+        let moved = match self.free.get_mut(set as usize).map(|(_, index)| index) {
+            Some(FreeIndex::Classes(classes)) => classes.remove((size, addr, id), slot),
+            Some(FreeIndex::Binned(bins)) => bins.remove((size, addr, id), slot),
+            None => None,
         };
         if let Some(moved) = moved {
             self.blocks[moved].free_slot = slot;
         }
-        if self.is_split(id) {
+        if split {
             self.inactive_split.count -= 1;
             self.inactive_split.bytes -= size as i64;
             self.inactive_split_by_pool[pool as usize].count -= 1;
@@ -297,6 +379,7 @@ impl BlockMap {
         let segment = self.segments.insert(Segment {
             va,
             size,
+            unit: even_unit(&chunks, size),
             chunks,
             pool,
             tag,
@@ -312,6 +395,7 @@ impl BlockMap {
             state: BlockState::Free,
             owner: None,
             free_slot: 0,
+            free_set: 0,
         });
         self.segments[segment].first = block;
         self.by_addr.insert(va, segment);
@@ -470,9 +554,11 @@ impl BlockMap {
     /// new block in the same state with the same owner, and is returned. Neither block is
     /// linked into the free sets here: callers link only what stays free, once.
     fn split_off(&mut self, id: BlockId, size: usize) -> BlockId {
-        let (addr, total, segment, next, state, owner) = {
+        let (addr, total, segment, next, state, owner, free_set) = {
             let b = &self.blocks[id];
-            (b.addr, b.size, b.segment, b.next, b.state, b.owner)
+            (
+                b.addr, b.size, b.segment, b.next, b.state, b.owner, b.free_set,
+            )
         };
         debug_assert!(size < total);
         let rest = self.blocks.insert(Block {
@@ -484,6 +570,7 @@ impl BlockMap {
             state,
             owner,
             free_slot: 0,
+            free_set,
         });
         if let Some(n) = next {
             self.blocks[n].prev = Some(rest);
@@ -514,6 +601,19 @@ impl BlockMap {
         block.state = BlockState::Allocated;
         block.owner = Some(stream);
         rest
+    }
+
+    /// Marks the last `size` bytes of free block `id` (less than its size) allocated on
+    /// `stream`, as `take_range` of them would, without looking the block up by address; the
+    /// front stays free with the block's owner. Returns the block of those bytes.
+    pub fn take_back(&mut self, id: BlockId, size: usize, stream: Stream) -> BlockId {
+        debug_assert_eq!(self.blocks[id].state, BlockState::Free);
+        debug_assert!(size < self.blocks[id].size);
+        self.unlink_free(id);
+        let back = self.split_off(id, self.blocks[id].size - size);
+        self.link_free(id);
+        self.claim_front(back, size, stream);
+        back
     }
 
     /// Marks free block `id` allocated on `stream`, whole.
@@ -699,6 +799,9 @@ impl BlockMap {
             if at != segment.va + segment.size as u64 {
                 return Err(format!("segment {sid} not covered"));
             }
+            if segment.unit != even_unit(&segment.chunks, segment.size) {
+                return Err(format!("segment {sid}: chunk unit out of step"));
+            }
         }
         if covered != self.blocks.len() {
             return Err(format!(
@@ -856,6 +959,41 @@ mod tests {
         assert_eq!(s.chunks_covering(at(8), 9 * MIB).len(), 2);
         assert_eq!(s.chunks_covering(at(8), 8 * MIB).len(), 1);
         assert_eq!(s.chunks_covering(va, 20 * MIB).len(), 3);
+    }
+
+    #[test]
+    fn chunk_lookups_match_a_search_on_any_layout() {
+        let mut m = BlockMap::new();
+        let va = 0x4000_0000;
+        for sizes in [&[4, 4, 4, 2][..], &[2, 8, 4, 8], &[8], &[1, 1, 16, 1]] {
+            let chunks = chunks_of(&sizes.iter().map(|&s| s * MIB).collect::<Vec<_>>());
+            let total = chunks.iter().map(|c| c.len).sum::<usize>();
+            let (seg, _) = m.add_segment(va, total, chunks, PoolKind::Large, SHARED);
+            let s = m.segments[seg].clone();
+            for from in (0..=total).step_by(MIB / 2) {
+                for len in (0..=total - from).step_by(MIB / 2) {
+                    let first = s.chunks.partition_point(|c| c.offset < from);
+                    let end = s.chunks.partition_point(|c| c.offset + c.len <= from + len);
+                    let want = (first < end).then(|| {
+                        let stop = s.chunks[end - 1].offset + s.chunks[end - 1].len;
+                        (
+                            va + s.chunks[first].offset as u64,
+                            stop - s.chunks[first].offset,
+                        )
+                    });
+                    let at = va + from as u64;
+                    assert_eq!(s.whole_chunks(at, len), want, "{sizes:?} {from} {len}");
+                    let end = s.chunks.partition_point(|c| c.offset < from + len);
+                    let covering = &s.chunks[first..end.max(first)];
+                    assert_eq!(
+                        s.chunks_covering(at, len),
+                        covering,
+                        "{sizes:?} {from} {len}"
+                    );
+                }
+            }
+            assert!(m.remove_segment(seg).is_some());
+        }
     }
 
     #[test]

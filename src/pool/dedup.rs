@@ -167,7 +167,7 @@ impl Inner {
         let from = ptr - s.va;
         let to = from + len as u64;
         let mut runs: Vec<Run> = Vec::new();
-        for chunk in &s.chunks {
+        for chunk in s.chunks() {
             let start = chunk.offset as u64;
             let inside = start >= from && start + chunk.len as u64 <= to;
             if !inside || self.shared.contains_key(&chunk.handle) {
@@ -427,12 +427,12 @@ impl Inner {
     ) -> Result<()> {
         let segment = &self.map.segments[run.segment];
         let first = segment
-            .chunks
+            .chunks()
             .iter()
             .position(|c| c.offset == run.offset)
             .ok_or_else(|| Error::internal("a run's first chunk is gone"))?;
         let span = first..first + run.count;
-        let old: Vec<Chunk> = segment.chunks[span.clone()].to_vec();
+        let old: Vec<Chunk> = segment.chunks()[span.clone()].to_vec();
         let segment_va = segment.va;
         let swapped = (|| {
             for (i, c) in old.iter().enumerate() {
@@ -466,8 +466,10 @@ impl Inner {
             return Err(err);
         }
         self.bury(device, Zombie::handles(&old));
-        let chunks = &mut self.map.segments[run.segment].chunks;
+        let segment = &mut self.map.segments[run.segment];
+        let mut chunks = segment.chunks().to_vec();
         chunks.splice(span, [chunk_of(handle, run.offset, run.len)]);
+        segment.set_chunks(chunks);
         // No request may be served from this segment's free memory again.
         self.map.retag_segment(run.segment, READ_ONLY);
         self.stats.num_device_free += old.len() as i64;

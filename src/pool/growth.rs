@@ -154,7 +154,7 @@ impl Inner {
             .segments
             .iter()
             // A swapped-out segment maps nothing; swapping in grants the access of that time.
-            .filter(|(_, s)| !s.chunks.is_empty())
+            .filter(|(_, s)| !s.chunks().is_empty())
             .map(|(_, s)| (s.va, s.size))
             .chain(self.stitch.blocks.iter().map(|(_, s)| (s.va, s.size)))
             .collect();
@@ -184,16 +184,16 @@ impl Inner {
         });
         self.stats.segment.add(removed.pool, -1);
         // A swapped-out segment holds no physical memory: only its chunks count.
-        let physical: usize = removed.chunks.iter().map(|c| c.len).sum();
+        let physical: usize = removed.chunks().iter().map(|c| c.len).sum();
         self.stats
             .reserved_bytes
             .add(removed.pool, -(physical as i64));
-        self.stats.num_device_free += removed.chunks.len() as i64;
-        self.forget_shared(&removed.chunks);
+        self.stats.num_device_free += removed.chunks().len() as i64;
+        self.forget_shared(removed.chunks());
         self.sync_split_stats();
         let zombie = Zombie {
             reservation: Some((removed.va, removed.size + removed.guard)),
-            ..Zombie::mapped(removed.va, &removed.chunks)
+            ..Zombie::mapped(removed.va, removed.chunks())
         };
         self.bury(device, zombie);
         Ok(())
@@ -207,7 +207,7 @@ impl Inner {
         segment: SegmentId,
     ) -> Vec<usize> {
         let s = &mut self.map.segments[segment];
-        let chunks = std::mem::take(&mut s.chunks);
+        let chunks = s.set_chunks(Vec::new());
         let (va, pool) = (s.va, s.pool);
         self.forget_shared(&chunks);
         let physical: usize = chunks.iter().map(|c| c.len).sum();
@@ -224,7 +224,7 @@ impl Inner {
         let physical: usize = chunks.iter().map(|c| c.len).sum();
         self.stats.reserved_bytes.add(s.pool, physical as i64);
         self.stats.num_device_alloc += chunks.len() as i64;
-        s.chunks = chunks;
+        s.set_chunks(chunks);
     }
 
     /// New physical memory of `layout` (chunk lengths) mapped at `va`, a range of `size` bytes

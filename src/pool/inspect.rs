@@ -124,7 +124,7 @@ impl Inner {
             .map
             .segments
             .iter()
-            .flat_map(|(_, s)| s.chunks.iter().map(|c| c.len))
+            .flat_map(|(_, s)| s.chunks().iter().map(|c| c.len))
             .sum();
         if reserved as i64 != self.stats.reserved_bytes.all.current {
             return Err(format!(

@@ -157,6 +157,9 @@ struct Inner {
     shared: KeyMap<crate::device::PhysHandle, dedup::SharedHandle>,
     /// Bytes of imported handles mapped: other processes' memory, outside this pool's cap.
     shared_bytes: usize,
+    /// Bytes asked for by the request `malloc` is serving (0 otherwise): `register` books them
+    /// with the new allocation, sparing a second lookup of it.
+    request: usize,
 }
 
 /// Numbers pools for the thread-local region routing.
@@ -237,6 +240,7 @@ impl Pool {
                 sharing: None,
                 shared: KeyMap::default(),
                 shared_bytes: 0,
+                request: 0,
             }),
         };
         if let Some(name) = default_region {

@@ -242,7 +242,7 @@ impl Inner {
         self.map
             .segments
             .iter()
-            .filter(|(_, s)| s.tag == tag && !s.chunks.is_empty())
+            .filter(|(_, s)| s.tag == tag && !s.chunks().is_empty())
             .map(|(id, _)| id)
             .collect()
     }
@@ -512,7 +512,7 @@ impl Inner {
                 .map
                 .segments
                 .get(sleeper.segment)
-                .is_some_and(|s| s.tag == tag && s.va == sleeper.va && s.chunks.is_empty());
+                .is_some_and(|s| s.tag == tag && s.va == sleeper.va && s.chunks().is_empty());
             if alive && !idle.contains(&sleeper.segment) {
                 kept.push(sleeper);
                 continue;
@@ -557,7 +557,7 @@ impl Inner {
             .filter(|(_, s)| s.tag == region.tag)
         {
             info.segments += 1;
-            if s.chunks.is_empty() {
+            if s.chunks().is_empty() {
                 info.asleep_bytes += s.size;
             } else {
                 info.resident_bytes += s.size;
@@ -612,7 +612,7 @@ impl Inner {
                 let Some(s) = self.map.segments.get(sleeper.segment) else {
                     continue; // released while asleep; forgotten at wake
                 };
-                if s.va == sleeper.va && s.tag == region.tag && !s.chunks.is_empty() {
+                if s.va == sleeper.va && s.tag == region.tag && !s.chunks().is_empty() {
                     return Err(format!(
                         "region {:?}: sleeping segment at {:#x} holds memory",
                         region.name, s.va
@@ -624,7 +624,7 @@ impl Inner {
             }
         }
         for (id, s) in self.map.segments.iter() {
-            if !blocks::is_region(s.tag) || !s.chunks.is_empty() {
+            if !blocks::is_region(s.tag) || !s.chunks().is_empty() {
                 continue;
             }
             let known = self

@@ -123,7 +123,7 @@ pub(super) fn take(
                     .sum(),
                 pool: segment.pool,
                 private_pool: private_of(segment.tag),
-                chunk_sizes: segment.chunks.iter().map(|c| c.len).collect(),
+                chunk_sizes: segment.chunks().iter().map(|c| c.len).collect(),
                 blocks,
             }
         })

@@ -46,13 +46,12 @@ impl Inner {
         let Some(live) = self.live.remove(&ptr) else {
             return Err(self.classify_unknown(ptr));
         };
-        self.stats.allocation.add(live.pool, -1);
-        self.stats
-            .allocated_bytes
-            .add(live.pool, -(live.size as i64));
-        self.stats
+        let stats = &mut self.stats;
+        stats.allocation.decrease(live.pool, 1);
+        stats.allocated_bytes.decrease(live.pool, live.size as u64);
+        stats
             .requested_bytes
-            .add(live.pool, -(live.requested as i64));
+            .decrease(live.pool, live.requested as u64);
         self.observe(super::AllocationEvent::Freed { ptr });
         Ok(live)
     }
@@ -170,8 +169,10 @@ impl Inner {
                 self.stitch.park(id);
             }
         }
-        self.stats.active.add(live.pool, -1);
-        self.stats.active_bytes.add(live.pool, -(live.size as i64));
+        self.stats.active.decrease(live.pool, 1);
+        self.stats
+            .active_bytes
+            .decrease(live.pool, live.size as u64);
         self.sync_split_stats();
     }
 

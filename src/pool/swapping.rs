@@ -350,7 +350,7 @@ impl Inner {
             match &entry.host {
                 Some(host) => {
                     swapped += live.size;
-                    if !segment.chunks.is_empty()
+                    if !segment.chunks().is_empty()
                         || host.bytes.len() != live.size
                         || host.layout.iter().sum::<usize>() != live.size
                     {
@@ -358,7 +358,7 @@ impl Inner {
                     }
                 }
                 None => {
-                    if segment.chunks.iter().map(|c| c.len).sum::<usize>() != live.size {
+                    if segment.chunks().iter().map(|c| c.len).sum::<usize>() != live.size {
                         return Err(format!("resident swappable {ptr:#x} not backed"));
                     }
                 }
@@ -374,7 +374,7 @@ impl Inner {
             .map
             .segments
             .iter()
-            .filter(|(_, s)| s.chunks.is_empty() && !blocks::is_region(s.tag))
+            .filter(|(_, s)| s.chunks().is_empty() && !blocks::is_region(s.tag))
             .count();
         let held = self.swappable.values().filter(|e| e.host.is_some()).count();
         if empty != held {

@@ -20,6 +20,11 @@ layers 0-10 re-drawn from another seed).
 do not, all alive at once, take turns (A1 B1 A2 B2 ..., order flipped every round) for
 `--rounds` rounds of `--iters` passes each; the ratio of the pooled medians.
 
+`--pairs`: forward latency in one process holding the model twice: once mapped from another
+process's memory through share_weights(), once as a private copy (deepcopy before sharing);
+the two forward in turn (order flipped every round) for `--rounds` rounds of `--iters` passes.
+This takes process-to-process and time-to-time drift out of the comparison.
+
 `--kernels`: in one process, matrix products over weights moved into shared read-only memory
 against the same products over an equal set of private weights, alternating in lock step
 (memory-bound: 16 rows; compute-bound: 2048 rows), to tell the memory's own speed from drift.
@@ -63,6 +68,11 @@ def child(variant, tokens, iters):
                 for p in layer.parameters():
                     p.normal_(0.0, 0.02, generator=gen)
     model.eval()
+    private = None
+    if variant == "pair":
+        import copy
+
+        private = copy.deepcopy(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     torch.cuda.synchronize()
     say("READY", {"weights": weights})
@@ -88,6 +98,21 @@ def child(variant, tokens, iters):
                         times.append(time.perf_counter() - started)
             say("FORWARD", {"ms": statistics.median(times) * 1e3,
                             "checksum": float(logits.float().abs().sum())})
+        elif command == "pairs":
+            times = {"shared": [], "private": []}
+            rounds = int(count)
+            with torch.inference_mode():
+                for r in range(rounds):
+                    pair = [("shared", model), ("private", private)]
+                    for name, m in (pair if r % 2 == 0 else pair[::-1]):
+                        for i in range(iters + 1):
+                            torch.cuda.synchronize()
+                            started = time.perf_counter()
+                            m(tokens_in)
+                            torch.cuda.synchronize()
+                            if i >= 1:
+                                times[name].append((time.perf_counter() - started) * 1e3)
+            say("PAIRS", times)
         elif command == "quit":
             break
 
@@ -219,6 +244,30 @@ def latency(k, args, dedup_dir):
     return row, text
 
 
+def pairs(args, dedup_dir):
+    """Shared against private weights of one model in one process, in lock step."""
+    env = dict(os.environ, GLAKE_DEDUP_DIR=dedup_dir, CUDA_VISIBLE_DEVICES="0")
+    owner = Process("base", args, env)
+    measured = Process("pair", args, env)
+    try:
+        owner.expect("READY")
+        measured.expect("READY")
+        owner.ask("share", "SHARED")
+        report = measured.ask("share", "SHARED")
+        times = measured.ask(f"pairs {args.rounds}", "PAIRS")
+    finally:
+        owner.quit()
+        measured.quit()
+    s, p = statistics.median(times["shared"]), statistics.median(times["private"])
+    row = {"config": "pairs", "share": report, "shared_ms": times["shared"],
+           "private_ms": times["private"], "ratio": s / p}
+    print(json.dumps(row), flush=True)
+    text = ("| forward passes | weights mapped from another process, ms | private copy, ms "
+            "| ratio |\n|---|---|---|---|\n"
+            f"| {len(times['shared'])} each | {s:.2f} | {p:.2f} | {s / p:.3f} |")
+    return row, text
+
+
 def table(rows):
     base = {r["config"]: r for r in rows if not r["dedup"]}
     single = next((r for r in rows if r["config"] == "replicas-1" and not r["dedup"]), None)
@@ -259,6 +308,7 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--latency", type=int, default=0)
+    parser.add_argument("--pairs", action="store_true")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--markdown")
     parser.add_argument("--jsonl")
@@ -272,8 +322,9 @@ def main():
             pathlib.Path(args.markdown).write_text(text + "\n")
         return
     dedup_dir = f"/tmp/glake-dedup-bench-{os.getpid()}"
-    if args.latency:
-        row, text = latency(args.latency, args, dedup_dir)
+    if args.latency or args.pairs:
+        row, text = (pairs(args, dedup_dir) if args.pairs
+                     else latency(args.latency, args, dedup_dir))
         print(text)
         if args.jsonl:
             with open(args.jsonl, "a") as f:

@@ -355,6 +355,13 @@ typedef struct glake_stats {
   int64_t shared_bytes;
   // Bytes of this process's memory offered read-only to other processes.
   int64_t offered_bytes;
+  // The whole device, all processes of this user sharing on it (from the dedup index, at
+  // most a second old; 0 until this pool shares): bytes of memory mapped by two or more
+  // processes, each counted once.
+  int64_t device_shared_bytes;
+  // The same: bytes the device would hold more without sharing (each shared range times
+  // the number of processes mapping it, less one).
+  int64_t device_saved_bytes;
 } glake_stats;
 
 // One op of the profiled iteration, in execution order.

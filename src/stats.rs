@@ -161,6 +161,13 @@ pub struct MemoryStats {
     pub shared_bytes: i64,
     /// Bytes of this process's memory offered read-only to other processes.
     pub offered_bytes: i64,
+    /// The whole device, all processes of this user sharing on it (from the dedup index, at
+    /// most a second old; 0 until this pool shares): bytes of memory mapped by two or more
+    /// processes, each counted once.
+    pub device_shared_bytes: i64,
+    /// The same: bytes the device would hold more without sharing (each shared range times
+    /// the number of processes mapping it, less one).
+    pub device_saved_bytes: i64,
 }
 
 impl MemoryStats {
@@ -273,6 +280,8 @@ impl MemoryStats {
             ("glake.swapped_bytes.peak", self.swapped_bytes.peak),
             ("glake.shared_bytes", self.shared_bytes),
             ("glake.offered_bytes", self.offered_bytes),
+            ("glake.device_shared_bytes", self.device_shared_bytes),
+            ("glake.device_saved_bytes", self.device_saved_bytes),
         ];
         out.extend(counters.iter().map(|(k, v)| (k.to_string(), *v)));
         out

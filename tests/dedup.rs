@@ -33,6 +33,8 @@ struct Marked {
     kept: u64,
     /// Bytes of memory the replica holds of its own: reserved, less what it maps of others'.
     created: u64,
+    /// Bytes the device would hold more without sharing, all processes together.
+    device_saved: u64,
 }
 
 impl Replica {
@@ -81,6 +83,7 @@ impl Replica {
             offered: n[1],
             kept: n[2],
             created: n[3],
+            device_saved: n[4],
         }
     }
 
@@ -146,8 +149,8 @@ fn replica() {
         );
     }
     println!(
-        "MARKED {} {} {} {}",
-        total.shared_bytes, total.offered_bytes, total.kept_bytes, own
+        "MARKED {} {} {} {} {}",
+        total.shared_bytes, total.offered_bytes, total.kept_bytes, own, stats.device_saved_bytes
     );
     let mut lines = std::io::stdin().lock().lines();
     while let Some(Ok(line)) = lines.next() {
@@ -191,6 +194,7 @@ fn identical_replicas_hold_their_weights_once() {
         b.created, 0,
         "the second replica keeps no weights of its own"
     );
+    assert_eq!((a.device_saved, b.device_saved), (0, 3 * LAYER as u64));
     assert!(first.weights_intact() && second.weights_intact());
     first.finish();
     second.finish();
@@ -245,6 +249,8 @@ fn memory_outlives_its_killed_first_owner() {
     let mut third = Replica::start(&dir, &[7, 8], &[]);
     let c = third.marked();
     assert_eq!((c.shared, c.created), (2 * LAYER as u64, 0));
+    // The killed process's records no longer count: two processes map each layer.
+    assert_eq!(c.device_saved, 2 * LAYER as u64);
     assert!(third.weights_intact() && second.weights_intact());
     second.finish();
     third.finish();

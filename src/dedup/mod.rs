@@ -16,6 +16,8 @@ pub mod index;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use crate::error::Result;
 use channel::Fetched;
@@ -27,7 +29,21 @@ pub struct Sharing {
     dir: PathBuf,
     index: Index,
     pid: u32,
+    /// The device's totals and when they were read (statistics ask often; the index is a file).
+    totals: Mutex<Option<(Instant, DeviceTotals)>>,
 }
+
+/// What all processes share on one device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceTotals {
+    /// Bytes mapped by two or more processes, each counted once.
+    pub shared_bytes: u64,
+    /// Bytes the device would hold more without sharing.
+    pub saved_bytes: u64,
+}
+
+/// How long device totals are reused before the index is read again.
+const TOTALS_AGE: Duration = Duration::from_secs(1);
 
 impl Sharing {
     /// Opens the index of the device named `identity` in the directory of `configured` (see
@@ -35,11 +51,42 @@ impl Sharing {
     pub fn open(configured: Option<&Path>, identity: &str) -> Result<Sharing> {
         let dir = index::directory(configured)?;
         let index = Index::open(&dir, identity)?;
+        channel::remove_stale_sockets(&dir);
         Ok(Sharing {
             dir,
             index,
             pid: std::process::id(),
+            totals: Mutex::new(None),
         })
+    }
+
+    /// What all processes share on this device, from the index (read at most once a second);
+    /// zero when it cannot be read.
+    pub fn device_totals(&self) -> DeviceTotals {
+        let mut cached = crate::sync::lock(&self.totals);
+        if let Some((at, totals)) = *cached {
+            if at.elapsed() < TOTALS_AGE {
+                return totals;
+            }
+        }
+        let mut holders: HashMap<(u128, u64), u64> = HashMap::new();
+        let mut alive: HashMap<u32, bool> = HashMap::new();
+        for record in self.index.records().unwrap_or_default() {
+            // Records of a killed process stay until someone finds its socket gone.
+            if *alive
+                .entry(record.pid)
+                .or_insert_with(|| channel::process_exists(record.pid))
+            {
+                *holders.entry((record.hash, record.len)).or_default() += 1;
+            }
+        }
+        let mut totals = DeviceTotals::default();
+        for (&(_, len), &n) in holders.iter().filter(|(_, &n)| n > 1) {
+            totals.shared_bytes += len;
+            totals.saved_bytes += len * (n - 1);
+        }
+        *cached = Some((Instant::now(), totals));
+        totals
     }
 
     /// Every offer of other processes, by (hash, length), oldest first: one read of the

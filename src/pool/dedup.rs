@@ -89,7 +89,8 @@ impl Inner {
         self.synchronize_all(device)?;
         if self.sharing.is_none() {
             let identity = device.identity()?;
-            self.sharing = Some(Sharing::open(self.config.dedup_dir.as_deref(), &identity)?);
+            let sharing = Sharing::open(self.config.dedup_dir.as_deref(), &identity)?;
+            self.sharing = Some(std::sync::Arc::new(sharing));
         }
         let mut report = ShareReport::default();
         let mut runs = Vec::new();
@@ -263,7 +264,7 @@ impl Inner {
 
     fn sharing_ref(&self) -> Result<&Sharing> {
         self.sharing
-            .as_ref()
+            .as_deref()
             .ok_or_else(|| Error::internal("dedup used before its index was opened"))
     }
 

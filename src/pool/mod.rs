@@ -152,7 +152,7 @@ struct Inner {
     /// Bytes of planned segments being made outside the lock, held against the cap.
     growing: usize,
     /// The device's dedup index, opened when memory is first shared.
-    sharing: Option<crate::dedup::Sharing>,
+    sharing: Option<std::sync::Arc<crate::dedup::Sharing>>,
     /// Handles shared with other processes (made here or imported), by handle.
     shared: KeyMap<crate::device::PhysHandle, dedup::SharedHandle>,
     /// Bytes of imported handles mapped: other processes' memory, outside this pool's cap.
@@ -618,6 +618,14 @@ impl Pool {
         let (shared, offered) = inner.sharing_totals();
         stats.shared_bytes = shared as i64;
         stats.offered_bytes = offered as i64;
+        let sharing = inner.sharing.clone();
+        // The index is a file: read without holding up the pool.
+        drop(inner);
+        if let Some(sharing) = sharing {
+            let device = sharing.device_totals();
+            stats.device_shared_bytes = device.shared_bytes as i64;
+            stats.device_saved_bytes = device.saved_bytes as i64;
+        }
         stats
     }
 

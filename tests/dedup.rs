@@ -387,7 +387,12 @@ fn many_ranges_at_once_each_run_once() {
     ];
     let report = pool.share_read_only_many(&ranges).unwrap();
     assert_eq!(report.offered_bytes, LAYER as u64);
-    assert_eq!(pool.snapshot().segments[0].chunk_sizes, vec![LAYER / 2; 2]);
+    let snapshot = pool.snapshot();
+    assert_eq!(snapshot.segments[0].chunk_sizes, vec![LAYER / 2; 2]);
+    assert_eq!(snapshot.stats.offered_bytes, LAYER as i64);
+    assert!(snapshot
+        .to_json()
+        .contains(&format!("\"glake.offered_bytes\":{LAYER}")));
     assert_eq!(read(&device, ptr, LAYER), bytes);
     assert_eq!(
         pool.share_read_only_many(&[(ptr, 8), (1, 8)])

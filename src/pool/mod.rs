@@ -612,6 +612,7 @@ impl Pool {
         lock(&self.inner).grant_access(&*self.device, peer)
     }
 
+    /// The statistics: the pool's own counters, with dedup's read from its index.
     pub fn stats(&self) -> MemoryStats {
         let inner = lock(&self.inner);
         let mut stats = inner.stats;
@@ -649,7 +650,10 @@ impl Pool {
 
     /// A picture of segments, blocks and stitched ranges.
     pub fn snapshot(&self) -> snapshot::Snapshot {
-        lock(&self.inner).snapshot()
+        let mut snapshot = lock(&self.inner).snapshot();
+        // With the statistics the pool adds outside its lock (dedup's).
+        snapshot.stats = self.stats();
+        snapshot
     }
 
     /// Checks internal invariants (tests).

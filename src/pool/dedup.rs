@@ -498,15 +498,22 @@ impl Inner {
         }
     }
 
-    /// Bytes this pool maps from other processes' memory, and bytes it offers.
-    pub(super) fn sharing_totals(&self) -> (usize, usize) {
-        let offered = self
+    /// Fills this pool's dedup statistics (bytes it maps from other processes' memory, bytes
+    /// it offers) into `stats`, taken under the same lock; returns the index for the
+    /// device-wide figures, which are read without it.
+    pub(super) fn dedup_stats(
+        &self,
+        stats: &mut crate::stats::MemoryStats,
+    ) -> Option<std::sync::Arc<Sharing>> {
+        let offered: usize = self
             .shared
             .values()
             .filter(|s| !s.imported)
             .map(|s| s.len)
             .sum();
-        (self.shared_bytes, offered)
+        stats.shared_bytes = self.shared_bytes as i64;
+        stats.offered_bytes = offered as i64;
+        self.sharing.clone()
     }
 }
 

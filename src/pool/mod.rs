@@ -162,6 +162,19 @@ struct Inner {
     request: usize,
 }
 
+/// Fills the device-wide dedup statistics from `sharing`'s index: a file, read without the
+/// pool's lock.
+fn add_device_sharing(
+    sharing: Option<std::sync::Arc<crate::dedup::Sharing>>,
+    stats: &mut MemoryStats,
+) {
+    if let Some(sharing) = sharing {
+        let device = sharing.device_totals();
+        stats.device_shared_bytes = device.shared_bytes as i64;
+        stats.device_saved_bytes = device.saved_bytes as i64;
+    }
+}
+
 /// Numbers pools for the thread-local region routing.
 static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -616,17 +629,9 @@ impl Pool {
     pub fn stats(&self) -> MemoryStats {
         let inner = lock(&self.inner);
         let mut stats = inner.stats;
-        let (shared, offered) = inner.sharing_totals();
-        stats.shared_bytes = shared as i64;
-        stats.offered_bytes = offered as i64;
-        let sharing = inner.sharing.clone();
-        // The index is a file: read without holding up the pool.
+        let sharing = inner.dedup_stats(&mut stats);
         drop(inner);
-        if let Some(sharing) = sharing {
-            let device = sharing.device_totals();
-            stats.device_shared_bytes = device.shared_bytes as i64;
-            stats.device_saved_bytes = device.saved_bytes as i64;
-        }
+        add_device_sharing(sharing, &mut stats);
         stats
     }
 
@@ -650,9 +655,11 @@ impl Pool {
 
     /// A picture of segments, blocks and stitched ranges.
     pub fn snapshot(&self) -> snapshot::Snapshot {
-        let mut snapshot = lock(&self.inner).snapshot();
-        // With the statistics the pool adds outside its lock (dedup's).
-        snapshot.stats = self.stats();
+        let inner = lock(&self.inner);
+        let mut snapshot = inner.snapshot();
+        let sharing = inner.dedup_stats(&mut snapshot.stats);
+        drop(inner);
+        add_device_sharing(sharing, &mut snapshot.stats);
         snapshot
     }
 

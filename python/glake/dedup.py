@@ -46,10 +46,11 @@ def _storages(tensors):
         yield t.device.index, storage.data_ptr(), storage.nbytes()
 
 
-def share_weights(module_or_tensors, synchronize=True):
-    """Declares the CUDA parameters and buffers of `module_or_tensors` (a torch.nn.Module, or
-    an iterable of tensors) read-only and shares them with other processes holding the same
-    bytes on the same GPU. Returns a dict: shared_bytes (now mapped from another process,
+def share_weights(module_or_tensors, synchronize=True, buffers=False):
+    """Declares the CUDA parameters of `module_or_tensors` (a torch.nn.Module, or an iterable
+    of tensors) read-only and shares them with other processes holding the same bytes on the
+    same GPU. A module's buffers are left out unless `buffers` (they are often written: KV
+    caches, running statistics; a write to shared memory is an illegal memory access). Returns a dict: shared_bytes (now mapped from another process,
     this process's own memory released), offered_bytes (offered to later processes),
     kept_bytes (left private). Waits for the GPU; call it when no kernel uses the weights."""
     import torch
@@ -60,7 +61,9 @@ def share_weights(module_or_tensors, synchronize=True):
         raise RuntimeError("glake is not PyTorch's allocator: call glake.torch.enable() first "
                            "(or run with GLAKE_ENABLE=1)")
     if isinstance(module_or_tensors, torch.nn.Module):
-        tensors = list(module_or_tensors.parameters()) + list(module_or_tensors.buffers())
+        tensors = list(module_or_tensors.parameters())
+        if buffers:
+            tensors += list(module_or_tensors.buffers())
     else:
         tensors = list(module_or_tensors)
     if synchronize:

@@ -216,14 +216,25 @@ pub fn fetch(dir: &Path, pid: u32, export: u64) -> Result<Fetched> {
     }
 }
 
-/// Room for one descriptor's control message.
-fn control_len() -> usize {
+/// Room for the control message of `fds` descriptors.
+fn control_len(fds: usize) -> usize {
     // SAFETY: CMSG_SPACE is a pure computation.
-    unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as usize }
+    unsafe { libc::CMSG_SPACE((fds * std::mem::size_of::<RawFd>()) as u32) as usize }
+}
+
+/// A control-message buffer aligned for `cmsghdr` (a byte vector would not be), with room for
+/// a few descriptors: a peer that sends more than one gets the extra ones closed.
+#[repr(C)]
+struct Control {
+    _align: [libc::cmsghdr; 0],
+    bytes: [u8; 64],
 }
 
 fn send_with_fd(stream: &UnixStream, bytes: &[u8; 9], fd: RawFd) -> std::io::Result<()> {
-    let mut control = vec![0u8; control_len()];
+    let mut control = Control {
+        _align: [],
+        bytes: [0; 64],
+    };
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
@@ -232,9 +243,9 @@ fn send_with_fd(stream: &UnixStream, bytes: &[u8; 9], fd: RawFd) -> std::io::Res
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = control.len() as _;
-    // SAFETY: the control buffer has room for one header and one descriptor (CMSG_SPACE).
+    msg.msg_control = control.bytes.as_mut_ptr().cast();
+    msg.msg_controllen = control_len(1) as _;
+    // SAFETY: the aligned control buffer has room for one header and one descriptor.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
@@ -255,7 +266,10 @@ fn send_with_fd(stream: &UnixStream, bytes: &[u8; 9], fd: RawFd) -> std::io::Res
 
 fn receive_with_fd(stream: &UnixStream) -> std::io::Result<([u8; 9], Option<OwnedFd>)> {
     let mut bytes = [0u8; 9];
-    let mut control = vec![0u8; control_len()];
+    let mut control = Control {
+        _align: [],
+        bytes: [0; 64],
+    };
     let mut iov = libc::iovec {
         iov_base: bytes.as_mut_ptr().cast(),
         iov_len: bytes.len(),
@@ -264,29 +278,45 @@ fn receive_with_fd(stream: &UnixStream) -> std::io::Result<([u8; 9], Option<Owne
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = control.len() as _;
+    msg.msg_control = control.bytes.as_mut_ptr().cast();
+    msg.msg_controllen = control.bytes.len() as _;
     // SAFETY: `msg` and its buffers live across the call; descriptors arrive close-on-exec.
     let got = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if got < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let mut fd = None;
-    // SAFETY: walking the control messages the kernel wrote into `control`.
+    // Every descriptor received is owned here (the first is the answer; more are closed).
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote into `control`, each checked to
+    // hold as many descriptors as its length says.
     unsafe {
+        let header = libc::CMSG_LEN(0) as usize;
         let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
         while !cmsg.is_null() {
             if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>());
-                // Ownership of a received descriptor passes to the receiver.
-                fd = Some(OwnedFd::from_raw_fd(raw));
+                let count = ((*cmsg).cmsg_len as usize).saturating_sub(header)
+                    / std::mem::size_of::<RawFd>();
+                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
             }
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
     }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(std::io::Error::other(
+            "the reply's descriptors were cut short",
+        ));
+    }
     if (got as usize) < bytes.len() {
         return Err(std::io::Error::other("short reply"));
     }
+    let fd = if fds.is_empty() {
+        None
+    } else {
+        Some(fds.swap_remove(0))
+    };
     Ok((bytes, fd))
 }
 

@@ -1,11 +1,13 @@
 //! The index of shared memory of one device, common to every process of one user: a text file
-//! in the user's private directory, read and rewritten under an exclusive `flock`. Each record
+//! in the user's private directory, read and replaced (a new file renamed over it, so a process
+//! killed mid-write leaves the old one whole) under an exclusive `flock` of a lock file beside
+//! it. Each record
 //! says that process `pid` serves, under its number `export`, `len` bytes whose contents hash
 //! to `hash`. A process that dies leaves its records behind: they are dropped by whoever finds
 //! its socket gone.
 
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -69,7 +71,8 @@ fn unusable(dir: &Path, why: &str) -> Error {
 #[derive(Debug)]
 pub struct Index {
     path: PathBuf,
-    file: File,
+    /// Held open for its `flock`, which guards every read and replacement of `path`.
+    lock: File,
 }
 
 impl Index {
@@ -85,15 +88,16 @@ impl Index {
             )));
         }
         let path = dir.join(format!("{identity}.index"));
-        let file = OpenOptions::new()
+        let lock_path = dir.join(format!("{identity}.lock"));
+        let lock = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .mode(0o600)
-            .open(&path)
-            .map_err(|e| Error::driver(format!("dedup index {}: {e}", path.display())))?;
-        Ok(Index { path, file })
+            .open(&lock_path)
+            .map_err(|e| Error::driver(format!("dedup lock {}: {e}", lock_path.display())))?;
+        Ok(Index { path, lock })
     }
 
     pub fn path(&self) -> &Path {
@@ -102,7 +106,7 @@ impl Index {
 
     /// Runs `change` on the records under the file's lock; writes them back when it says so.
     fn locked<T>(&self, change: impl FnOnce(&mut Vec<Record>) -> (T, bool)) -> Result<T> {
-        let _lock = FileLock::exclusive(&self.file, &self.path)?;
+        let _lock = FileLock::exclusive(&self.lock, &self.path)?;
         let mut records = self.read()?;
         let (out, changed) = change(&mut records);
         if changed {
@@ -112,11 +116,11 @@ impl Index {
     }
 
     fn read(&self) -> Result<Vec<Record>> {
-        let mut text = String::new();
-        (&self.file)
-            .seek(SeekFrom::Start(0))
-            .and_then(|_| (&self.file).read_to_string(&mut text))
-            .map_err(|e| self.unreadable(&e.to_string()))?;
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(text) => text,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(err) => return Err(self.unreadable(&err.to_string())),
+        };
         parse(&text).map_err(|why| self.unreadable(&why))
     }
 
@@ -130,11 +134,26 @@ impl Index {
                 r.hash, r.len, r.pid, r.export
             ));
         }
-        let mut file = &self.file;
-        file.set_len(0)
-            .and_then(|()| file.seek(SeekFrom::Start(0)).map(|_| ()))
-            .and_then(|()| file.write_all(text.as_bytes()))
-            .map_err(|e| Error::driver(format!("dedup index {}: {e}", self.path.display())))
+        // A new file renamed over the old: readers never see half of one.
+        let fresh = self
+            .path
+            .with_extension(format!("index.{}", std::process::id()));
+        let written = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&fresh)
+            .and_then(|mut file| file.write_all(text.as_bytes()))
+            .and_then(|()| std::fs::rename(&fresh, &self.path));
+        if let Err(err) = written {
+            let _ = std::fs::remove_file(&fresh);
+            return Err(Error::driver(format!(
+                "dedup index {}: {err}",
+                self.path.display()
+            )));
+        }
+        Ok(())
     }
 
     fn unreadable(&self, why: &str) -> Error {

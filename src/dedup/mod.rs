@@ -89,6 +89,11 @@ impl Sharing {
         totals
     }
 
+    /// Other processes' offers of `len` bytes hashing to `hash`, read from the index now.
+    pub fn offers_now(&self, hash: u128, len: usize) -> Result<Vec<Record>> {
+        self.index.candidates(hash, len as u64, self.pid)
+    }
+
     /// Every offer of other processes, by (hash, length), oldest first: one read of the
     /// index for a whole batch of lookups.
     pub fn offer_book(&self) -> Result<HashMap<(u128, u64), Vec<Record>>> {

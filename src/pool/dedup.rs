@@ -156,7 +156,11 @@ impl Inner {
         }
         let segment = self.map.blocks[block].segment;
         let tag = self.map.segments[segment].tag;
-        if tag != SHARED && tag != READ_ONLY && !is_region(tag) {
+        if is_region(tag) {
+            // Its segments sleep and wake as one; a read-only one could do neither.
+            return refuse("a sleep region");
+        }
+        if tag != SHARED && tag != READ_ONLY {
             return refuse("a private or guarded pool");
         }
         Ok(segment)
@@ -202,18 +206,34 @@ impl Inner {
     ) -> Result<()> {
         let mut reader = Reader::new(device, stream, self.config.dedup_weak_hash)?;
         let mut phases = Phases::default();
-        let mut book = self.sharing_ref()?.offer_book()?;
+        let book = self.sharing_ref()?.offer_book()?;
         let mut served = Vec::new();
+        // Processes that failed to answer are not asked again in this call (each try may wait
+        // seconds while the pool's lock is held).
+        let mut failed = std::collections::HashSet::new();
         let result = (|| {
             for run in &runs {
                 let hash = phases.time(|p| &mut p.hash, || reader.hash(run.va, run.len))?;
-                let offers = book.remove(&(hash, run.len as u64)).unwrap_or_default();
-                let found = self.matching_offer(device, &mut reader, run, offers, &mut phases)?;
+                let mut offers = book
+                    .get(&(hash, run.len as u64))
+                    .cloned()
+                    .unwrap_or_default();
+                if offers.is_empty() {
+                    // A process starting at the same time may have offered since the book was
+                    // read: look again before copying.
+                    offers = self.sharing_ref()?.offers_now(hash, run.len)?;
+                }
+                offers.retain(|o| !failed.contains(&o.pid));
+                let found = self.matching_offer(
+                    device,
+                    &mut reader,
+                    run,
+                    offers,
+                    &mut phases,
+                    &mut failed,
+                )?;
                 if let Some((handle, fd)) = found {
-                    phases.time(
-                        |p| &mut p.map,
-                        || self.put_in_place(device, run, handle, true),
-                    )?;
+                    phases.time(|p| &mut p.map, || self.put_in_place(device, run, handle))?;
                     // This process serves the memory too, so later importers still find it
                     // after its first owner is gone.
                     let export = self.serve(hash, run.len, fd, &mut served);
@@ -228,10 +248,7 @@ impl Inner {
                 }
                 let handle =
                     phases.time(|p| &mut p.copy, || self.shareable_copy(device, stream, run))?;
-                phases.time(
-                    |p| &mut p.map,
-                    || self.put_in_place(device, run, handle, false),
-                )?;
+                phases.time(|p| &mut p.map, || self.put_in_place(device, run, handle))?;
                 report.offered_bytes += run.len as u64;
                 let export = device
                     .export_handle(handle)
@@ -241,6 +258,14 @@ impl Inner {
             Ok(())
         })();
         let published = phases.time(|p| &mut p.publish, || self.sharing_ref()?.publish(&served));
+        if published.is_err() {
+            // Those offers stopped: nothing of them is offered any more.
+            for shared in self.shared.values_mut() {
+                if served.iter().any(|r| r.export == shared.export) {
+                    shared.export = 0;
+                }
+            }
+        }
         log::info!(
             "glake: dedup of {} runs ({} bytes): {phases}",
             runs.len(),
@@ -296,8 +321,12 @@ impl Inner {
         run: &Run,
         offers: Vec<crate::dedup::index::Record>,
         phases: &mut Phases,
+        failed: &mut std::collections::HashSet<u32>,
     ) -> Result<Option<(PhysHandle, std::os::fd::OwnedFd)>> {
         for offer in offers {
+            if failed.contains(&offer.pid) {
+                continue;
+            }
             let started = Instant::now();
             let fetched = self.sharing_ref()?.fetch(&offer);
             phases.find += started.elapsed();
@@ -306,9 +335,10 @@ impl Inner {
                 Ok(None) => continue,
                 Err(err) => {
                     log::info!(
-                        "glake: dedup: offer of process {} skipped: {err}",
+                        "glake: dedup: process {} is not asked again: {err}",
                         offer.pid
                     );
+                    failed.insert(offer.pid);
                     continue;
                 }
             };
@@ -351,40 +381,49 @@ impl Inner {
         handle: PhysHandle,
         run: &Run,
     ) -> Result<bool> {
-        let va = device.reserve(run.len, self.granularity)?;
-        let checked = device.map(va, run.len, handle, 0).and_then(|()| {
-            let same = device
-                .set_access_read_only(va, run.len, &[device.ordinal()])
-                .and_then(
-                    |()| match device.equal_bytes(va, run.va, run.len, reader.stream()) {
-                        // Without a device comparison, both are read through the host.
-                        Err(err) if err.kind() == ErrorKind::Unsupported => {
-                            reader.equal(va, run.va, run.len)
-                        }
-                        other => other,
-                    },
-                );
-            let unmapped = device.unmap(va, run.len);
-            let same = same?;
-            unmapped.map(|()| same)
-        });
-        match checked {
-            Ok(same) => {
-                device.unreserve(va, run.len)?;
-                Ok(same)
+        self.with_scratch_mapping(device, handle, run.len, true, |va| {
+            match device.equal_bytes(va, run.va, run.len, reader.stream()) {
+                // Without a device comparison, both are read through the host.
+                Err(err) if err.kind() == ErrorKind::Unsupported => {
+                    reader.equal(va, run.va, run.len)
+                }
+                other => other,
             }
-            Err(err) => {
-                self.bury(
-                    device,
-                    Zombie {
-                        unmaps: Vec::new(),
-                        handles: Vec::new(),
-                        reservation: Some((va, run.len)),
-                    },
-                );
-                Err(err)
-            }
+        })
+    }
+
+    /// Runs `work` with `handle` (`len` bytes) mapped in a range of its own, read-only or
+    /// not; the range is torn down afterwards (what fails to come down is retried later).
+    fn with_scratch_mapping<T>(
+        &mut self,
+        device: &dyn Device,
+        handle: PhysHandle,
+        len: usize,
+        read_only: bool,
+        work: impl FnOnce(DevicePtr) -> Result<T>,
+    ) -> Result<T> {
+        let va = device.reserve(len, self.granularity)?;
+        let mut scratch = Zombie {
+            unmaps: Vec::new(),
+            handles: Vec::new(),
+            reservation: Some((va, len)),
+        };
+        let mapped = device.map(va, len, handle, 0);
+        if mapped.is_ok() {
+            scratch.unmaps.push((va, len));
         }
+        let me = [device.ordinal()];
+        let out = mapped
+            .and_then(|()| {
+                if read_only {
+                    device.set_access_read_only(va, len, &me)
+                } else {
+                    device.set_access(va, len, &me)
+                }
+            })
+            .and_then(|()| work(va));
+        self.bury(device, scratch);
+        out
     }
 
     /// New shareable memory holding a copy of `run`'s bytes.
@@ -395,19 +434,11 @@ impl Inner {
         run: &Run,
     ) -> Result<PhysHandle> {
         let handle = device.create_shareable(run.len)?;
-        let copied = (|| {
-            let va = device.reserve(run.len, self.granularity)?;
-            let result = device.map(va, run.len, handle, 0).and_then(|()| {
-                let copied = device
-                    .set_access(va, run.len, &[device.ordinal()])
-                    .and_then(|()| device.copy_device(va, run.va, run.len, stream))
-                    .and_then(|()| device.synchronize_stream(stream));
-                let unmapped = device.unmap(va, run.len);
-                copied.and(unmapped)
-            });
-            let unreserved = device.unreserve(va, run.len);
-            result.and(unreserved)
-        })();
+        let copied = self.with_scratch_mapping(device, handle, run.len, false, |va| {
+            device
+                .copy_device(va, run.va, run.len, stream)
+                .and_then(|()| device.synchronize_stream(stream))
+        });
         if let Err(err) = copied {
             if device.release_physical(handle).is_err() {
                 self.bury(device, Zombie::handles(&[chunk_of(handle, 0, run.len)]));
@@ -419,13 +450,7 @@ impl Inner {
 
     /// Maps `handle` read-only at `run`'s addresses in place of its chunks, which are
     /// released. On failure the chunks are mapped back and `handle` released: nothing changed.
-    fn put_in_place(
-        &mut self,
-        device: &dyn Device,
-        run: &Run,
-        handle: PhysHandle,
-        imported: bool,
-    ) -> Result<()> {
+    fn put_in_place(&mut self, device: &dyn Device, run: &Run, handle: PhysHandle) -> Result<()> {
         let segment = &self.map.segments[run.segment];
         let first = segment
             .chunks()
@@ -474,9 +499,8 @@ impl Inner {
         // No request may be served from this segment's free memory again.
         self.map.retag_segment(run.segment, READ_ONLY);
         self.stats.num_device_free += old.len() as i64;
-        if !imported {
-            self.stats.num_device_alloc += 1;
-        }
+        // Imported handles count too: releasing them later counts a free.
+        self.stats.num_device_alloc += 1;
         Ok(())
     }
 

@@ -149,17 +149,37 @@ impl Inner {
         }
         let mut access = self.access.clone();
         access.push(peer);
-        let ranges: Vec<(DevicePtr, usize)> = self
-            .map
-            .segments
-            .iter()
+        // (address, length, read-only): memory shared with other processes stays read-only.
+        let mut ranges: Vec<(DevicePtr, usize, bool)> = Vec::new();
+        for (_, s) in self.map.segments.iter() {
             // A swapped-out segment maps nothing; swapping in grants the access of that time.
-            .filter(|(_, s)| !s.chunks().is_empty())
-            .map(|(_, s)| (s.va, s.size))
-            .chain(self.stitch.blocks.iter().map(|(_, s)| (s.va, s.size)))
-            .collect();
-        for (va, size) in ranges {
-            device.set_access(va, size, &access)?;
+            if s.chunks().is_empty() {
+                continue;
+            }
+            if s.chunks()
+                .iter()
+                .any(|c| self.shared.contains_key(&c.handle))
+            {
+                ranges.extend(s.chunks().iter().map(|c| {
+                    let shared = self.shared.contains_key(&c.handle);
+                    (s.va + c.offset as u64, c.len, shared)
+                }));
+            } else {
+                ranges.push((s.va, s.size, false));
+            }
+        }
+        ranges.extend(
+            self.stitch
+                .blocks
+                .iter()
+                .map(|(_, s)| (s.va, s.size, false)),
+        );
+        for (va, size, read_only) in ranges {
+            if read_only {
+                device.set_access_read_only(va, size, &access)?;
+            } else {
+                device.set_access(va, size, &access)?;
+            }
         }
         self.access = access;
         Ok(())

@@ -144,8 +144,7 @@ impl CudaDevice {
             (&mut pw as *mut u64).cast(),
             (&mut pf as *mut u64).cast(),
         ];
-        let launched = {
-            let _guard = self.enter()?;
+        let launched = self.enter().and_then(|_guard| {
             // SAFETY: the function takes four 64-bit parameters, each pointed to by `params`
             // for the call's duration; the ranges are the caller's device memory.
             check(
@@ -166,7 +165,7 @@ impl CudaDevice {
                 },
                 "cuLaunchKernel",
             )
-        };
+        });
         let result = launched
             .and_then(|()| self.synchronize_stream(stream))
             // SAFETY: the kernel has completed; `flag` is still ours.

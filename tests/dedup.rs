@@ -285,8 +285,9 @@ fn a_stale_or_garbled_index_shares_nothing_and_loses_nothing() {
         .publish(glake::dedup::index::Record {
             hash: 0,
             len: LAYER as u64,
-            pid: u32::MAX - 3,
+            owner: 0xdead,
             export: 1,
+            origin: 0xdead,
         })
         .unwrap();
     let mut replica = Replica::start(&dir, &[1], &[("GLAKE_DEDUP_WEAK_HASH", "1")]);
@@ -298,7 +299,7 @@ fn a_stale_or_garbled_index_shares_nothing_and_loses_nothing() {
         .records()
         .unwrap()
         .iter()
-        .all(|rec| rec.pid != u32::MAX - 3));
+        .all(|rec| rec.owner != 0xdead));
 
     // Garbled: a clear error, the weights untouched.
     std::fs::write(index.path(), "not an index\n").unwrap();

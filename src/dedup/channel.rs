@@ -1,5 +1,5 @@
 //! Descriptors of shared memory passed between processes: each process that serves memory
-//! listens on `<dir>/<pid>.sock` (a thread of its own, started on its first export) and hands
+//! listens on `<dir>/<token>.sock` (its random name, `process_token`) (a thread of its own, started on its first export) and hands
 //! a descriptor to a process of the same user that asks for one of its export numbers
 //! (`SCM_RIGHTS`). Nothing needs starting beforehand and nothing runs as root.
 
@@ -34,8 +34,32 @@ static LISTENING: OnceLock<std::result::Result<PathBuf, Error>> = OnceLock::new(
 
 static NEXT_EXPORT: AtomicU64 = AtomicU64::new(1);
 
-fn socket_path(dir: &Path, pid: u32) -> PathBuf {
-    dir.join(format!("{pid}.sock"))
+fn socket_path(dir: &Path, owner: u64) -> PathBuf {
+    dir.join(format!("{owner:016x}.sock"))
+}
+
+/// This process's name among the processes sharing memory: random, so that neither a reused
+/// pid nor another pid namespace's process is ever taken for it.
+pub fn process_token() -> u64 {
+    static TOKEN: OnceLock<u64> = OnceLock::new();
+    *TOKEN.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let here = &nanos as *const u128 as usize;
+        let seed = format!(
+            "{}-{nanos}-{here:x}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        );
+        // Never 0: 0 means "not offered" in the pool's books.
+        xxhash_rust::xxh3::xxh3_64(seed.as_bytes()).max(1)
+    })
+}
+
+/// A new random number for an offer's origin.
+pub fn new_origin(export: u64) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(&[process_token().to_le_bytes(), export.to_le_bytes()].concat())
 }
 
 /// Serves `fd` (`len` bytes of device memory) from now on; returns its export number. Starts
@@ -64,9 +88,7 @@ pub fn unserve(export: u64) {
 }
 
 fn listen(dir: &Path) -> std::result::Result<PathBuf, Error> {
-    let path = socket_path(dir, std::process::id());
-    // A socket left by an earlier process of the same number is stale: this pid is ours now.
-    let _ = std::fs::remove_file(&path);
+    let path = socket_path(dir, process_token());
     let listener = UnixListener::bind(&path)
         .map_err(|e| Error::driver(format!("dedup socket {}: {e}", path.display())))?;
     std::thread::Builder::new()
@@ -132,34 +154,32 @@ fn same_user(stream: &UnixStream) -> bool {
     rc == 0 && cred.uid == unsafe { libc::geteuid() }
 }
 
-/// Removes sockets of processes that no longer exist (a process killed leaves its socket).
+/// Removes sockets no process listens on any more (a process killed leaves its socket).
 pub fn remove_stale_sockets(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_suffix(".sock"))
-            .and_then(|p| p.parse::<libc::pid_t>().ok())
-        else {
-            continue;
-        };
-        if !process_exists(pid as u32) {
-            let _ = std::fs::remove_file(entry.path());
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "sock") && !listening(&path) {
+            let _ = std::fs::remove_file(path);
         }
     }
 }
 
-/// Whether process `pid` exists (it may belong to anyone).
-pub fn process_exists(pid: u32) -> bool {
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return false;
-    };
-    // SAFETY: signal 0 only checks that the process exists.
-    let found = unsafe { libc::kill(pid, 0) } == 0;
-    found || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+/// Whether process `owner` still listens in `dir`.
+pub fn serves(dir: &Path, owner: u64) -> bool {
+    listening(&socket_path(dir, owner))
+}
+
+fn listening(path: &Path) -> bool {
+    !matches!(
+        UnixStream::connect(path),
+        Err(err) if matches!(
+            err.kind(),
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+        )
+    )
 }
 
 /// What asking a process for an export gave.
@@ -173,9 +193,9 @@ pub enum Fetched {
     ExportGone,
 }
 
-/// Asks process `pid` for its export `export`.
-pub fn fetch(dir: &Path, pid: u32, export: u64) -> Result<Fetched> {
-    let path = socket_path(dir, pid);
+/// Asks process `owner` for its export `export`.
+pub fn fetch(dir: &Path, owner: u64, export: u64) -> Result<Fetched> {
+    let path = socket_path(dir, owner);
     let mut stream = match UnixStream::connect(&path) {
         Ok(stream) => stream,
         Err(err)
@@ -194,6 +214,12 @@ pub fn fetch(dir: &Path, pid: u32, export: u64) -> Result<Fetched> {
         }
     };
     let io = |e: std::io::Error| Error::driver(format!("dedup socket {}: {e}", path.display()));
+    if !same_user(&stream) {
+        return Err(Error::new(
+            ErrorKind::InvalidState,
+            format!("dedup socket {} belongs to another user", path.display()),
+        ));
+    }
     stream
         .set_read_timeout(Some(EXCHANGE_TIMEOUT))
         .map_err(io)?;
@@ -330,8 +356,8 @@ mod tests {
         let dir = super::super::index::directory(Some(&dir)).unwrap();
         let file = tempfile_with(b"shared bytes");
         let export = serve(&dir, file, 12).unwrap();
-        let pid = std::process::id();
-        match fetch(&dir, pid, export).unwrap() {
+        let me = process_token();
+        match fetch(&dir, me, export).unwrap() {
             Fetched::Memory(fd, len) => {
                 assert_eq!(len, 12);
                 let mut text = String::new();
@@ -344,11 +370,11 @@ mod tests {
         }
         unserve(export);
         assert!(matches!(
-            fetch(&dir, pid, export).unwrap(),
+            fetch(&dir, me, export).unwrap(),
             Fetched::ExportGone
         ));
         assert!(matches!(
-            fetch(&dir, u32::MAX - 1, 1).unwrap(),
+            fetch(&dir, me ^ 1, 1).unwrap(),
             Fetched::ProcessGone
         ));
     }

@@ -1,10 +1,11 @@
 //! The index of shared memory of one device, common to every process of one user: a text file
 //! in the user's private directory, read and replaced (a new file renamed over it, so a process
 //! killed mid-write leaves the old one whole) under an exclusive `flock` of a lock file beside
-//! it. Each record
-//! says that process `pid` serves, under its number `export`, `len` bytes whose contents hash
-//! to `hash`. A process that dies leaves its records behind: they are dropped by whoever finds
-//! its socket gone.
+//! it. Each record says that the process named `owner` serves, under its number `export`, `len`
+//! bytes whose contents hash to `hash`, a copy of the memory first offered as `origin`. A
+//! process that dies leaves its records behind: they are dropped by whoever finds its socket
+//! gone. Processes are named by a random number, not their pid: pids are reused, and differ
+//! between pid namespaces that may share the directory.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -15,15 +16,19 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The first line of an index file; another first line means a file this version cannot read.
-const HEADER: &str = "glake-dedup-index 1";
+const HEADER: &str = "glake-dedup-index 2";
 
 /// Memory a process serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Record {
     pub hash: u128,
     pub len: u64,
-    pub pid: u32,
+    /// The serving process's name (see `channel::process_token`).
+    pub owner: u64,
     pub export: u64,
+    /// The first offer of this memory: every process mapping one physical copy serves it
+    /// under the same origin, so copies made independently are told apart.
+    pub origin: u64,
 }
 
 /// The directory where processes of this user meet: `configured`, else
@@ -130,8 +135,8 @@ impl Index {
         text.push('\n');
         for r in records {
             text.push_str(&format!(
-                "{:032x} {} {} {}\n",
-                r.hash, r.len, r.pid, r.export
+                "{:032x} {} {:016x} {} {:016x}\n",
+                r.hash, r.len, r.owner, r.export, r.origin
             ));
         }
         // A new file renamed over the old: readers never see half of one.
@@ -167,12 +172,12 @@ impl Index {
     }
 
     /// Records of memory of `len` bytes hashing to `hash`, served by processes other than
-    /// `pid`, oldest first.
-    pub fn candidates(&self, hash: u128, len: u64, pid: u32) -> Result<Vec<Record>> {
+    /// `owner`, oldest first.
+    pub fn candidates(&self, hash: u128, len: u64, owner: u64) -> Result<Vec<Record>> {
         self.locked(|records| {
             let found = records
                 .iter()
-                .filter(|r| r.hash == hash && r.len == len && r.pid != pid)
+                .filter(|r| r.hash == hash && r.len == len && r.owner != owner)
                 .copied()
                 .collect();
             (found, false)
@@ -194,14 +199,14 @@ impl Index {
         })
     }
 
-    /// Drops the record of `pid`'s export `export`.
-    pub fn withdraw(&self, pid: u32, export: u64) -> Result<()> {
-        self.withdraw_where(|r| r.pid == pid && r.export == export)
+    /// Drops the record of `owner`'s export `export`.
+    pub fn withdraw(&self, owner: u64, export: u64) -> Result<()> {
+        self.withdraw_where(|r| r.owner == owner && r.export == export)
     }
 
-    /// Drops every record of `pid` (a process found gone).
-    pub fn withdraw_process(&self, pid: u32) -> Result<()> {
-        self.withdraw_where(|r| r.pid == pid)
+    /// Drops every record of `owner` (a process found gone).
+    pub fn withdraw_process(&self, owner: u64) -> Result<()> {
+        self.withdraw_where(|r| r.owner == owner)
     }
 
     fn withdraw_where(&self, gone: impl Fn(&Record) -> bool) -> Result<()> {
@@ -233,16 +238,18 @@ fn parse(text: &str) -> std::result::Result<Vec<Record>, String> {
             let mut next = || fields.next().ok_or_else(bad);
             let hash = u128::from_str_radix(next()?, 16).map_err(|_| bad())?;
             let len = next()?.parse().map_err(|_| bad())?;
-            let pid = next()?.parse().map_err(|_| bad())?;
+            let owner = u64::from_str_radix(next()?, 16).map_err(|_| bad())?;
             let export = next()?.parse().map_err(|_| bad())?;
+            let origin = u64::from_str_radix(next()?, 16).map_err(|_| bad())?;
             if fields.next().is_some() {
                 return Err(bad());
             }
             Ok(Record {
                 hash,
                 len,
-                pid,
+                owner,
                 export,
+                origin,
             })
         })
         .collect()
@@ -299,10 +306,11 @@ mod tests {
         let a = Record {
             hash: u128::MAX - 5,
             len: 1 << 21,
-            pid: 7,
+            owner: 7,
             export: 1,
+            origin: 9,
         };
-        let b = Record { pid: 8, ..a };
+        let b = Record { owner: 8, ..a };
         index.publish(a).unwrap();
         index.publish(b).unwrap();
         assert_eq!(index.candidates(a.hash, a.len, 7).unwrap(), vec![b]);
@@ -320,7 +328,7 @@ mod tests {
     fn a_garbled_index_is_a_clear_error() {
         let dir = directory(Some(&scratch())).unwrap();
         let index = Index::open(&dir, "host-1").unwrap();
-        std::fs::write(index.path(), "glake-dedup-index 1\nzz 1 2 3\n").unwrap();
+        std::fs::write(index.path(), "glake-dedup-index 2\nzz 1 2 3 4\n").unwrap();
         let err = index.candidates(1, 2, 3).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidState);
         assert!(err.message().contains("unreadable"), "{err}");
@@ -329,8 +337,9 @@ mod tests {
             .publish(Record {
                 hash: 1,
                 len: 2,
-                pid: 3,
-                export: 4
+                owner: 3,
+                export: 4,
+                origin: 3,
             })
             .is_err());
         std::fs::remove_dir_all(&dir).unwrap();

@@ -28,7 +28,8 @@ use index::{Index, Record};
 pub struct Sharing {
     dir: PathBuf,
     index: Index,
-    pid: u32,
+    /// This process's name in the index (`channel::process_token`).
+    owner: u64,
     /// The device's totals and when they were read (statistics ask often; the index is a file).
     totals: Mutex<Option<(Instant, DeviceTotals)>>,
 }
@@ -55,7 +56,7 @@ impl Sharing {
         Ok(Sharing {
             dir,
             index,
-            pid: std::process::id(),
+            owner: channel::process_token(),
             totals: Mutex::new(None),
         })
     }
@@ -69,15 +70,16 @@ impl Sharing {
                 return totals;
             }
         }
-        let mut holders: HashMap<(u128, u64), u64> = HashMap::new();
-        let mut alive: HashMap<u32, bool> = HashMap::new();
+        // Processes mapping each physical copy (one origin), those gone left out: a killed
+        // process's records stay until someone finds its socket gone.
+        let mut holders: HashMap<(u64, u64), u64> = HashMap::new();
+        let mut alive: HashMap<u64, bool> = HashMap::new();
         for record in self.index.records().unwrap_or_default() {
-            // Records of a killed process stay until someone finds its socket gone.
-            if *alive
-                .entry(record.pid)
-                .or_insert_with(|| channel::process_exists(record.pid))
-            {
-                *holders.entry((record.hash, record.len)).or_default() += 1;
+            let serving = *alive
+                .entry(record.owner)
+                .or_insert_with(|| channel::serves(&self.dir, record.owner));
+            if serving {
+                *holders.entry((record.origin, record.len)).or_default() += 1;
             }
         }
         let mut totals = DeviceTotals::default();
@@ -91,7 +93,7 @@ impl Sharing {
 
     /// Other processes' offers of `len` bytes hashing to `hash`, read from the index now.
     pub fn offers_now(&self, hash: u128, len: usize) -> Result<Vec<Record>> {
-        self.index.candidates(hash, len as u64, self.pid)
+        self.index.candidates(hash, len as u64, self.owner)
     }
 
     /// Every offer of other processes, by (hash, length), oldest first: one read of the
@@ -99,7 +101,7 @@ impl Sharing {
     pub fn offer_book(&self) -> Result<HashMap<(u128, u64), Vec<Record>>> {
         let mut book: HashMap<(u128, u64), Vec<Record>> = HashMap::new();
         for record in self.index.records()? {
-            if record.pid != self.pid {
+            if record.owner != self.owner {
                 book.entry((record.hash, record.len))
                     .or_default()
                     .push(record);
@@ -111,29 +113,37 @@ impl Sharing {
     /// The descriptor of `offer`, when its process still serves it; offers found stale leave
     /// the index.
     pub fn fetch(&self, offer: &Record) -> Result<Option<OwnedFd>> {
-        match channel::fetch(&self.dir, offer.pid, offer.export)? {
+        match channel::fetch(&self.dir, offer.owner, offer.export)? {
             Fetched::Memory(fd, len) if len == offer.len => Ok(Some(fd)),
             Fetched::Memory(..) => Ok(None),
             Fetched::ProcessGone => {
-                self.index.withdraw_process(offer.pid)?;
+                self.index.withdraw_process(offer.owner)?;
                 Ok(None)
             }
             Fetched::ExportGone => {
-                self.index.withdraw(offer.pid, offer.export)?;
+                self.index.withdraw(offer.owner, offer.export)?;
                 Ok(None)
             }
         }
     }
 
-    /// Serves `fd` (`len` bytes hashing to `hash`) to other processes; returns the record
-    /// for [`Sharing::publish`], which makes it known.
-    pub fn serve(&self, hash: u128, len: usize, fd: OwnedFd) -> Result<Record> {
+    /// Serves `fd` (`len` bytes hashing to `hash`) to other processes, a copy of the memory
+    /// first offered as `origin` (None: a first offer); returns the record for
+    /// [`Sharing::publish`], which makes it known.
+    pub fn serve(
+        &self,
+        hash: u128,
+        len: usize,
+        fd: OwnedFd,
+        origin: Option<u64>,
+    ) -> Result<Record> {
         let export = channel::serve(&self.dir, fd, len as u64)?;
         Ok(Record {
             hash,
             len: len as u64,
-            pid: self.pid,
+            owner: self.owner,
             export,
+            origin: origin.unwrap_or_else(|| channel::new_origin(export)),
         })
     }
 
@@ -152,7 +162,7 @@ impl Sharing {
     /// Stops serving `export` (its memory is released here).
     pub fn withdraw(&self, export: u64) {
         channel::unserve(export);
-        if let Err(err) = self.index.withdraw(self.pid, export) {
+        if let Err(err) = self.index.withdraw(self.owner, export) {
             log::warn!("glake: dedup: {err}");
         }
     }

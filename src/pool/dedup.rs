@@ -223,7 +223,7 @@ impl Inner {
                     // read: look again before copying.
                     offers = self.sharing_ref()?.offers_now(hash, run.len)?;
                 }
-                offers.retain(|o| !failed.contains(&o.pid));
+                offers.retain(|o| !failed.contains(&o.owner));
                 let found = self.matching_offer(
                     device,
                     &mut reader,
@@ -232,11 +232,11 @@ impl Inner {
                     &mut phases,
                     &mut failed,
                 )?;
-                if let Some((handle, fd)) = found {
+                if let Some((handle, fd, origin)) = found {
                     phases.time(|p| &mut p.map, || self.put_in_place(device, run, handle))?;
                     // This process serves the memory too, so later importers still find it
                     // after its first owner is gone.
-                    let export = self.serve(hash, run.len, fd, &mut served);
+                    let export = self.serve(hash, run.len, fd, Some(origin), &mut served);
                     self.shared_bytes += run.len;
                     report.shared_bytes += run.len as u64;
                     self.note_shared(handle, run.len, export, true);
@@ -252,7 +252,7 @@ impl Inner {
                 report.offered_bytes += run.len as u64;
                 let export = device
                     .export_handle(handle)
-                    .and_then(|fd| self.serve(hash, run.len, fd, &mut served));
+                    .and_then(|fd| self.serve(hash, run.len, fd, None, &mut served));
                 self.note_shared(handle, run.len, export, false);
             }
             Ok(())
@@ -280,9 +280,10 @@ impl Inner {
         hash: u128,
         len: usize,
         fd: std::os::fd::OwnedFd,
+        origin: Option<u64>,
         served: &mut Vec<crate::dedup::index::Record>,
     ) -> Result<u64> {
-        let record = self.sharing_ref()?.serve(hash, len, fd)?;
+        let record = self.sharing_ref()?.serve(hash, len, fd, origin)?;
         served.push(record);
         Ok(record.export)
     }
@@ -313,7 +314,7 @@ impl Inner {
     }
 
     /// Another process's memory with the bytes of `run`, imported and checked equal byte by
-    /// byte, with its descriptor.
+    /// byte, with its descriptor and the origin of the offer.
     fn matching_offer(
         &mut self,
         device: &dyn Device,
@@ -321,10 +322,10 @@ impl Inner {
         run: &Run,
         offers: Vec<crate::dedup::index::Record>,
         phases: &mut Phases,
-        failed: &mut std::collections::HashSet<u32>,
-    ) -> Result<Option<(PhysHandle, std::os::fd::OwnedFd)>> {
+        failed: &mut std::collections::HashSet<u64>,
+    ) -> Result<Option<(PhysHandle, std::os::fd::OwnedFd, u64)>> {
         for offer in offers {
-            if failed.contains(&offer.pid) {
+            if failed.contains(&offer.owner) {
                 continue;
             }
             let started = Instant::now();
@@ -335,10 +336,10 @@ impl Inner {
                 Ok(None) => continue,
                 Err(err) => {
                     log::info!(
-                        "glake: dedup: process {} is not asked again: {err}",
-                        offer.pid
+                        "glake: dedup: process {:x} is not asked again: {err}",
+                        offer.owner
                     );
-                    failed.insert(offer.pid);
+                    failed.insert(offer.owner);
                     continue;
                 }
             };
@@ -346,8 +347,8 @@ impl Inner {
                 Ok(handle) => handle,
                 Err(err) => {
                     log::info!(
-                        "glake: dedup: offer of process {} skipped: {err}",
-                        offer.pid
+                        "glake: dedup: offer of process {:x} skipped: {err}",
+                        offer.owner
                     );
                     continue;
                 }
@@ -356,11 +357,11 @@ impl Inner {
             let same = self.same_bytes(device, reader, handle, run);
             phases.compare += started.elapsed();
             match same {
-                Ok(true) => return Ok(Some((handle, fd))),
+                Ok(true) => return Ok(Some((handle, fd, offer.origin))),
                 Ok(false) => log::info!(
-                    "glake: dedup: {} bytes of process {} hash alike but differ",
+                    "glake: dedup: {} bytes of process {:x} hash alike but differ",
                     run.len,
-                    offer.pid
+                    offer.owner
                 ),
                 Err(err) => log::info!("glake: dedup: compare failed: {err}"),
             }

@@ -315,16 +315,21 @@ fn a_stale_or_garbled_index_shares_nothing_and_loses_nothing() {
     replica.finish();
 }
 
-#[test]
-fn shared_memory_is_read_only_and_freed_memory_is_not_reused() {
-    let dir = meeting("readonly");
+/// A pool on a host device of this process, sharing through a meeting directory of its own.
+fn sharing_host_pool(name: &str) -> (Arc<HostDevice>, SharedDevice, Pool) {
     let host = Arc::new(HostDevice::new(0, HostOptions::default()).unwrap());
     let device: SharedDevice = host.clone();
     let config = Config {
-        dedup_dir: Some(dir),
+        dedup_dir: Some(meeting(name)),
         ..Config::default()
     };
     let pool = Pool::new(device.clone(), config).unwrap();
+    (host, device, pool)
+}
+
+#[test]
+fn shared_memory_is_read_only_and_freed_memory_is_not_reused() {
+    let (host, device, pool) = sharing_host_pool("readonly");
     let ptr = pool.malloc(LAYER + 4096, Stream::DEFAULT).unwrap();
     write(&device, ptr, &pattern(9, LAYER + 4096));
     let report = pool.share_read_only(ptr, LAYER + 4096).unwrap();
@@ -366,14 +371,7 @@ fn shared_memory_is_read_only_and_freed_memory_is_not_reused() {
 
 #[test]
 fn many_ranges_at_once_each_run_once() {
-    let dir = meeting("many");
-    let host = Arc::new(HostDevice::new(0, HostOptions::default()).unwrap());
-    let device: SharedDevice = host.clone();
-    let config = Config {
-        dedup_dir: Some(dir),
-        ..Config::default()
-    };
-    let pool = Pool::new(device.clone(), config).unwrap();
+    let (host, device, pool) = sharing_host_pool("many");
     let ptr = pool.malloc(LAYER, Stream::DEFAULT).unwrap();
     let bytes = pattern(4, LAYER);
     write(&device, ptr, &bytes);

@@ -441,3 +441,79 @@ fn the_device_comparison_finds_one_differing_byte() {
     pool.free(a).unwrap();
     pool.free(b).unwrap();
 }
+
+/// One share of two layers, one another process offers (the join path) and one nobody does
+/// (the offer path), with call `nth` of `kind` failing (None: no failure). Whatever fails, the
+/// bytes stay as written, the books stay sound and nothing is left behind. Returns the calls
+/// of each kind the share made.
+fn share_with_failure(dir: &Path, failure: Option<(glake::device::CallKind, u64)>) -> Vec<u64> {
+    use glake::device::fault::FaultDevice;
+    use glake::device::CallKind;
+    let host = Arc::new(HostDevice::new(0, HostOptions::default()).unwrap());
+    let bytes: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(bytes.clone()));
+    let device: SharedDevice = fault.clone();
+    let config = Config {
+        dedup_dir: Some(dir.to_path_buf()),
+        ..Config::default()
+    };
+    let pool = Pool::new(device, config).unwrap();
+    let joined = pool.malloc(LAYER, Stream::DEFAULT).unwrap();
+    let offered = pool.malloc(LAYER, Stream::DEFAULT).unwrap();
+    write(&bytes, joined, &pattern(1, LAYER));
+    write(&bytes, offered, &pattern(2, LAYER));
+    let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
+    if let Some((kind, nth)) = failure {
+        fault.fail_nth(kind, nth);
+    }
+    let result = pool.share_read_only_many(&[(joined, LAYER), (offered, LAYER)]);
+    let calls = CallKind::ALL
+        .iter()
+        .zip(before)
+        .map(|(&k, b)| fault.calls(k) - b)
+        .collect();
+    fault.clear();
+    if failure.is_none() {
+        let report = result.unwrap();
+        assert_eq!(
+            (report.shared_bytes, report.offered_bytes),
+            (LAYER as u64, LAYER as u64)
+        );
+    }
+    let what = format!("{failure:?}");
+    assert_eq!(read(&bytes, joined, LAYER), pattern(1, LAYER), "{what}");
+    assert_eq!(read(&bytes, offered, LAYER), pattern(2, LAYER), "{what}");
+    pool.check_invariants().expect(&what);
+    pool.free(joined).unwrap();
+    pool.free(offered).unwrap();
+    pool.empty_cache().unwrap();
+    drop(pool);
+    assert_eq!(host.live_objects(), (0, 0, 0), "{what}");
+    assert_eq!(
+        (host.created_bytes(), host.imported_bytes()),
+        (0, 0),
+        "{what}"
+    );
+    calls
+}
+
+#[test]
+fn every_failed_driver_call_while_sharing_loses_nothing() {
+    if common::backend_is_cuda() {
+        return; // the sweep needs the host backend's leak counts
+    }
+    let dir = meeting("faults");
+    let mut offerer = Replica::start(&dir, &[1], &[]);
+    offerer.marked();
+    let clean = share_with_failure(&dir, None);
+    let mut injected = 0;
+    for (&kind, &calls) in glake::device::CallKind::ALL.iter().zip(&clean) {
+        for nth in 1..=calls {
+            share_with_failure(&dir, Some((kind, nth)));
+            injected += 1;
+        }
+    }
+    assert!(injected > 20, "only {injected} calls were swept");
+    assert!(offerer.weights_intact());
+    offerer.finish();
+}

@@ -160,8 +160,12 @@ fn pieces(len: usize) -> Vec<(usize, usize)> {
 
 impl Drop for Reader<'_> {
     fn drop(&mut self) {
-        // A copy may still be queued when an error cut a loop short.
-        let _ = self.device.synchronize_stream(self.stream);
+        // A copy may still be queued when an error cut a loop short: without knowing it is
+        // done, the buffers are left to the process rather than freed under it.
+        if let Err(err) = self.device.synchronize_stream(self.stream) {
+            log::error!("dedup staging buffers kept (their copies may still run): {err}");
+            return;
+        }
         for &buffer in self.buffers.iter().filter(|b| !b.is_null()) {
             // SAFETY: made by alloc_pinned of this device; the stream is synchronised.
             if let Err(err) = unsafe { self.device.free_pinned(buffer) } {

@@ -423,7 +423,13 @@ impl Inner {
                 }
             })
             .and_then(|()| work(va));
-        self.bury(device, scratch);
+        // After a failure, copies from or into the range may still be queued: it comes down
+        // only once the device is known idle, else later with the other leftovers.
+        if out.is_ok() || device.synchronize_device().is_ok() {
+            self.bury(device, scratch);
+        } else {
+            self.zombies.push(scratch);
+        }
         out
     }
 

@@ -990,3 +990,66 @@ fn a_free_after_its_stream_was_destroyed_frees_and_says_so() {
     assert_eq!(glake_pool_check(pool), GLAKE_STATUS_SUCCESS);
     assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
 }
+
+#[test]
+fn share_read_only_statuses() {
+    let pool = create(&host_config());
+    let (status, ptr) = malloc(pool, 8 * MIB);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    let mut report = glake_share_report::default();
+    // Nothing to do; NULL ranges with a count; a range outside every allocation.
+    assert_eq!(
+        unsafe { glake_share_read_only(pool, std::ptr::null(), 0, &mut report) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(
+        report.shared_bytes + report.offered_bytes + report.kept_bytes,
+        0
+    );
+    assert_eq!(
+        unsafe { glake_share_read_only(pool, std::ptr::null(), 1, &mut report) },
+        GLAKE_STATUS_NULL_POINTER
+    );
+    let outside = [glake_range {
+        ptr: 64 as *mut c_void,
+        bytes: 8,
+    }];
+    assert_eq!(
+        unsafe { glake_share_read_only(pool, outside.as_ptr(), 1, &mut report) },
+        GLAKE_STATUS_INVALID_POINTER
+    );
+    assert!(message().contains("not in an allocation"), "{}", message());
+    let too_long = [glake_range {
+        ptr,
+        bytes: 9 * MIB,
+    }];
+    assert_eq!(
+        unsafe { glake_share_read_only(pool, too_long.as_ptr(), 1, &mut report) },
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    // The whole allocation: its four handles move to shareable memory and are offered (the
+    // index lives in the user's default meeting directory). `out` may be NULL.
+    let whole = [glake_range {
+        ptr,
+        bytes: 8 * MIB,
+    }];
+    assert_eq!(
+        unsafe { glake_share_read_only(pool, whole.as_ptr(), 1, &mut report) },
+        GLAKE_STATUS_SUCCESS,
+        "{}",
+        message()
+    );
+    assert_eq!(
+        (
+            report.shared_bytes + report.offered_bytes,
+            report.kept_bytes
+        ),
+        (8 * MIB as u64, 0)
+    );
+    assert_eq!(
+        unsafe { glake_share_read_only(pool, whole.as_ptr(), 1, null_mut()) },
+        GLAKE_STATUS_SUCCESS
+    );
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+}

@@ -169,13 +169,12 @@ impl Inner {
     /// The runs of whole chunks of `segment` inside `[ptr, ptr+len)` not shared already.
     fn runs(&self, segment: SegmentId, ptr: DevicePtr, len: usize) -> Vec<Run> {
         let s = &self.map.segments[segment];
-        let from = ptr - s.va;
-        let to = from + len as u64;
         let mut runs: Vec<Run> = Vec::new();
-        for chunk in s.chunks() {
-            let start = chunk.offset as u64;
-            let inside = start >= from && start + chunk.len as u64 <= to;
-            if !inside || self.shared.contains_key(&chunk.handle) {
+        let Some((start, whole)) = s.whole_chunks(ptr, len) else {
+            return runs;
+        };
+        for chunk in s.chunks_covering(start, whole) {
+            if self.shared.contains_key(&chunk.handle) {
                 continue;
             }
             match runs.last_mut() {
@@ -189,7 +188,7 @@ impl Inner {
                     segment,
                     offset: chunk.offset,
                     count: 1,
-                    va: s.va + start,
+                    va: s.va + chunk.offset as u64,
                     len: chunk.len,
                 }),
             }

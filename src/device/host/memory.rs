@@ -157,26 +157,21 @@ impl Memory {
 
     /// True when every byte of `[va, va+len)` is mapped with access granted.
     pub(super) fn accessible(&self, va: DevicePtr, len: usize) -> bool {
-        let end = va + len as u64;
-        let mut at = va;
-        while at < end {
-            match self.mappings.range(..=at).next_back() {
-                Some((&start, m)) if start + m.size as u64 > at && m.accessible => {
-                    at = start + m.size as u64;
-                }
-                _ => return false,
-            }
-        }
-        true
+        self.mapped_with(va, len, |m| m.accessible)
     }
 
     /// True when every byte of `[va, va+len)` is mapped with write access granted.
     pub(super) fn writable(&self, va: DevicePtr, len: usize) -> bool {
+        self.mapped_with(va, len, |m| m.writable)
+    }
+
+    /// True when every byte of `[va, va+len)` is mapped by mappings that satisfy `granted`.
+    fn mapped_with(&self, va: DevicePtr, len: usize, granted: impl Fn(&Mapping) -> bool) -> bool {
         let end = va + len as u64;
         let mut at = va;
         while at < end {
             match self.mappings.range(..=at).next_back() {
-                Some((&start, m)) if start + m.size as u64 > at && m.writable => {
+                Some((&start, m)) if start + m.size as u64 > at && granted(m) => {
                     at = start + m.size as u64;
                 }
                 _ => return false,

@@ -338,10 +338,20 @@ impl Inner {
         self.stats.stitched_allocations += 1;
         self.stats.stitched_blocks.add(1);
         self.stats.stitched_mapped_bytes.add(mapped as i64);
-        log::debug!(
-            "glake: fuse {piece_count} pieces into {size} bytes at {va:#x} on device {}",
-            device.ordinal()
-        );
+        if log::log_enabled!(log::Level::Debug) {
+            // What a stitch costs on CUDA grows with the handles it maps; an idle range at least
+            // as large that could not be reused had some of its pieces in use.
+            let mappings: usize = self.stitch.blocks[id]
+                .pieces
+                .iter()
+                .map(|p| p.handles.len())
+                .sum();
+            let idle_larger = self.stitch.idle_candidates(size, usize::MAX).count();
+            log::debug!(
+                "glake: fuse {piece_count} pieces ({mappings} handles) into {size} bytes at {va:#x} on device {} ({idle_larger} idle stitched ranges as large were not free)",
+                device.ordinal()
+            );
+        }
         if let Err(err) = self.collect_stitched(device, false) {
             log::warn!("glake: collecting stitched blocks failed: {err}");
         }

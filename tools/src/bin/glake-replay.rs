@@ -17,6 +17,8 @@ use plotters::prelude::*;
 const PLOT_POINTS: usize = 4000;
 
 fn main() -> ExitCode {
+    // GLAKE_LOG=debug shows the pool's decisions (each stitch, its handles) as it replays.
+    glake::init_logging();
     let args = match parse_args(std::env::args().skip(1)) {
         Ok(args) => args,
         Err(err) => {

@@ -116,6 +116,7 @@ impl Inner {
         } else {
             blocks::chunk_limit(
                 self.reserved(),
+                size,
                 self.granularity,
                 self.config.max_chunk,
                 self.config.chunk_divisor,

@@ -50,7 +50,8 @@ pub struct Config {
     /// A new handle is at most 1/`chunk_divisor` of the memory the pool holds, so the bytes a
     /// stitch cannot use at the edges of split handles stay a small share of a pool of any
     /// size, while a large pool, where the per-handle cost adds up, gets large handles. A
-    /// segment is never cut into more than 32 handles this way (up to `max_chunk`).
+    /// segment of 512 MiB or more is never cut into more than 32 handles this way (up to
+    /// `max_chunk`).
     pub chunk_divisor: usize,
     /// Where a sleeping region's bytes wait on the host (`GLAKE_SLEEP_HOST`).
     pub sleep_host: SleepHost,

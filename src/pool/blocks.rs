@@ -75,13 +75,19 @@ fn floor_power_of_two(n: usize) -> usize {
     1usize << (usize::BITS - 1 - n.max(1).leading_zeros())
 }
 
-/// Most chunks a segment is cut into while the pool is small: a segment of several GiB made
-/// early in a run (before `reserved` is large) would otherwise come in thousands of small
-/// handles, and every stitch that later maps part of it pays CUDA's access grant per handle
-/// (about 25 us on an H200). Replaying the recorded traces (`traces/`), this bound cut the
-/// handles that stitches map by 8-66% on six of seven (generate's grew by 19%, from a small
-/// base) and raised peak reserved memory by at most 0.5%.
+/// Most chunks a segment of at least [`FEW_CHUNKS_FROM`] bytes is cut into while the pool is
+/// small: a segment of several GiB made early in a run (before `reserved` is large) would
+/// otherwise come in thousands of small handles, and every stitch that later maps part of it
+/// pays CUDA's access grant per handle (about 25 us on an H200). Replaying the recorded traces
+/// (`traces/`), this cut the handles that stitches map by 6-62% on five of seven and left the
+/// other two (generate, vision: no segment that large) unchanged; peak reserved memory moved
+/// by at most 0.5%.
 const MAX_CHUNKS_PER_SEGMENT: usize = 32;
+
+/// Segments from this size on get at most [`MAX_CHUNKS_PER_SEGMENT`] chunks. Applied to every
+/// size, the bound also coarsened the handles of a small pool's mid-sized segments, whose
+/// partial handles a stitch cannot use: vision's peak on an H200 rose from 8.39 to 8.41 GiB.
+const FEW_CHUNKS_FROM: usize = 512 << 20;
 
 /// The largest chunk a pool holding `reserved` bytes gives a new segment of `size` bytes: a
 /// power of two between `unit` and `max_chunk`, at most `1/divisor` of `reserved` (see
@@ -94,7 +100,12 @@ pub fn chunk_limit(
     max_chunk: usize,
     divisor: usize,
 ) -> usize {
-    floor_power_of_two((reserved / divisor.max(1)).max(size / MAX_CHUNKS_PER_SEGMENT))
+    let by_segment = if size >= FEW_CHUNKS_FROM {
+        size / MAX_CHUNKS_PER_SEGMENT
+    } else {
+        0
+    };
+    floor_power_of_two((reserved / divisor.max(1)).max(by_segment))
         .min(max_chunk)
         .max(unit)
 }
@@ -973,8 +984,13 @@ mod tests {
             chunk_limit(64 << 30, 96 * MIB, unit, 32 * MIB, 2048),
             32 * MIB
         );
-        // Small segments are unchanged: 40 MiB in a 1 GiB pool keeps 2 MiB handles.
+        // Smaller segments are unchanged: 40 and 256 MiB in a 1 GiB pool keep 2 MiB handles.
         assert_eq!(chunk_limit(1 << 30, 40 * MIB, unit, 32 * MIB, 2048), unit);
+        assert_eq!(chunk_limit(1 << 30, 256 * MIB, unit, 32 * MIB, 2048), unit);
+        assert_eq!(
+            chunk_limit(1 << 30, 512 * MIB, unit, 32 * MIB, 2048),
+            16 * MIB
+        );
     }
 
     #[test]

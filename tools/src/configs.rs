@@ -29,7 +29,7 @@ pub const TABLE: &[Entry] = &[
     },
     Entry {
         name: "stitch",
-        description: "defaults: stitch before growing, frag_limit 2 MiB, reuse_limit 10, handles up to 32 MiB and 1/2048 of the pool (at most 32 per segment)",
+        description: "defaults: stitch before growing, frag_limit 2 MiB, reuse_limit 10, handles up to 32 MiB and 1/2048 of the pool (at most 32 per segment from 512 MiB)",
         apply: |_| {},
     },
     Entry {

@@ -21,6 +21,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo test"
 cargo test --workspace --all-targets --locked
 
+echo "== ThreadSanitizer over the concurrent tests (nightly toolchain)"
+bash scripts/tsan.sh
+
 echo "== CMake package: build, install, relocate; C examples and C++ tests against it"
 bash scripts/package.sh
 prefix="$PWD/build/relocated"

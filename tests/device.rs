@@ -1,4 +1,5 @@
-//! The device seam's timed events (the profiler's op times), on the backend under test.
+//! The device seam's timed events (the profiler's op times), on the backend under test, and
+//! the call sites a fault-injecting device records.
 
 mod common;
 
@@ -65,4 +66,60 @@ fn timed_events_measure_the_work_between_them() {
     device.release_physical(handle).unwrap();
     device.unreserve(va, len).unwrap();
     device.destroy_stream(stream).unwrap();
+}
+
+/// Each driver call names the line of the caller that made it, through a shared device, a
+/// fault device over another fault device, and a forwarding function that is itself
+/// `#[track_caller]`; a failure records the site it fired at.
+#[test]
+fn driver_calls_are_known_by_the_line_that_made_them() {
+    use glake::device::fault::{CallSite, FaultDevice};
+    use glake::device::{CallKind, SharedDevice};
+    use std::sync::Arc;
+
+    let inner = Arc::new(FaultDevice::new(common::device()));
+    let fault = Arc::new(FaultDevice::new(inner.clone()));
+    let device: SharedDevice = fault.clone();
+    let site = |kind, line, column| CallSite {
+        kind,
+        file: file!(),
+        line,
+        column,
+    };
+    let first = line!() + 1;
+    let event = device.create_event().unwrap();
+    #[track_caller]
+    fn record(device: &SharedDevice, event: glake::device::Event) -> glake::Result<()> {
+        device.record_event(event, glake::device::Stream::DEFAULT)
+    }
+    fault.fail_nth(CallKind::RecordEvent, 1);
+    let third = line!() + 1;
+    assert!(record(&device, event).is_err());
+    let fourth = line!() + 1;
+    record(&device, event).unwrap();
+    // Written over two lines: the line of the method's name is the site's.
+    #[rustfmt::skip]
+    let destroyed = device
+        .destroy_event(event);
+    let destroy = line!() - 1;
+    destroyed.unwrap();
+    assert_eq!(
+        fault.sites_called(),
+        vec![
+            (site(CallKind::CreateEvent, first, 24), 1),
+            (site(CallKind::DestroyEvent, destroy, 10), 1),
+            (site(CallKind::RecordEvent, third, 13), 1),
+            (site(CallKind::RecordEvent, fourth, 5), 1),
+        ]
+    );
+    assert_eq!(
+        fault.sites_failed(),
+        vec![site(CallKind::RecordEvent, third, 13)]
+    );
+    // The column is that of the method's name; the inner device sees its caller, the outer
+    // device's forwarding.
+    assert!(inner
+        .sites_called()
+        .iter()
+        .all(|(s, _)| s.file.ends_with("interpose.rs")));
 }

@@ -1,7 +1,10 @@
 //! A wrapper around any backend that fails chosen calls, and counts every call, for tests:
-//! "fail the 3rd map from now" exercises each clean-up path of the allocator in turn.
+//! "fail the 3rd map from now" exercises each clean-up path of the allocator in turn. It also
+//! records where in the source each call came from, so that a sweep can tell which call sites
+//! it failed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::panic::Location;
 use std::sync::Mutex;
 
 use super::interpose::{Interposed, Interposer};
@@ -16,12 +19,47 @@ enum Injected {
     Panic,
 }
 
+/// A place in the source that makes driver calls: the line and column of the method name of
+/// the call, as `#[track_caller]` reports it (the file is relative to its package's root).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CallSite {
+    pub kind: CallKind,
+    pub file: &'static str,
+    pub line: u32,
+    pub column: u32,
+}
+
+impl CallSite {
+    fn at(kind: CallKind, location: &Location<'static>) -> CallSite {
+        CallSite {
+            kind,
+            file: location.file(),
+            line: location.line(),
+            column: location.column(),
+        }
+    }
+}
+
+impl std::fmt::Display for CallSite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} at {}:{}:{}",
+            self.kind, self.file, self.line, self.column
+        )
+    }
+}
+
 #[derive(Debug, Default)]
 struct Plan {
     calls: HashMap<CallKind, u64>,
     /// kind -> (call number that fails, what it does)
     failures: HashMap<CallKind, (u64, Injected)>,
     injected: u64,
+    /// Calls per site.
+    sites: HashMap<CallSite, u64>,
+    /// The sites at which an injected failure fired.
+    failed: HashSet<CallSite>,
 }
 
 /// The failure plan of a [`FaultDevice`], run around each of its driver calls.
@@ -38,8 +76,15 @@ impl FaultPlan {
 
 impl Interposer for FaultPlan {
     /// Counts the call and fails (or panics) where the plan says so.
-    fn around<T>(&self, kind: CallKind, call: impl FnOnce() -> Result<T>) -> Result<T> {
+    fn around<T>(
+        &self,
+        kind: CallKind,
+        site: &'static Location<'static>,
+        call: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let site = CallSite::at(kind, site);
         let mut plan = self.plan();
+        *plan.sites.entry(site).or_insert(0) += 1;
         let count = plan.calls.entry(kind).or_insert(0);
         *count += 1;
         let count = *count;
@@ -47,7 +92,11 @@ impl Interposer for FaultPlan {
             if at == count {
                 plan.failures.remove(&kind);
                 plan.injected += 1;
-                let message = format!("injected failure of {kind:?} call {count}");
+                plan.failed.insert(site);
+                let message = format!(
+                    "injected failure of {kind:?} call {count} at {}:{}",
+                    site.file, site.line
+                );
                 drop(plan);
                 match what {
                     Injected::Fail(error) => return Err(Error::new(error, message)),
@@ -102,5 +151,25 @@ impl FaultDevice {
     /// Failures injected so far.
     pub fn injected(&self) -> u64 {
         self.hook().plan().injected
+    }
+
+    /// Every site that made calls so far, with its number of calls, in order of site.
+    pub fn sites_called(&self) -> Vec<(CallSite, u64)> {
+        let mut sites: Vec<(CallSite, u64)> = self
+            .hook()
+            .plan()
+            .sites
+            .iter()
+            .map(|(&site, &n)| (site, n))
+            .collect();
+        sites.sort_unstable();
+        sites
+    }
+
+    /// The sites at which an injected failure (or panic) fired so far, in order of site.
+    pub fn sites_failed(&self) -> Vec<CallSite> {
+        let mut sites: Vec<CallSite> = self.hook().plan().failed.iter().copied().collect();
+        sites.sort_unstable();
+        sites
     }
 }

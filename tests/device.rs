@@ -123,3 +123,42 @@ fn driver_calls_are_known_by_the_line_that_made_them() {
         .iter()
         .all(|(s, _)| s.file.ends_with("interpose.rs")));
 }
+
+/// A failure planned after another fails the call that many calls later, whatever its kind,
+/// and only once the first failure has fired; the kinds of the calls after a failure are kept
+/// until `clear`.
+#[test]
+fn a_failure_can_follow_another() {
+    use glake::device::fault::FaultDevice;
+    use glake::device::{CallKind, SharedDevice, Stream};
+    use std::sync::Arc;
+
+    let fault = Arc::new(FaultDevice::new(common::device()));
+    let device: SharedDevice = fault.clone();
+    fault.fail_nth(CallKind::RecordEvent, 2);
+    fault.fail_after_failure(2);
+    let event = device.create_event().unwrap();
+    device.record_event(event, Stream::DEFAULT).unwrap();
+    device.synchronize_stream(Stream::DEFAULT).unwrap();
+    assert!(device.record_event(event, Stream::DEFAULT).is_err());
+    device.query_event(event).unwrap();
+    assert!(device.synchronize_stream(Stream::DEFAULT).is_err());
+    device.synchronize_stream(Stream::DEFAULT).unwrap();
+    assert_eq!(fault.injected(), 2);
+    assert_eq!(
+        fault.calls_after_failure(),
+        vec![CallKind::SynchronizeStream]
+    );
+    fault.clear();
+    device.query_event(event).unwrap();
+    assert_eq!(
+        fault.calls_after_failure(),
+        vec![CallKind::SynchronizeStream]
+    );
+    let failed: Vec<CallKind> = fault.sites_failed().iter().map(|s| s.kind).collect();
+    assert_eq!(
+        failed,
+        vec![CallKind::RecordEvent, CallKind::SynchronizeStream]
+    );
+    device.destroy_event(event).unwrap();
+}

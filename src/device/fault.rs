@@ -60,7 +60,18 @@ struct Plan {
     sites: HashMap<CallSite, u64>,
     /// The sites at which an injected failure fired.
     failed: HashSet<CallSite>,
+    /// A failure of the `n`-th call after the next injected failure, armed when `injected` was
+    /// the given count: (n, what it does, injected when armed).
+    then: Option<(u64, Injected, u64)>,
+    /// Calls since the latest injected failure.
+    since_failure: u64,
+    /// The kinds of the first calls after the latest injected failure, until `clear`.
+    followers: Vec<CallKind>,
+    following: bool,
 }
+
+/// How many calls after a failure [`FaultDevice::calls_after_failure`] keeps.
+const FOLLOWERS: usize = 16;
 
 /// The failure plan of a [`FaultDevice`], run around each of its driver calls.
 #[derive(Debug, Default)]
@@ -88,20 +99,39 @@ impl Interposer for FaultPlan {
         let count = plan.calls.entry(kind).or_insert(0);
         *count += 1;
         let count = *count;
-        if let Some(&(at, what)) = plan.failures.get(&kind) {
-            if at == count {
-                plan.failures.remove(&kind);
-                plan.injected += 1;
-                plan.failed.insert(site);
-                let message = format!(
-                    "injected failure of {kind:?} call {count} at {}:{}",
-                    site.file, site.line
-                );
-                drop(plan);
-                match what {
-                    Injected::Fail(error) => return Err(Error::new(error, message)),
-                    Injected::Panic => panic!("{message}"),
+        let mut fire = None;
+        if plan.injected > 0 {
+            plan.since_failure += 1;
+            if plan.following && plan.followers.len() < FOLLOWERS {
+                plan.followers.push(kind);
+            }
+            if let Some((at, what, armed)) = plan.then {
+                if plan.injected > armed && at == plan.since_failure {
+                    plan.then = None;
+                    fire = Some(what);
                 }
+            }
+        }
+        if let Some(&(at, what)) = plan.failures.get(&kind) {
+            if fire.is_none() && at == count {
+                plan.failures.remove(&kind);
+                fire = Some(what);
+            }
+        }
+        if let Some(what) = fire {
+            plan.injected += 1;
+            plan.failed.insert(site);
+            plan.since_failure = 0;
+            plan.followers.clear();
+            plan.following = true;
+            let message = format!(
+                "injected failure of {kind:?} call {count} at {}:{}:{}",
+                site.file, site.line, site.column
+            );
+            drop(plan);
+            match what {
+                Injected::Fail(error) => return Err(Error::new(error, message)),
+                Injected::Panic => panic!("{message}"),
             }
         }
         drop(plan);
@@ -138,9 +168,28 @@ impl FaultDevice {
         plan.failures.insert(kind, (done + nth.max(1), what));
     }
 
-    /// Forgets all planned failures.
+    /// Once the next planned failure has fired, makes the `nth` driver call after it (1 = the
+    /// very next, whatever its kind) fail with a driver error too: the clean-up of a failure
+    /// failing in turn.
+    pub fn fail_after_failure(&self, nth: u64) {
+        let mut plan = self.hook().plan();
+        let armed = plan.injected;
+        plan.then = Some((nth.max(1), Injected::Fail(ErrorKind::Driver), armed));
+    }
+
+    /// Forgets all planned failures, and ends the list of calls after the latest failure.
     pub fn clear(&self) {
-        self.hook().plan().failures.clear();
+        let mut plan = self.hook().plan();
+        plan.failures.clear();
+        plan.then = None;
+        plan.following = false;
+    }
+
+    /// The kinds of the first calls (up to 16) made after the latest injected failure and
+    /// before [`FaultDevice::clear`], in order: what [`FaultDevice::fail_after_failure`] would
+    /// fail.
+    pub fn calls_after_failure(&self) -> Vec<CallKind> {
+        self.hook().plan().followers.clone()
     }
 
     /// Calls of `kind` so far.

@@ -162,3 +162,40 @@ fn a_failure_can_follow_another() {
     );
     device.destroy_event(event).unwrap();
 }
+
+/// A failure planned at a call site fails that site's call, not another call of its kind; a
+/// failure after the call makes the call first.
+#[test]
+fn a_failure_can_be_planned_at_a_call_site_or_after_the_call() {
+    use glake::device::fault::FaultDevice;
+    use glake::device::{CallKind, SharedDevice, Stream};
+    use std::sync::Arc;
+
+    let fault = Arc::new(FaultDevice::new(common::device()));
+    let device: SharedDevice = fault.clone();
+    let event = device.create_event().unwrap();
+    let record = |device: &SharedDevice| device.record_event(event, Stream::DEFAULT);
+    let sync = |device: &SharedDevice| device.synchronize_stream(Stream::DEFAULT);
+    record(&device).unwrap();
+    sync(&device).unwrap();
+    let site = |kind| {
+        fault
+            .sites_called()
+            .into_iter()
+            .find(|(s, _)| s.kind == kind)
+            .unwrap()
+            .0
+    };
+    let record_site = site(CallKind::RecordEvent);
+    fault.fail_at(record_site, 2);
+    device.record_event(event, Stream::DEFAULT).unwrap(); // another site
+    record(&device).unwrap();
+    assert!(record(&device).is_err());
+    record(&device).unwrap();
+    assert_eq!(fault.sites_failed(), vec![record_site]);
+    // Failing after the call: the recorded work was waited for all the same.
+    fault.fail_nth_after_call(CallKind::SynchronizeStream, 1);
+    assert!(sync(&device).is_err());
+    assert!(device.query_event(event).unwrap());
+    device.destroy_event(event).unwrap();
+}

@@ -17,6 +17,9 @@ enum Injected {
     Fail(ErrorKind),
     /// Panics inside the call: checks that panics never cross the C boundary.
     Panic,
+    /// Makes the call, then reports a failure: a wait that fails after it has waited, so that
+    /// no work is left running where a test reads or frees memory.
+    FailAfter(ErrorKind),
 }
 
 /// A place in the source that makes driver calls: the line and column of the method name of
@@ -55,6 +58,8 @@ struct Plan {
     calls: HashMap<CallKind, u64>,
     /// kind -> (call number that fails, what it does)
     failures: HashMap<CallKind, (u64, Injected)>,
+    /// site -> (call number at that site that fails, what it does)
+    site_failures: HashMap<CallSite, (u64, Injected)>,
     injected: u64,
     /// Calls per site.
     sites: HashMap<CallSite, u64>,
@@ -95,7 +100,9 @@ impl Interposer for FaultPlan {
     ) -> Result<T> {
         let site = CallSite::at(kind, site);
         let mut plan = self.plan();
-        *plan.sites.entry(site).or_insert(0) += 1;
+        let at_site = plan.sites.entry(site).or_insert(0);
+        *at_site += 1;
+        let at_site = *at_site;
         let count = plan.calls.entry(kind).or_insert(0);
         *count += 1;
         let count = *count;
@@ -118,6 +125,12 @@ impl Interposer for FaultPlan {
                 fire = Some(what);
             }
         }
+        if let Some(&(at, what)) = plan.site_failures.get(&site) {
+            if fire.is_none() && at == at_site {
+                plan.site_failures.remove(&site);
+                fire = Some(what);
+            }
+        }
         if let Some(what) = fire {
             plan.injected += 1;
             plan.failed.insert(site);
@@ -132,6 +145,10 @@ impl Interposer for FaultPlan {
             match what {
                 Injected::Fail(error) => return Err(Error::new(error, message)),
                 Injected::Panic => panic!("{message}"),
+                Injected::FailAfter(error) => {
+                    let _ = call();
+                    return Err(Error::new(error, format!("{message}, after making it")));
+                }
             }
         }
         drop(plan);
@@ -155,6 +172,22 @@ impl FaultDevice {
     /// Like [`FaultDevice::fail_nth`], returning an error of `error` kind.
     pub fn fail_nth_with(&self, kind: CallKind, nth: u64, error: ErrorKind) {
         self.plan_nth(kind, nth, Injected::Fail(error));
+    }
+
+    /// Makes the `nth` call from now made at `site` (as [`FaultDevice::sites_called`] names
+    /// it; 1 = the next one) fail with a driver error: a sweep that fails each call site once.
+    pub fn fail_at(&self, site: CallSite, nth: u64) {
+        let mut plan = self.hook().plan();
+        let done = plan.sites.get(&site).copied().unwrap_or(0);
+        plan.site_failures
+            .insert(site, (done + nth.max(1), Injected::Fail(ErrorKind::Driver)));
+    }
+
+    /// Makes the `nth` call of `kind` from now go to the device and then fail with a driver
+    /// error: for waits that must have waited (the host backend cannot stand for a lost
+    /// device, whose queued work would never run).
+    pub fn fail_nth_after_call(&self, kind: CallKind, nth: u64) {
+        self.plan_nth(kind, nth, Injected::FailAfter(ErrorKind::Driver));
     }
 
     /// Makes the `nth` call of `kind` from now panic.
@@ -181,6 +214,7 @@ impl FaultDevice {
     pub fn clear(&self) {
         let mut plan = self.hook().plan();
         plan.failures.clear();
+        plan.site_failures.clear();
         plan.then = None;
         plan.following = false;
     }

@@ -446,10 +446,18 @@ fn the_device_comparison_finds_one_differing_byte() {
 /// (the offer path), with call `nth` of `kind` failing (None: no failure). Whatever fails, the
 /// bytes stay as written, the books stay sound and nothing is left behind. Returns the calls
 /// of each kind the share made.
-fn share_with_failure(dir: &Path, failure: Option<(glake::device::CallKind, u64)>) -> Vec<u64> {
+fn share_with_failure(
+    dir: &Path,
+    failure: Option<(glake::device::CallKind, u64)>,
+    then: Option<u64>,
+) -> (Vec<u64>, Arc<glake::device::fault::FaultDevice>) {
     use glake::device::fault::FaultDevice;
     use glake::device::CallKind;
-    let host = Arc::new(HostDevice::new(0, HostOptions::default()).unwrap());
+    let options = HostOptions {
+        device_count: 2,
+        ..HostOptions::default()
+    };
+    let host = Arc::new(HostDevice::new(0, options).unwrap());
     let bytes: SharedDevice = host.clone();
     let fault = Arc::new(FaultDevice::new(bytes.clone()));
     let device: SharedDevice = fault.clone();
@@ -466,7 +474,12 @@ fn share_with_failure(dir: &Path, failure: Option<(glake::device::CallKind, u64)
     if let Some((kind, nth)) = failure {
         fault.fail_nth(kind, nth);
     }
+    if let Some(j) = then {
+        fault.fail_after_failure(j);
+    }
     let result = pool.share_read_only_many(&[(joined, LAYER), (offered, LAYER)]);
+    // A peer granted access afterwards sees the shared memory read-only.
+    let peer = pool.enable_peer_access(1);
     let calls = CallKind::ALL
         .iter()
         .zip(before)
@@ -474,13 +487,18 @@ fn share_with_failure(dir: &Path, failure: Option<(glake::device::CallKind, u64)
         .collect();
     fault.clear();
     if failure.is_none() {
+        assert!(peer.is_ok(), "{peer:?}");
         let report = result.unwrap();
         assert_eq!(
             (report.shared_bytes, report.offered_bytes),
             (LAYER as u64, LAYER as u64)
         );
     }
-    let what = format!("{failure:?}");
+    let what = format!("{failure:?}, then call {then:?} after it");
+    if peer.is_err() {
+        pool.enable_peer_access(1)
+            .unwrap_or_else(|e| panic!("{what}: peer access after the fault: {e}"));
+    }
     assert_eq!(read(&bytes, joined, LAYER), pattern(1, LAYER), "{what}");
     assert_eq!(read(&bytes, offered, LAYER), pattern(2, LAYER), "{what}");
     pool.check_invariants().expect(&what);
@@ -494,7 +512,7 @@ fn share_with_failure(dir: &Path, failure: Option<(glake::device::CallKind, u64)
         (0, 0),
         "{what}"
     );
-    calls
+    (calls, fault)
 }
 
 #[test]
@@ -505,15 +523,29 @@ fn every_failed_driver_call_while_sharing_loses_nothing() {
     let dir = meeting("faults");
     let mut offerer = Replica::start(&dir, &[1], &[]);
     offerer.marked();
-    let clean = share_with_failure(&dir, None);
+    let (clean, _) = share_with_failure(&dir, None, None);
+    let mut swept = common::sites::Swept::new("dedup");
     let mut injected = 0;
     for (&kind, &calls) in glake::device::CallKind::ALL.iter().zip(&clean) {
         for nth in 1..=calls {
-            share_with_failure(&dir, Some((kind, nth)));
+            let (_, fault) = share_with_failure(&dir, Some((kind, nth)), None);
+            assert_eq!(fault.injected(), 1, "{kind:?} #{nth} did not fire");
+            swept.add(&fault);
             injected += 1;
+            // The clean-up of the failure failing too: each of the two calls after it.
+            for then in 1..=fault.calls_after_failure().len().min(2) as u64 {
+                let (_, fault) = share_with_failure(&dir, Some((kind, nth)), Some(then));
+                assert_eq!(
+                    fault.injected(),
+                    2,
+                    "{kind:?} #{nth}, then call {then} after it"
+                );
+                swept.add(&fault);
+            }
         }
     }
     assert!(injected > 20, "only {injected} calls were swept");
+    swept.assert_covers(None);
     assert!(offerer.weights_intact());
     offerer.finish();
 }

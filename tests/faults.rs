@@ -27,6 +27,12 @@
 //!   the tear-down gives what it could not release a second pass, so one failure leaks nothing.
 //!   The tear-down is also the only place `DestroyEvent` is called.
 //!
+//! Each call of a kind is also failed right after another call failed (each call of the clean
+//! run failing in turn, and the call after it of this kind failing too): the clean-up of a
+//! failure failing, e.g. the device-wide wait a free falls back on when its stream event cannot
+//! be recorded. Then the sweep checks that it failed every call site that
+//! `tests/device_call_sites.txt` gives this binary for the kind.
+//!
 //! Further tests drop a busy pool (live plain and stitched allocations, a pending free) with each
 //! tear-down call failing in turn, and make the driver report out of memory at each creation of
 //! physical memory (the pool must free its cache and retry, or report out of memory).
@@ -34,7 +40,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use glake::config::Config;
 use glake::device::fault::FaultDevice;
@@ -482,6 +488,26 @@ fn clean_run_statistics_show_each_path() {
     assert!(stats.num_device_free >= 1);
 }
 
+/// How many of the calls after a failure a sweep fails in turn, each in a run of its own.
+const AFTERMATH: usize = 1;
+
+/// For each call of a clean run: the kinds of the calls that follow it when it fails.
+fn aftermaths() -> &'static [(CallKind, u64, Vec<CallKind>)] {
+    static TABLE: OnceLock<Vec<(CallKind, u64, Vec<CallKind>)>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let (counts, _) = clean_run();
+        let mut table = Vec::new();
+        for kind in USED {
+            for n in 1..=counts[&kind] {
+                let mut run = Run::new(Some((kind, n)));
+                run.workload();
+                table.push((kind, n, run.fault.calls_after_failure()));
+            }
+        }
+        table
+    })
+}
+
 /// Fails each call of `kind` in turn (with `error`, a driver error unless told otherwise).
 /// Returns the calls whose failure went unreported, with their steps.
 fn fail_each(kind: CallKind) -> Vec<(u64, &'static str)> {
@@ -489,9 +515,11 @@ fn fail_each(kind: CallKind) -> Vec<(u64, &'static str)> {
     let total = counts[&kind];
     assert!(total > 0, "no {kind:?} call to fail");
     let mut quiet = Vec::new();
+    let mut swept = common::sites::Swept::new("faults");
     for n in 1..=total {
         let mut run = Run::new(Some((kind, n)));
         run.workload();
+        swept.add(&run.fault);
         let what = format!("{kind:?} call {n} of {total}");
         assert_eq!(run.fault.injected(), 1, "{what}: the failure did not fire");
         run.assert_nothing_left(&what);
@@ -523,6 +551,39 @@ fn fail_each(kind: CallKind) -> Vec<(u64, &'static str)> {
         }
     }
     println!("{kind:?}: {total} calls failed in turn; not reported: {quiet:?}");
+    // The clean-up of a failure failing too: each call of `kind` made right after another
+    // call failed.
+    let mut doubled = 0;
+    for (first, n, after) in aftermaths() {
+        for (j, _) in after
+            .iter()
+            .take(AFTERMATH)
+            .enumerate()
+            .filter(|&(_, &k)| k == kind)
+        {
+            let mut run = Run::new(Some((*first, *n)));
+            run.fault.fail_after_failure(j as u64 + 1);
+            run.workload();
+            swept.add(&run.fault);
+            let what = format!(
+                "{first:?} call {n}, then {kind:?} (call {} after it)",
+                j + 1
+            );
+            assert_eq!(run.fault.injected(), 2, "{what}: did not fire");
+            run.assert_nothing_left(&what);
+            let failed = |k: CallKind| u64::from(*first == k) + u64::from(kind == k);
+            if failed(CallKind::DestroyEvent) == 0 {
+                assert_eq!(
+                    run.fault.calls(CallKind::CreateEvent) - failed(CallKind::CreateEvent),
+                    run.fault.calls(CallKind::DestroyEvent),
+                    "{what}: events created and destroyed"
+                );
+            }
+            doubled += 1;
+        }
+    }
+    println!("{kind:?}: {doubled} calls failed right after another failure");
+    swept.assert_covers(Some(kind));
     quiet
 }
 

@@ -1053,3 +1053,75 @@ fn share_read_only_statuses() {
     assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_SUCCESS);
     assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
 }
+
+/// Each driver call the C API makes itself (streams, copies, the device's memory for the
+/// SmartSwap settings), failed through `glake_pool_inject_fault`: the call returns the
+/// injected status and names the failed call's site, the pool stays consistent, and the call
+/// then succeeds. Every call site the inventory gives this sweep is failed.
+#[test]
+fn a_fault_at_each_driver_call_of_the_c_api_is_reported_and_passes() {
+    use glake_driver_call::*;
+    let mut config = host_config();
+    config.flags |= GLAKE_CONFIG_FAULT_INJECTION;
+    let pool = create(&config);
+    let (status, ptr) = malloc(pool, MIB);
+    assert_eq!(status, GLAKE_STATUS_SUCCESS);
+    let data = [7u8; 4096];
+    let mut back = [0u8; 4096];
+    let mut stream: glake_stream = null_mut();
+    let mut settings = std::mem::MaybeUninit::<glake_smartswap_settings>::zeroed();
+    let mut swept = common::sites::Swept::new("ffi");
+    let mut each = |call: glake_driver_call, what: &str, f: &mut dyn FnMut() -> glake_status| {
+        let status =
+            glake_pool_inject_fault(pool, call as u32, 1, GLAKE_STATUS_DRIVER_ERROR as u32);
+        assert_eq!(status, GLAKE_STATUS_SUCCESS, "{}", message());
+        assert_eq!(f(), GLAKE_STATUS_DRIVER_ERROR, "{what}");
+        let reported = message();
+        assert!(reported.contains("injected failure"), "{what}: {reported}");
+        swept.add_reported(&reported);
+        assert_eq!(
+            glake_pool_check(pool),
+            GLAKE_STATUS_SUCCESS,
+            "{what}: {}",
+            message()
+        );
+        assert_eq!(f(), GLAKE_STATUS_SUCCESS, "{what} again: {}", message());
+    };
+    each(
+        GLAKE_CALL_CREATE_STREAM,
+        "glake_stream_create",
+        &mut || unsafe { glake_stream_create(pool, &mut stream) },
+    );
+    each(GLAKE_CALL_COPY, "glake_copy_to_device", &mut || unsafe {
+        glake_copy_to_device(pool, ptr, data.as_ptr().cast(), data.len(), stream)
+    });
+    each(
+        GLAKE_CALL_SYNCHRONIZE_STREAM,
+        "glake_stream_synchronize",
+        &mut || glake_stream_synchronize(pool, stream),
+    );
+    each(GLAKE_CALL_COPY, "glake_copy_to_host", &mut || unsafe {
+        glake_copy_to_host(pool, back.as_mut_ptr().cast(), ptr, back.len(), stream)
+    });
+    assert_eq!(glake_stream_synchronize(pool, stream), GLAKE_STATUS_SUCCESS);
+    each(
+        GLAKE_CALL_MEM_INFO,
+        "glake_smartswap_settings_default",
+        &mut || unsafe { glake_smartswap_settings_default(pool, settings.as_mut_ptr()) },
+    );
+    let mut destroyed = false;
+    each(
+        GLAKE_CALL_DESTROY_STREAM,
+        "glake_stream_destroy",
+        &mut || {
+            assert!(!destroyed, "destroyed twice");
+            let status = glake_stream_destroy(pool, stream);
+            destroyed = status == GLAKE_STATUS_SUCCESS;
+            status
+        },
+    );
+    assert_eq!(back, data);
+    assert_eq!(glake_free(pool, ptr), GLAKE_STATUS_SUCCESS);
+    assert_eq!(glake_pool_destroy(pool), GLAKE_STATUS_SUCCESS);
+    swept.assert_covers(None);
+}

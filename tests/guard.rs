@@ -175,3 +175,97 @@ fn a_write_past_the_end_faults_at_once_and_names_the_allocation() {
     assert!(status.success(), "in-bounds use: {stderr}");
     assert!(stderr.contains("no fault"), "{stderr}");
 }
+
+/// One life of a guarded pool on a fault device over a 256 MiB host device, with `plan` made
+/// first: guarded allocations, one used on a second stream, freed (each free retried while it
+/// reports an error and the allocation is still live), the cache emptied, the pool dropped.
+/// Bytes of live allocations stay intact, the pool stays consistent, and nothing is left.
+fn guarded_life(
+    what: &str,
+    plan: impl FnOnce(&glake::device::fault::FaultDevice),
+) -> std::sync::Arc<glake::device::fault::FaultDevice> {
+    use glake::device::fault::FaultDevice;
+    use std::sync::Arc;
+    let host = host_device(256 * MIB);
+    let raw: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(raw.clone()));
+    let side = raw.create_stream().expect("stream");
+    let config = Config {
+        guard: true,
+        ..Config::default()
+    };
+    // Each call is tried up to three times: at most two failures are planned.
+    fn thrice<T>(f: impl Fn() -> glake::Result<T>) -> glake::Result<T> {
+        f().or_else(|_| f()).or_else(|_| f())
+    }
+    plan(&fault);
+    let pool = thrice(|| Pool::new(fault.clone(), config.clone()))
+        .unwrap_or_else(|e| panic!("{what}: the pool: {e}"));
+    let mut live = Vec::new();
+    for (i, n) in [1000, 3 * MIB, 64].into_iter().enumerate() {
+        let p = thrice(|| pool.malloc(n, S)).unwrap_or_else(|e| panic!("{what}: malloc: {e}"));
+        write_pattern(&raw, p, n, i as u64);
+        live.push((p, n, i as u64));
+    }
+    thrice(|| pool.record_stream(live[0].0, side))
+        .unwrap_or_else(|e| panic!("{what}: record_stream: {e}"));
+    while let Some((p, _, _)) = live.pop() {
+        for &(q, m, s) in &live {
+            assert!(has_pattern(&raw, q, m, s), "{what}: bytes lost");
+        }
+        for _ in 0..3 {
+            if pool.free(p).is_ok() || pool.allocation_of(p).is_none() {
+                break;
+            }
+        }
+        assert!(pool.allocation_of(p).is_none(), "{what}: {p:#x} not freed");
+        pool.check_invariants()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+    thrice(|| pool.empty_cache()).unwrap_or_else(|e| panic!("{what}: empty_cache: {e}"));
+    assert_eq!(pool.stats().reserved_bytes.all.current, 0, "{what}");
+    drop(pool);
+    fault.clear();
+    assert_eq!(
+        host.live_objects(),
+        (0, 0, 0),
+        "{what}: driver objects left"
+    );
+    assert_eq!(host.created_bytes(), 0, "{what}");
+    raw.destroy_stream(side).expect("destroy");
+    fault
+}
+
+/// Each driver call of a guarded pool's life failing in turn, and each call right after a
+/// failure (a free whose stream cannot be waited for waits for the device instead: that wait
+/// failing too). Every call site the inventory gives this sweep is failed.
+#[test]
+fn a_fault_at_each_driver_call_of_a_guarded_pool_loses_nothing() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let mut swept = common::sites::Swept::new("guard");
+    let clean = guarded_life("clean", |_| {});
+    let calls: Vec<(glake::device::CallKind, u64)> = glake::device::CallKind::ALL
+        .iter()
+        .map(|&k| (k, clean.calls(k)))
+        .filter(|&(_, n)| n > 0)
+        .collect();
+    common::sweep_every_call(
+        "guarded pool",
+        &calls,
+        &[glake::device::CallKind::SynchronizeStream],
+        1,
+        &mut swept,
+        |kind, n, then| {
+            let what = format!("{kind:?} call {n} (then call {then:?} after it)");
+            guarded_life(&what, |f| {
+                f.fail_nth(kind, n);
+                if let Some(j) = then {
+                    f.fail_after_failure(j);
+                }
+            })
+        },
+    );
+    swept.assert_covers(None);
+}

@@ -978,6 +978,7 @@ impl glake::device::interpose::Interposer for GatedMaps {
     fn around<T>(
         &self,
         kind: glake::device::CallKind,
+        _site: &'static std::panic::Location<'static>,
         call: impl FnOnce() -> glake::Result<T>,
     ) -> glake::Result<T> {
         if kind == glake::device::CallKind::Map {

@@ -343,7 +343,7 @@ fn faulty_region(asleep: bool) -> Faulty {
 /// One sleep and wake of a two-segment region with the `n`-th call of `kind` failing during
 /// the sleep (`in_wake`: during the wake): the call reports an error or completes, nothing is
 /// lost, the pool stays consistent, a retry completes and nothing leaks.
-fn fault_run(kind: CallKind, n: u64, in_wake: bool) -> bool {
+fn fault_run(kind: CallKind, n: u64, then: Option<u64>, in_wake: bool) -> Arc<FaultDevice> {
     let Faulty {
         host,
         raw,
@@ -351,17 +351,18 @@ fn fault_run(kind: CallKind, n: u64, in_wake: bool) -> bool {
         pool,
         weights,
     } = faulty_region(in_wake);
-    let before = fault.injected();
     fault.fail_nth(kind, n);
+    if let Some(j) = then {
+        fault.fail_after_failure(j);
+    }
     let result = if in_wake {
         pool.wake("w")
     } else {
         pool.sleep("w", SleepMode::Keep)
     };
-    let fired = fault.injected() > before;
     fault.clear();
     let what = format!(
-        "{kind:?} #{n} of {}",
+        "{kind:?} #{n} (then call {then:?} after it) of {}",
         if in_wake { "wake" } else { "sleep" }
     );
     pool.check_invariants()
@@ -393,8 +394,50 @@ fn fault_run(kind: CallKind, n: u64, in_wake: bool) -> bool {
         "{what}: driver objects leaked"
     );
     assert_eq!(host.created_bytes(), 0, "{what}");
-    assert_eq!(host.live_pinned(), 0, "{what}: pinned buffers leaked");
-    fired
+    // Buffers whose copies neither their stream nor the device could be waited for are kept
+    // for good by design (a copy may still write into them).
+    let failed: Vec<CallKind> = fault.sites_failed().iter().map(|s| s.kind).collect();
+    let unsettled = failed.contains(&CallKind::SynchronizeStream)
+        && failed.contains(&CallKind::SynchronizeDevice);
+    if !unsettled {
+        assert_eq!(host.live_pinned(), 0, "{what}: pinned buffers leaked");
+    }
+    fault
+}
+
+/// A pool with region "w" asleep dropped with the `n`-th call of `kind` failing (and the
+/// `then`-th after it): the drop gives every physical chunk, mapping, reservation and pinned
+/// buffer back, and the sleep stream unless destroying it is what failed.
+fn drop_run(kind: CallKind, n: u64, then: Option<u64>) -> Arc<FaultDevice> {
+    let Faulty {
+        host, fault, pool, ..
+    } = faulty_region(true);
+    fault.fail_nth(kind, n);
+    if let Some(j) = then {
+        fault.fail_after_failure(j);
+    }
+    drop(pool);
+    fault.clear();
+    let what = format!("{kind:?} #{n} (then call {then:?} after it) of the drop");
+    let failed: Vec<CallKind> = fault.sites_failed().iter().map(|s| s.kind).collect();
+    // When both of the tear-down's waits for the device fail, whether queued work still uses
+    // the memory cannot be known: it is left to the driver, by design.
+    let device_lost = fault.injected() == 2 && failed == [CallKind::SynchronizeDevice];
+    if !device_lost {
+        assert_eq!(
+            host.live_objects(),
+            (0, 0, 0),
+            "{what}: driver objects leaked"
+        );
+        assert_eq!(host.created_bytes(), 0, "{what}");
+    }
+    if !failed.contains(&CallKind::Pinned) {
+        assert_eq!(host.live_pinned(), 0, "{what}: pinned buffers leaked");
+    }
+    if !failed.contains(&CallKind::DestroyStream) {
+        assert_eq!(host.live_streams(), 1, "{what}: the sleep stream is left");
+    }
+    fault
 }
 
 /// The calls of each kind one sleep (or wake) makes, counted on a clean run.
@@ -409,8 +452,13 @@ fn calls_of(in_wake: bool) -> Vec<(CallKind, u64)> {
     })
 }
 
+/// Each driver call of a sleep, of a wake and of dropping a pool while asleep failing in turn
+/// (and each call right after a failure): nothing is lost, a retry completes and nothing
+/// leaks. Every call site the
+/// inventory gives this sweep is failed.
 #[test]
 fn a_fault_at_each_driver_call_of_a_sleep_or_a_wake_loses_nothing() {
+    let mut swept = common::sites::Swept::new("sleep");
     for in_wake in [false, true] {
         let calls = calls_of(in_wake);
         let expected: &[CallKind] = if in_wake {
@@ -431,8 +479,26 @@ fn a_fault_at_each_driver_call_of_a_sleep_or_a_wake_loses_nothing() {
                 CallKind::Unreserve,
             ]
         };
-        common::sweep_every_call(&format!("wake={in_wake}"), &calls, expected, |kind, n| {
-            fault_run(kind, n, in_wake)
-        });
+        common::sweep_every_call(
+            &format!("wake={in_wake}"),
+            &calls,
+            expected,
+            1,
+            &mut swept,
+            |kind, n, then| fault_run(kind, n, then, in_wake),
+        );
     }
+    let calls = {
+        let Faulty { fault, pool, .. } = faulty_region(true);
+        common::calls_made(&fault, || drop(pool))
+    };
+    common::sweep_every_call(
+        "drop while asleep",
+        &calls,
+        &[CallKind::DestroyStream, CallKind::Pinned],
+        1,
+        &mut swept,
+        drop_run,
+    );
+    swept.assert_covers(None);
 }

@@ -348,14 +348,17 @@ fn a_session_brings_back_what_an_op_touches_and_restarts_on_a_new_iteration() {
     pool.check_invariants().unwrap();
 }
 
-/// One driver call failing anywhere in a planned iteration (each call of each kind the
-/// iteration makes, in turn): the hook that made it returns the error, a retry of that hook
-/// completes, no byte is lost, the pool stays consistent, the next iteration runs clean, and
-/// dropping everything leaves no physical memory, mapping or reservation behind.
+/// One driver call failing anywhere in a session's life (each call of each kind, in turn):
+/// its creation, the warm-up iteration that profiles (timed events), the iteration planned
+/// from it, a stable one, and the session's drop. The hook that made the call returns the
+/// error, a retry of that hook completes, no byte is lost, the pool stays consistent, the next
+/// iteration runs clean, and dropping everything leaves no physical memory, mapping or
+/// reservation behind (nor a stream, unless ending it is what failed). Every call site the
+/// inventory gives this sweep is failed.
 #[test]
-fn a_session_survives_any_driver_failure_in_a_planned_iteration() {
+fn a_session_survives_any_driver_failure_in_its_life() {
     use glake::device::fault::FaultDevice;
-    use glake::device::{SharedDevice, Stream};
+    use glake::device::{CallKind, SharedDevice, Stream};
     use glake::smartswap::{Session, SessionPhase};
     use glake::{Config, Pool};
     use std::sync::Arc;
@@ -363,16 +366,16 @@ fn a_session_survives_any_driver_failure_in_a_planned_iteration() {
     const LAYERS: usize = 4;
     let act = 4 * MIB;
     let s = Stream::DEFAULT;
-    // Runs one iteration; every hook that fails is retried once (the failure fires once).
-    // Returns the errors seen.
+    // Runs one iteration; every hook that fails is retried (each planned failure fires once,
+    // and at most two are planned). Returns the errors seen.
     fn retry<T>(errors: &mut Vec<String>, mut f: impl FnMut() -> glake::Result<T>) -> T {
-        match f() {
-            Ok(value) => value,
-            Err(err) => {
-                errors.push(err.to_string());
-                f().expect("the retry completes")
+        for _ in 0..2 {
+            match f() {
+                Ok(value) => return value,
+                Err(err) => errors.push(err.to_string()),
             }
         }
+        f().expect("the retry completes")
     }
     let iteration = |session: &mut Session, pool: &Pool, device: &SharedDevice, seed: u64| {
         let mut errors = Vec::new();
@@ -401,68 +404,132 @@ fn a_session_survives_any_driver_failure_in_a_planned_iteration() {
         retry(&mut errors, || session.end_iteration());
         errors
     };
+    // A pool on a fault device; the test's own reads and writes go to the device underneath
+    // (`device`): no failure is planned for them, and they are not counted.
     let setup = || {
         let host = common::host_device(1 << 30);
         let fault = Arc::new(FaultDevice::new(host.clone()));
         let faulty: SharedDevice = fault.clone();
         let pool = Arc::new(Pool::new(faulty, Config::default()).unwrap());
-        // The test's own reads and writes go to the device underneath: no failure is
-        // planned for them, and they are not counted.
         let device: SharedDevice = host.clone();
-        let session = Session::new(pool.clone(), settings(LAYERS * act / 2)).unwrap();
-        (host, fault, device, pool, session)
+        (host, fault, device, pool)
     };
-    // A clean run counts the calls of one planned iteration.
-    let (_, fault, device, pool, mut session) = setup();
-    for seed in 0..2 {
-        assert!(iteration(&mut session, &pool, &device, seed * 10).is_empty());
-    }
+    // The session's life up to its drop, with the failure planned by `plan` first; returns
+    // the session, the errors seen and the calls of each kind made.
+    let life = |fault: &FaultDevice,
+                pool: &Arc<Pool>,
+                device: &SharedDevice,
+                plan: &dyn Fn(&FaultDevice)| {
+        let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
+        plan(fault);
+        let mut errors = Vec::new();
+        let mut session = retry(&mut errors, || {
+            Session::new(pool.clone(), settings(LAYERS * act / 2))
+        });
+        for seed in 0..3 {
+            errors.extend(iteration(&mut session, pool, device, seed * 10));
+        }
+        let made: Vec<(CallKind, u64)> = CallKind::ALL
+            .iter()
+            .zip(before)
+            .map(|(&k, b)| (k, fault.calls(k) - b))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        (session, errors, made)
+    };
+    let mut swept = common::sites::Swept::new("smartswap");
+    let (mut swept_runs, mut fired) = (0, 0);
+    // A clean run counts the calls of the life and of the drop.
+    let (host, fault, device, pool) = setup();
+    let (mut session, errors, counts) = life(&fault, &pool, &device, &|_| {});
+    assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(session.phase(), SessionPhase::Stable);
-    let counts = common::calls_made(&fault, || {
-        assert!(iteration(&mut session, &pool, &device, 20).is_empty());
-    });
+    assert!(iteration(&mut session, &pool, &device, 30).is_empty());
     assert!(session.report().swapped_out > 0);
-    drop((session, pool));
-    let (mut swept, mut fired) = (0, 0);
+    let drop_counts = common::calls_made(&fault, || drop(session));
+    drop(pool);
+    assert_eq!(host.live_streams(), 1);
+    // The `n`-th call of `kind` failing (and the `then`-th call after it): returns the fault
+    // device and whether the failure could fire.
+    let one = |kind: CallKind, n: u64, then: Option<u64>, total: u64| {
+        let (host, fault, device, pool) = setup();
+        let (mut session, errors, made) = life(&fault, &pool, &device, &|f| {
+            f.fail_nth(kind, n);
+            if let Some(j) = then {
+                f.fail_after_failure(j);
+            }
+        });
+        let what = format!("{kind:?} call {n} of {total} (then call {then:?} after it)");
+        // How many waits and queries the life makes depends on when copies finish: a
+        // failure planned past the calls this run made cannot fire.
+        let made = made.iter().find(|m| m.0 == kind).map_or(0, |m| m.1);
+        assert!(
+            fault.injected() > 0 || made < n,
+            "{what}: the failure did not fire ({made} calls)"
+        );
+        fault.clear();
+        pool.check_invariants()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let errors_after = iteration(&mut session, &pool, &device, 200);
+        assert!(errors_after.is_empty(), "{what}: {errors_after:?}");
+        drop(session);
+        assert_eq!(pool.stats().swapped_bytes.current, 0, "{what}");
+        drop(pool);
+        assert_eq!(host.live_objects(), (0, 0, 0), "{what}: {errors:?}");
+        assert_eq!(host.created_bytes(), 0, "{what}");
+        // A stream whose destroy failed is left (a session being made gives up on it).
+        let failed: Vec<CallKind> = fault.sites_failed().iter().map(|s| s.kind).collect();
+        if !failed.contains(&CallKind::DestroyStream) {
+            assert_eq!(host.live_streams(), 1, "{what}: streams left");
+        }
+        fault
+    };
     for &(kind, total) in &counts {
         for n in 1..=total {
-            let (host, fault, device, pool, mut session) = setup();
-            for seed in 0..2 {
-                iteration(&mut session, &pool, &device, seed * 10);
+            let fault = one(kind, n, None, total);
+            fired += fault.injected();
+            swept.add(&fault);
+            swept_runs += 1;
+            // The clean-up of the failure failing too.
+            if !fault.calls_after_failure().is_empty() {
+                let fault = one(kind, n, Some(1), total);
+                swept.add(&fault);
             }
-            let before = fault.calls(kind);
-            fault.fail_nth(kind, n);
-            let errors = iteration(&mut session, &pool, &device, 100);
-            let what = format!("{kind:?} call {n} of {total}");
-            // How many waits and queries an iteration makes depends on when copies finish:
-            // a failure planned past the calls this run made cannot fire.
-            let made = fault.calls(kind) - before;
-            assert!(
-                fault.injected() == 1 || made < n,
-                "{what}: the failure did not fire ({made} calls)"
-            );
-            if fault.injected() == 0 {
-                fault.clear();
-            } else {
-                fired += 1;
-            }
-            pool.check_invariants()
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let errors_after = iteration(&mut session, &pool, &device, 200);
-            assert!(errors_after.is_empty(), "{what}: {errors_after:?}");
-            drop(session);
-            assert_eq!(pool.stats().swapped_bytes.current, 0, "{what}");
-            drop(pool);
-            assert_eq!(host.live_objects(), (0, 0, 0), "{what}: {errors:?}");
-            assert_eq!(host.created_bytes(), 0, "{what}");
-            swept += 1;
         }
     }
-    println!("{swept} failures planned, {fired} fired, over {counts:?}");
+    // The drop: its waits and the ends of the copy streams and of the profiler's events.
+    for &(kind, total) in &drop_counts {
+        for n in 1..=total {
+            let (host, fault, device, pool) = setup();
+            let (mut session, _, _) = life(&fault, &pool, &device, &|_| {});
+            assert!(iteration(&mut session, &pool, &device, 30).is_empty());
+            fault.fail_nth(kind, n);
+            drop(session);
+            let what = format!("{kind:?} call {n} of {total} of the drop");
+            assert_eq!(fault.injected(), 1, "{what}: did not fire");
+            fired += 1;
+            fault.clear();
+            swept.add(&fault);
+            pool.check_invariants()
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(pool.stats().swapped_bytes.current, 0, "{what}");
+            drop(pool);
+            assert_eq!(host.live_objects(), (0, 0, 0), "{what}");
+            assert_eq!(host.created_bytes(), 0, "{what}");
+            // A copy stream that cannot be waited for is not destroyed (a copy may still run
+            // on it); a failed destroy leaves its stream too.
+            if !matches!(kind, CallKind::SynchronizeStream | CallKind::DestroyStream) {
+                assert_eq!(host.live_streams(), 1, "{what}: streams left");
+            }
+            swept_runs += 1;
+        }
+    }
+    println!("{swept_runs} failures planned, {fired} fired, over {counts:?} and {drop_counts:?}");
     assert!(
-        fired > 10 && fired * 10 >= swept * 9,
-        "{fired} of {swept} fired"
+        fired > 10 && fired * 10 >= swept_runs * 9,
+        "{fired} of {swept_runs} fired"
     );
+    swept.assert_covers(None);
 }
 
 mod random_loops {

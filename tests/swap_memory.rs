@@ -10,7 +10,6 @@ use std::sync::Arc;
 use common::{check, has_pattern, host_device, host_pool as setup, write_pattern};
 use glake::config::Config;
 use glake::device::fault::FaultDevice;
-use glake::device::host::HostDevice;
 use glake::device::{CallKind, DevicePtr, SharedDevice, Stream};
 use glake::{ErrorKind, Pool};
 
@@ -200,8 +199,9 @@ fn free_while_swapped_and_misuse_errors() {
     assert_eq!(host.live_objects(), (0, 0, 0));
 }
 
-/// One run of a swap direction with the `n`-th call of `kind` failing.
-fn fault_run(kind: CallKind, n: u64, swap_in: bool) -> bool {
+/// One run of a swap direction with the `n`-th call of `kind` failing (and the `then`-th call
+/// after it, if given).
+fn fault_run(kind: CallKind, n: u64, then: Option<u64>, swap_in: bool) -> Arc<FaultDevice> {
     let host = host_device(256 * MIB);
     let raw: SharedDevice = host.clone();
     let fault = Arc::new(FaultDevice::new(raw.clone()));
@@ -214,17 +214,18 @@ fn fault_run(kind: CallKind, n: u64, swap_in: bool) -> bool {
     if swap_in {
         pool.swap_out(a).expect("swap out");
     }
-    let before = fault.injected();
     fault.fail_nth(kind, n);
+    if let Some(j) = then {
+        fault.fail_after_failure(j);
+    }
     let result = if swap_in {
         pool.swap_in(a)
     } else {
         pool.swap_out(a)
     };
-    let fired = fault.injected() > before;
     fault.clear();
     let what = format!(
-        "{kind:?} #{n} of swap_{}",
+        "{kind:?} #{n} (then call {then:?} after it) of swap_{}",
         if swap_in { "in" } else { "out" }
     );
     pool.check_invariants()
@@ -269,7 +270,7 @@ fn fault_run(kind: CallKind, n: u64, swap_in: bool) -> bool {
         "{what}: driver objects leaked"
     );
     assert_eq!(host.created_bytes(), 0, "{what}");
-    fired
+    fault
 }
 
 /// Calls of each kind that one swap makes, counted on a clean run.
@@ -290,8 +291,19 @@ fn calls_of_swap(swap_in: bool) -> Vec<(CallKind, u64)> {
     })
 }
 
+/// Each driver call of a swap out and of a swap in, synchronous and stream-ordered, failing in
+/// turn (and each call right after a failure, for the synchronous ones): the pool stays
+/// consistent, loses no byte, leaks nothing, and later swaps complete. Every call site the
+/// inventory gives this sweep is failed.
 #[test]
 fn a_fault_at_each_driver_call_of_a_swap_leaves_a_consistent_pool() {
+    let mut swept = common::sites::Swept::new("swap_memory");
+    sweep_synchronous_swaps(&mut swept);
+    sweep_stream_ordered_swaps(&mut swept);
+    swept.assert_covers(None);
+}
+
+fn sweep_synchronous_swaps(swept: &mut common::sites::Swept) {
     for swap_in in [false, true] {
         let calls = calls_of_swap(swap_in);
         let expected: &[CallKind] = if swap_in {
@@ -314,7 +326,9 @@ fn a_fault_at_each_driver_call_of_a_swap_leaves_a_consistent_pool() {
             &format!("swap_in={swap_in}"),
             &calls,
             expected,
-            |kind, n| fault_run(kind, n, swap_in),
+            1,
+            swept,
+            |kind, n, then| fault_run(kind, n, then, swap_in),
         );
     }
 }
@@ -404,79 +418,106 @@ fn stream_ordered_swaps_round_trip_cancel_and_reuse_buffers() {
     assert_eq!(host.created_bytes(), 0);
 }
 
-/// Each driver call of an asynchronous swap out and in failing in turn: the call reports it,
-/// nothing is lost, and a retry completes.
-#[test]
-fn stream_ordered_swaps_survive_each_driver_failure() {
-    /// A pool on a fault-injecting device over a 64 MiB host device; `io` is the device
-    /// underneath, for the test's own reads and waits (never failed, never counted).
-    fn faulty() -> (
-        Arc<HostDevice>,
-        Arc<FaultDevice>,
-        SharedDevice,
-        SharedDevice,
-        Pool,
-    ) {
+/// Each driver call of stream-ordered swaps failing in turn: from a fresh pool, a swap out
+/// and back (the pinned buffer made), another with a non-blocking finish, one cancelled by
+/// the swap-in, one freed while its copy is queued, and the pool dropped with a swap-out under
+/// way and a buffer still busy. Each call that fails reports it, a retry completes, nothing is
+/// lost and no driver object is left (a pinned buffer whose copy cannot be waited for is kept
+/// by design, so pinned memory is not counted).
+fn sweep_stream_ordered_swaps(swept: &mut common::sites::Swept) {
+    let size = 4 * MIB;
+    /// Runs the scenario from a fresh pool on a 64 MiB host device with `plan` made on its
+    /// fault device first; the test's own reads and waits go to the device underneath (never
+    /// failed, never counted). Returns the fault device and the calls of each kind made after
+    /// the plan.
+    fn scenario(
+        what: &str,
+        size: usize,
+        plan: impl FnOnce(&FaultDevice),
+    ) -> (Arc<FaultDevice>, Vec<(CallKind, u64)>) {
         let host = host_device(64 * MIB);
         let fault = Arc::new(FaultDevice::new(host.clone()));
         let device: SharedDevice = fault.clone();
-        let pool = Pool::new(device.clone(), Config::default()).expect("pool");
         let io: SharedDevice = host.clone();
-        (host, fault, device, io, pool)
-    }
-    let size = 4 * MIB;
-    let round = |pool: &Pool, io: &SharedDevice, ptr: DevicePtr, copy: Stream| {
-        let mut errors = 0;
-        let mut again = |f: &dyn Fn() -> glake::Result<()>| {
+        let pool = Pool::new(device.clone(), Config::default()).expect("pool");
+        let copy = io.create_stream().expect("copy stream");
+        let ptr = pool.malloc_swappable(size, S).expect("malloc");
+        let other = pool.malloc_swappable(size, S).expect("malloc");
+        let third = pool.malloc_swappable(size, S).expect("malloc");
+        write_pattern(&io, ptr, size, 7);
+        write_pattern(&io, other, size, 8);
+        let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
+        plan(&fault);
+        let again = |f: &dyn Fn() -> glake::Result<()>| {
             if f().is_err() {
-                errors += 1;
-                f().expect("the retry completes");
+                f().unwrap_or_else(|e| panic!("{what}: the retry fails: {e}"));
             }
         };
+        // Out and back, the pinned buffer made.
         again(&|| pool.swap_out_async(ptr, copy));
         again(&|| pool.finish_swap_outs(true).map(|_| ()));
         again(&|| pool.swap_in_async(ptr, copy));
-        // The test's own wait goes to the device underneath (not counted, never failed).
         io.synchronize_stream(S).expect("sync");
-        errors
-    };
-    let counts = {
-        let (_host, fault, device, io, pool) = faulty();
-        let copy = device.create_stream().expect("copy stream");
-        let ptr = pool.malloc_swappable(size, S).expect("malloc");
-        round(&pool, &io, ptr, copy); // the pinned buffer, made once
-        common::calls_made(&fault, || {
-            round(&pool, &io, ptr, copy);
-        })
-    };
+        // Out with a non-blocking finish first, and back.
+        again(&|| pool.swap_out_async(ptr, copy));
+        io.synchronize_stream(copy).expect("sync");
+        again(&|| pool.finish_swap_outs(false).map(|_| ()));
+        again(&|| pool.finish_swap_outs(true).map(|_| ()));
+        again(&|| pool.swap_in_async(ptr, copy));
+        // Cancelled by the swap-in.
+        again(&|| pool.swap_out_async(ptr, copy));
+        again(&|| pool.swap_in_async(ptr, copy));
+        io.synchronize_stream(S).expect("sync");
+        assert!(has_pattern(&io, ptr, size, 7), "{what}: bytes lost");
+        // Freed while its copy is queued.
+        again(&|| pool.swap_out_async(other, copy));
+        pool.free(other)
+            .unwrap_or_else(|e| panic!("{what}: free while leaving: {e}"));
+        // Dropped with a buffer busy and a swap-out under way: the copy stream is held up
+        // behind a gate until the pool is dropped (or for a while, when a failure makes the
+        // pool wait for the stream).
+        let (open, gate) = std::sync::mpsc::channel::<()>();
+        host.enqueue_host_fn(
+            copy,
+            Box::new(move || {
+                let _ = gate.recv_timeout(std::time::Duration::from_millis(100));
+            }),
+        )
+        .expect("enqueue_host_fn");
+        again(&|| pool.swap_out_async(ptr, copy));
+        again(&|| pool.swap_in_async(ptr, copy));
+        again(&|| pool.swap_out_async(third, copy));
+        let _ = open.send(());
+        pool.check_invariants()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        drop(pool);
+        let made = CallKind::ALL
+            .iter()
+            .zip(before)
+            .map(|(&k, b)| (k, fault.calls(k) - b))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        fault.clear();
+        assert_eq!(host.live_objects(), (0, 0, 0), "{what}");
+        assert_eq!(host.created_bytes(), 0, "{what}");
+        io.destroy_stream(copy).expect("destroy");
+        (fault, made)
+    }
+    let (_, counts) = scenario("clean", size, |_| {});
     let mut fired = 0;
     for &(kind, total) in &counts {
         for n in 1..=total {
-            let (host, fault, device, io, pool) = faulty();
-            let copy = device.create_stream().expect("copy stream");
-            let ptr = pool.malloc_swappable(size, S).expect("malloc");
-            round(&pool, &io, ptr, copy);
-            write_pattern(&io, ptr, size, n);
-            let before = fault.calls(kind);
-            fault.fail_nth(kind, n);
-            round(&pool, &io, ptr, copy);
             let what = format!("{kind:?} call {n} of {total}");
+            let (fault, made) = scenario(&what, size, |f| f.fail_nth(kind, n));
+            let made = made.iter().find(|c| c.0 == kind).map_or(0, |c| c.1);
             // Queries and waits depend on when copies finish: a failure planned past the
             // calls this run made cannot fire.
-            let made = fault.calls(kind) - before;
             assert!(
                 fault.injected() == 1 || made < n,
                 "{what}: did not fire ({made} calls)"
             );
             fired += fault.injected();
-            fault.clear();
-            assert!(has_pattern(&io, ptr, size, n), "{what}: bytes lost");
-            check(&pool);
-            pool.free(ptr).expect("free");
-            device.destroy_stream(copy).expect("destroy");
-            drop(pool);
-            assert_eq!(host.live_objects(), (0, 0, 0), "{what}");
-            assert_eq!(host.created_bytes(), 0, "{what}");
+            swept.add(&fault);
         }
     }
     println!("swept {counts:?}: {fired} failures fired");

@@ -708,3 +708,247 @@ fn staging_stays_within_its_cap() {
         );
     }
 }
+
+/// The devices of one run of the engine's fault sweep: a target and a peer on the host
+/// backend, each behind a fault device (`target`, `peer`) and each also used directly (`raw`,
+/// `raw_peer`) for the test's own memory and waits, which are never failed nor counted.
+struct Rig {
+    raw: Arc<HostDevice>,
+    raw_peer: Arc<HostDevice>,
+    target: Arc<FaultDevice>,
+    peer: Arc<FaultDevice>,
+}
+
+impl Rig {
+    fn new() -> Rig {
+        let options = HostOptions {
+            device_count: 2,
+            ..HostOptions::default()
+        };
+        let raw = Arc::new(HostDevice::new(0, options).unwrap());
+        let raw_peer = Arc::new(HostDevice::new(1, options).unwrap());
+        Rig {
+            target: Arc::new(FaultDevice::new(raw.clone())),
+            peer: Arc::new(FaultDevice::new(raw_peer.clone())),
+            raw,
+            raw_peer,
+        }
+    }
+
+    /// Calls of each kind so far: the target's, then the peer's.
+    fn calls(&self) -> Vec<u64> {
+        [&self.target, &self.peer]
+            .iter()
+            .flat_map(|f| CallKind::ALL.iter().map(|&k| f.calls(k)))
+            .collect()
+    }
+
+    /// Waits for everything queued on both devices, past the fault devices: after a copy
+    /// whose waits were failed, its work may still run.
+    fn settle(&self) {
+        (self.raw.clone() as SharedDevice)
+            .synchronize_device()
+            .unwrap();
+        (self.raw_peer.clone() as SharedDevice)
+            .synchronize_device()
+            .unwrap();
+    }
+}
+
+/// One life of an engine with a relay through a peer (made with its bandwidths measured):
+/// pageable and pinned copies each way, blocking and stream-ordered, through the lanes (both
+/// paths) and small ones straight to the driver, then the engine's drop. `plan` is made on the
+/// fault devices first. A copy that fails is retried (at most three failures are planned) and
+/// must then carry its bytes; the engine's creation too. Returns the calls made after the plan
+/// (the target's kinds, then the peer's).
+fn engine_life(rig: &Rig, yield_waits: bool, what: &str, plan: impl FnOnce(&Rig)) -> Vec<u64> {
+    let raw: SharedDevice = rig.raw.clone();
+    let pool = Pool::new(raw.clone(), Config::default()).unwrap();
+    let len = 3 * MIB;
+    let dst = pool.malloc(len, Stream::DEFAULT).unwrap();
+    let pinned_src = PinnedBuffer::new(&raw, len).unwrap();
+    let pinned_back = PinnedBuffer::new(&raw, len).unwrap();
+    let before = rig.calls();
+    plan(rig);
+    let retried = |f: &dyn Fn() -> glake::Result<()>| {
+        for _ in 0..3 {
+            let result = f();
+            rig.settle();
+            if result.is_ok() {
+                return;
+            }
+        }
+        f().unwrap_or_else(|e| panic!("{what}: the retry fails: {e}"));
+        rig.settle();
+    };
+    let config = TransferConfig {
+        yield_waits,
+        measure: true,
+        ..config()
+    };
+    let make = || {
+        let peers = vec![rig.peer.clone() as SharedDevice];
+        let made = Engine::new(rig.target.clone(), peers, config.clone());
+        rig.settle();
+        made
+    };
+    let engine = make()
+        .or_else(|_| make())
+        .or_else(|_| make())
+        .unwrap_or_else(|e| panic!("{what}: making the engine: {e}"));
+    assert_eq!(engine.paths().len(), 2, "{what}: the relay is used");
+    for (i, (kind, completion)) in [
+        (HostMemory::Pageable, Completion::Blocking),
+        (HostMemory::Pinned, Completion::StreamOrdered),
+        (HostMemory::Pinned, Completion::Blocking),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let data = common::pattern(i as u64 + 1, len);
+        let (src, back): (*mut u8, *mut u8) = match kind {
+            HostMemory::Pinned => (pinned_src.ptr(), pinned_back.ptr()),
+            HostMemory::Pageable => (
+                Box::leak(vec![0u8; len].into_boxed_slice()).as_mut_ptr(),
+                Box::leak(vec![0u8; len].into_boxed_slice()).as_mut_ptr(),
+            ),
+        };
+        unsafe { std::slice::from_raw_parts_mut(src, len).copy_from_slice(&data) };
+        retried(&|| unsafe { engine.copy_to_device(dst, src, len, Stream::DEFAULT, completion) });
+        retried(&|| unsafe { engine.copy_to_host(back, dst, len, Stream::DEFAULT, completion) });
+        let came_back = unsafe { std::slice::from_raw_parts(back, len) } == &data[..];
+        if kind == HostMemory::Pageable {
+            // SAFETY: leaked above; every copy that used them has been waited for.
+            unsafe {
+                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(src, len)));
+                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(back, len)));
+            }
+        }
+        assert!(came_back, "{what}: {kind:?} {completion:?} bytes differ");
+    }
+    // Small copies go straight to the driver.
+    let small = common::pattern(9, 4 * KIB);
+    let mut small_back = vec![0u8; 4 * KIB];
+    retried(&|| unsafe {
+        engine.copy_to_device(
+            dst,
+            small.as_ptr(),
+            small.len(),
+            Stream::DEFAULT,
+            Completion::Blocking,
+        )
+    });
+    let back_ptr = small_back.as_mut_ptr();
+    retried(&|| unsafe {
+        engine.copy_to_host(
+            back_ptr,
+            dst,
+            4 * KIB,
+            Stream::DEFAULT,
+            Completion::Blocking,
+        )
+    });
+    assert_eq!(small_back, small, "{what}: small copy");
+    drop(engine);
+    let made = rig
+        .calls()
+        .iter()
+        .zip(before)
+        .map(|(now, then)| now - then)
+        .collect();
+    rig.target.clear();
+    rig.peer.clear();
+    drop((pinned_src, pinned_back));
+    pool.free(dst).unwrap();
+    drop(pool);
+    made
+}
+
+/// Each call site of an engine's life failing in turn (its first call), on the target and on
+/// the peer, with lanes that poll and lanes that wait; and the clean-up of a failed wait
+/// failing too: the call right after it, and the device-wide waits that stand in for failed
+/// waits. The copy reports the error, a retry carries the bytes, and the engine's drop gives
+/// back every staging buffer and stream (a stream or event whose destroy fails is lost, and a
+/// buffer whose release fails twice: a drop has no later chance). Every call site the
+/// inventory gives this sweep is failed. (Lanes poll and wait as fast as copies finish, so
+/// the engine's calls are failed by site, not by their number among all calls of a kind.)
+#[test]
+fn a_fault_at_each_driver_call_site_of_the_engine_loses_nothing() {
+    use glake::device::fault::CallSite;
+    let mut swept = common::sites::Swept::new("transfer");
+    let mut runs = 0;
+    for yield_waits in [true, false] {
+        let clean = Rig::new();
+        engine_life(&clean, yield_waits, "clean", |_| {});
+        let sites: Vec<(bool, CallSite)> = [(false, &clean.target), (true, &clean.peer)]
+            .into_iter()
+            .flat_map(|(on_peer, f)| f.sites_called().into_iter().map(move |(s, _)| (on_peer, s)))
+            .collect();
+        for (on_peer, site) in sites {
+            let fault = |rig: &Rig| {
+                if on_peer {
+                    rig.peer.clone()
+                } else {
+                    rig.target.clone()
+                }
+            };
+            let what = format!(
+                "{site} on the {}, yield_waits {yield_waits}",
+                if on_peer { "peer" } else { "target" }
+            );
+            // Alone; and a failed wait also with the next call after it (on the same device)
+            // failing, and then with the device-wide waits failing as well.
+            let wait = matches!(
+                site.kind,
+                CallKind::SynchronizeStream | CallKind::SynchronizeEvent
+            );
+            for variant in 0..if wait { 3 } else { 1 } {
+                let rig = Rig::new();
+                engine_life(&rig, yield_waits, &what, |rig| {
+                    fault(rig).fail_at(site, 1);
+                    if variant > 0 {
+                        fault(rig).fail_after_failure(1);
+                    }
+                    if variant > 1 {
+                        // They wait, then fail: on the host backend queued work still runs,
+                        // where a lost device's would not.
+                        rig.target
+                            .fail_nth_after_call(CallKind::SynchronizeDevice, 1);
+                        rig.peer.fail_nth_after_call(CallKind::SynchronizeDevice, 1);
+                    }
+                    if (on_peer, site.kind) == (true, CallKind::CreateEvent) {
+                        // A lane whose peer event cannot be made destroys its target event.
+                        rig.target.fail_nth(CallKind::DestroyEvent, 1);
+                    }
+                });
+                let injected = fault(&rig).injected();
+                assert!(injected > 0, "{what}: did not fire");
+                runs += 1;
+                swept.add(&rig.target);
+                swept.add(&rig.peer);
+                let failed: Vec<CallKind> = [&rig.target, &rig.peer]
+                    .iter()
+                    .flat_map(|f| f.sites_failed())
+                    .map(|s| s.kind)
+                    .collect();
+                // A release whose second try fails too is lost (logged).
+                let retry_failed = injected == 2 && fault(&rig).sites_failed().len() == 1;
+                if !retry_failed {
+                    assert_eq!(rig.raw.live_pinned(), 0, "{what}: pinned buffers left");
+                    assert_eq!(
+                        rig.raw_peer.live_objects(),
+                        (0, 0, 0),
+                        "{what}: relay buffers left"
+                    );
+                    assert_eq!(rig.raw.live_objects(), (0, 0, 0), "{what}");
+                }
+                if !failed.contains(&CallKind::DestroyStream) {
+                    assert_eq!(rig.raw.live_streams(), 1, "{what}: lane streams left");
+                    assert_eq!(rig.raw_peer.live_streams(), 1, "{what}");
+                }
+            }
+        }
+    }
+    println!("{runs} runs");
+    swept.assert_covers(None);
+}

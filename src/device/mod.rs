@@ -137,12 +137,17 @@ pub enum CaptureMode {
 /// state but may call from any thread (PyTorch frees from arbitrary threads).
 ///
 /// Addresses and sizes given to the mapping calls must be multiples of [`Device::granularity`].
+///
+/// The driver calls (the methods an [`interpose::Interposed`] device runs through its hook) are
+/// `#[track_caller]`: an interposer learns the line of the caller's source that made each call,
+/// which is how fault sweeps tell the call sites they failed apart.
 pub trait Device: Send + Sync {
     fn kind(&self) -> BackendKind;
     /// The device ordinal this object drives.
     fn ordinal(&self) -> i32;
     /// Mapping granularity in bytes (2 MiB on current NVIDIA GPUs).
     fn granularity(&self) -> usize;
+    #[track_caller]
     fn mem_info(&self) -> Result<MemInfo>;
     /// Number of devices of this backend visible to the process.
     fn device_count(&self) -> Result<usize>;
@@ -150,18 +155,26 @@ pub trait Device: Send + Sync {
     fn can_access_peer(&self, peer: i32) -> Result<bool>;
 
     /// Reserves `size` bytes of virtual address space, aligned to `align`.
+    #[track_caller]
     fn reserve(&self, size: usize, align: usize) -> Result<DevicePtr>;
+    #[track_caller]
     fn unreserve(&self, va: DevicePtr, size: usize) -> Result<()>;
     /// Creates `size` bytes of physical memory on this device.
+    #[track_caller]
     fn create_physical(&self, size: usize) -> Result<PhysHandle>;
+    #[track_caller]
     fn release_physical(&self, handle: PhysHandle) -> Result<()>;
     /// Maps `size` bytes of `handle`, starting `offset` bytes in, at `va`.
+    #[track_caller]
     fn map(&self, va: DevicePtr, size: usize, handle: PhysHandle, offset: usize) -> Result<()>;
+    #[track_caller]
     fn unmap(&self, va: DevicePtr, size: usize) -> Result<()>;
     /// Grants read/write access to `[va, va+size)` to each device in `devices`.
+    #[track_caller]
     fn set_access(&self, va: DevicePtr, size: usize, devices: &[i32]) -> Result<()>;
     /// Grants read-only access to `[va, va+size)` to each device in `devices`: a write there
     /// faults (memory shared with other processes).
+    #[track_caller]
     fn set_access_read_only(&self, _va: DevicePtr, _size: usize, _devices: &[i32]) -> Result<()> {
         Err(unsupported_sharing(self.kind()))
     }
@@ -169,6 +182,7 @@ pub trait Device: Send + Sync {
     /// Whether `[a, a+len)` and `[b, b+len)`, both readable by this device, hold the same bytes,
     /// compared by the device itself after the work queued on `stream`; returns once known.
     /// Unsupported where the backend has no way to (callers then read both through the host).
+    #[track_caller]
     fn equal_bytes(
         &self,
         _a: DevicePtr,
@@ -184,18 +198,21 @@ pub trait Device: Send + Sync {
 
     /// Creates `size` bytes of physical memory that [`Device::export_handle`] can hand to
     /// another process.
+    #[track_caller]
     fn create_shareable(&self, _size: usize) -> Result<PhysHandle> {
         Err(unsupported_sharing(self.kind()))
     }
     /// A file descriptor for `handle` (made by [`Device::create_shareable`] or imported) that
     /// another process of the same user imports with [`Device::import_handle`]. The memory
     /// lives while any process holds a handle, a mapping or such a descriptor.
+    #[track_caller]
     fn export_handle(&self, _handle: PhysHandle) -> Result<OwnedFd> {
         Err(unsupported_sharing(self.kind()))
     }
     /// Imports `size` bytes of physical memory of this device exported by any process; the
     /// handle is released with [`Device::release_physical`] like any other, and `fd` stays the
     /// caller's.
+    #[track_caller]
     fn import_handle(&self, _fd: BorrowedFd<'_>, _size: usize) -> Result<PhysHandle> {
         Err(unsupported_sharing(self.kind()))
     }
@@ -205,32 +222,45 @@ pub trait Device: Send + Sync {
         Ok(format!("{}-{}", self.kind().name(), self.ordinal()))
     }
 
+    #[track_caller]
     fn create_stream(&self) -> Result<Stream>;
+    #[track_caller]
     fn destroy_stream(&self, stream: Stream) -> Result<()>;
+    #[track_caller]
     fn create_event(&self) -> Result<Event>;
     /// An event that also keeps when its work completed, for timing device work (the
     /// profiler's op times); costlier to record than a plain event, so made only for that.
+    #[track_caller]
     fn create_timed_event(&self) -> Result<Event>;
     /// Nanoseconds from the completion of `start` to that of `end`, both timed events whose
     /// last records have completed (an error otherwise); 0 when `end` completed first.
+    #[track_caller]
     fn elapsed_ns(&self, start: Event, end: Event) -> Result<u64>;
     /// After this, `event` must not be passed again: the host backend refuses it, but the
     /// driver's handles are pointers (a destroyed one is undefined behaviour there).
+    #[track_caller]
     fn destroy_event(&self, event: Event) -> Result<()>;
+    #[track_caller]
     fn record_event(&self, event: Event, stream: Stream) -> Result<()>;
     /// True once all work captured by the event's last record has completed.
+    #[track_caller]
     fn query_event(&self, event: Event) -> Result<bool>;
+    #[track_caller]
     fn synchronize_event(&self, event: Event) -> Result<()>;
+    #[track_caller]
     fn synchronize_stream(&self, stream: Stream) -> Result<()>;
     /// Waits for all work on the device, on every stream.
+    #[track_caller]
     fn synchronize_device(&self) -> Result<()>;
     /// Makes future work on `stream` wait for `event`.
+    #[track_caller]
     fn stream_wait_event(&self, stream: Stream, event: Event) -> Result<()>;
 
     /// Queues a host-to-device copy on `stream`.
     ///
     /// # Safety
     /// `src` must be valid for `len` bytes until the copy has completed on the stream.
+    #[track_caller]
     unsafe fn copy_to_device(
         &self,
         dst: DevicePtr,
@@ -242,6 +272,7 @@ pub trait Device: Send + Sync {
     ///
     /// # Safety
     /// `dst` must be valid for `len` bytes until the copy has completed on the stream.
+    #[track_caller]
     unsafe fn copy_to_host(
         &self,
         dst: *mut u8,
@@ -250,6 +281,7 @@ pub trait Device: Send + Sync {
         stream: Stream,
     ) -> Result<()>;
     /// Queues a device-to-device copy (both addresses visible to this device) on `stream`.
+    #[track_caller]
     fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: usize, stream: Stream)
         -> Result<()>;
 
@@ -266,9 +298,11 @@ pub trait Device: Send + Sync {
     }
 
     /// Page-locked host memory, for staging copies.
+    #[track_caller]
     fn alloc_pinned(&self, size: usize) -> Result<*mut u8>;
     /// # Safety
     /// `ptr` must come from [`Device::alloc_pinned`] of this backend and not be in use.
+    #[track_caller]
     unsafe fn free_pinned(&self, ptr: *mut u8) -> Result<()>;
 
     /// Page-locks `len` bytes of existing host memory at `ptr` for every device (CUDA's
@@ -276,14 +310,17 @@ pub trait Device: Send + Sync {
     ///
     /// # Safety
     /// `ptr` must be valid for `len` bytes until [`Device::unregister_host`].
+    #[track_caller]
     unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<()>;
     /// Undoes [`Device::register_host`] of the range starting at `ptr`.
     ///
     /// # Safety
     /// No queued copy may still use the range.
+    #[track_caller]
     unsafe fn unregister_host(&self, ptr: *mut u8) -> Result<()>;
     /// Whether `[ptr, ptr+len)` is page-locked host memory (its first and last byte are), or
     /// pageable. Any pointer may be asked about; nothing is dereferenced.
+    #[track_caller]
     fn host_memory(&self, ptr: *const u8, len: usize) -> Result<HostMemory>;
     /// The NUMA node nearest the device's host link, where the platform says.
     fn numa_node(&self) -> Option<u32> {

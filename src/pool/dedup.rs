@@ -477,17 +477,17 @@ impl Inner {
                 .and_then(|()| {
                     device
                         .set_access_read_only(run.va, run.len, &self.access)
-                        .or_else(|err| device.unmap(run.va, run.len).and(Err(err)))
+                        .or_else(|err| twice(|| device.unmap(run.va, run.len)).and(Err(err)))
                 })
                 .map_err(|err| (err, old.len()))
         })();
         if let Err((err, unmapped)) = swapped {
-            // Back as it was: the old chunks mapped and granted again.
+            // Back as it was: the old chunks mapped and granted again. Each step of the undo
+            // gets a second try: giving up leaves the allocation without memory.
             let restore = old[..unmapped].iter().try_for_each(|c| {
                 let va = segment_va + c.offset as u64;
-                device
-                    .map(va, c.len, c.handle, 0)
-                    .and_then(|()| device.set_access(va, c.len, &self.access))
+                twice(|| device.map(va, c.len, c.handle, 0))?;
+                twice(|| device.set_access(va, c.len, &self.access))
             });
             if let Err(again) = restore {
                 log::error!("glake: dedup: restoring {:#x} failed: {again}", run.va);
@@ -589,4 +589,9 @@ fn chunk_of(handle: PhysHandle, offset: usize, len: usize) -> Chunk {
         offset,
         len,
     }
+}
+
+/// Runs a step of an undo, and once more if it fails.
+fn twice(mut step: impl FnMut() -> Result<()>) -> Result<()> {
+    step().or_else(|_| step())
 }

@@ -470,8 +470,13 @@ impl Inner {
             None => wait_for_copy(device, stream),
         };
         for (i, (sleeper, chunks)) in mapped.into_iter().enumerate() {
-            if copied.is_err() || Some(i) == unfilled {
-                // Copies in only read the host buffers: the sleeper keeps its bytes.
+            if copied.is_err() {
+                // Copies in only read the host buffers: the sleeper keeps its bytes. Copies
+                // not waited for may still write into the new memory: it comes down only after
+                // a later wait for the device.
+                self.zombies.push(Zombie::mapped(sleeper.va, &chunks));
+                waiting.push(sleeper);
+            } else if Some(i) == unfilled {
                 self.bury(device, Zombie::mapped(sleeper.va, &chunks));
                 waiting.push(sleeper);
             } else {

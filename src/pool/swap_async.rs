@@ -203,7 +203,9 @@ impl Inner {
                 // The streams cannot be ordered after the copy: wait for it here instead.
                 log::warn!("glake: ordering a swap-in failed ({err}); waiting for its copy");
                 if let Err(err) = wait_for_copy(device, copy) {
-                    self.bury(device, Zombie::mapped(ptr, &chunks));
+                    // The copy may still write into the new memory: it comes down only after
+                    // a later wait for the device.
+                    self.zombies.push(Zombie::mapped(ptr, &chunks));
                     return Err(err.context("waiting for a swap-in copy"));
                 }
                 self.pinned.free.push(buf);

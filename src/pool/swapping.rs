@@ -217,17 +217,21 @@ impl Inner {
     ) -> Result<()> {
         let t = self.swap_target(ptr, true)?;
         let chunks = self.swap_in_memory(device, ptr, t.size)?;
-        let copied = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
+        let queued = match self.swappable.get(&ptr).and_then(|e| e.host.as_ref()) {
             // SAFETY: the host copy stays in place (the allocation stays swapped out) at least
             // until the copy is known complete.
-            Some(host) => unsafe { device.copy_to_device(ptr, host.bytes.ptr(), t.size, t.stream) }
-                .and_then(|()| wait_for_copy(device, t.stream)),
+            Some(host) => unsafe { device.copy_to_device(ptr, host.bytes.ptr(), t.size, t.stream) },
             None => Err(Error::internal("swapped allocation without its host copy")),
         };
-        if let Err(err) = copied {
-            // Either the copy was never queued, or neither its stream nor the device can be
-            // waited for (the device is lost): nothing runs on the new memory any more.
+        if let Err(err) = queued {
+            // The copy was never queued: nothing runs on the new memory.
             self.bury(device, Zombie::mapped(ptr, &chunks));
+            return Err(err.context("copying a swapped allocation back"));
+        }
+        if let Err(err) = wait_for_copy(device, t.stream) {
+            // Neither the stream nor the device can be waited for: the copy may still write
+            // into the new memory, which comes down only after a later wait for the device.
+            self.zombies.push(Zombie::mapped(ptr, &chunks));
             return Err(err.context("copying a swapped allocation back"));
         }
         if let Some(bytes) = self.complete_swap_in(ptr, t.block, t.size, chunks) {
@@ -265,7 +269,9 @@ impl Inner {
         size: usize,
     ) -> Result<()> {
         if self.unmap_pending(ptr, size) {
-            // Its old mappings must be gone before new ones take the range.
+            // Its old mappings must be gone before new ones take the range, and a copy that
+            // could not be waited for may still use them: wait for the device first.
+            self.synchronize_all(device)?;
             let _ = self.retry_zombies(device);
             if self.unmap_pending(ptr, size) {
                 return Err(Error::driver(format!(

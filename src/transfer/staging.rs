@@ -47,8 +47,10 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
+        // A failure gets a second try: a drop has no later chance.
         // SAFETY: allocated by this device's alloc_pinned; the owner has waited for its copies.
-        if let Err(err) = unsafe { self.device.free_pinned(self.ptr) } {
+        let free = || unsafe { self.device.free_pinned(self.ptr) };
+        if let Err(err) = free().or_else(|_| free()) {
             log::warn!("glake: freeing a pinned staging buffer failed: {err}");
         }
     }
@@ -94,15 +96,17 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        // The owner of the buffer has waited for every copy that used it.
+        // The owner of the buffer has waited for every copy that used it. A failed step gets
+        // a second try: a drop has no later chance.
+        let twice = |step: &dyn Fn() -> Result<()>| step().or_else(|_| step());
         let mut steps = Vec::new();
         if self.mapped {
-            steps.push(self.owner.unmap(self.va, self.size));
+            steps.push(twice(&|| self.owner.unmap(self.va, self.size)));
         }
         if let Some(handle) = self.handle {
-            steps.push(self.owner.release_physical(handle));
+            steps.push(twice(&|| self.owner.release_physical(handle)));
         }
-        steps.push(self.owner.unreserve(self.va, self.size));
+        steps.push(twice(&|| self.owner.unreserve(self.va, self.size)));
         for err in steps.into_iter().filter_map(|r| r.err()) {
             log::warn!("glake: releasing a relay staging buffer failed: {err}");
         }

@@ -2,8 +2,11 @@
 //! and read back through the device's own copy calls, so the same tests run on every backend.
 #![allow(dead_code)]
 
+pub mod sites;
+
 use std::sync::Arc;
 
+use glake::device::fault::FaultDevice;
 use glake::device::host::{HostDevice, HostOptions};
 use glake::device::{DevicePtr, SharedDevice, Stream};
 
@@ -149,13 +152,19 @@ pub fn check(pool: &glake::Pool) {
 }
 
 /// A fault sweep: `calls` (from [`calls_made`]) must include every kind in `expected`; then
-/// `run(kind, n)` replays the scenario with the `n`-th call of `kind` failing, for every call
-/// made, and must report that the failure fired.
+/// `run(kind, n, None)` replays the scenario with the `n`-th call of `kind` failing, for every
+/// call made, checks what it must and returns its fault device, on which the failure must have
+/// fired. Then each of the first `aftermath` calls that followed that failure fails in turn
+/// too, in runs `run(kind, n, Some(j))` that plan
+/// [`glake::device::fault::FaultDevice::fail_after_failure`]`(j)` as well (the clean-up of a
+/// failure failing). The sites failed are added to `swept`.
 pub fn sweep_every_call(
     what: &str,
     calls: &[(glake::device::CallKind, u64)],
     expected: &[glake::device::CallKind],
-    mut run: impl FnMut(glake::device::CallKind, u64) -> bool,
+    aftermath: usize,
+    swept: &mut sites::Swept,
+    mut run: impl FnMut(glake::device::CallKind, u64, Option<u64>) -> Arc<FaultDevice>,
 ) {
     for kind in expected {
         assert!(
@@ -165,7 +174,19 @@ pub fn sweep_every_call(
     }
     for &(kind, count) in calls {
         for n in 1..=count {
-            assert!(run(kind, n), "{what}: {kind:?} #{n} did not fire");
+            let fault = run(kind, n, None);
+            assert_eq!(fault.injected(), 1, "{what}: {kind:?} #{n} did not fire");
+            swept.add(&fault);
+            let after = fault.calls_after_failure().len().min(aftermath);
+            for j in 1..=after as u64 {
+                let fault = run(kind, n, Some(j));
+                assert_eq!(
+                    fault.injected(),
+                    2,
+                    "{what}: {kind:?} #{n}, then call {j} after it: did not fire"
+                );
+                swept.add(&fault);
+            }
         }
     }
 }

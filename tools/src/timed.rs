@@ -2,6 +2,7 @@
 //! be told apart from the driver's (mapping calls dominate a stitch on CUDA and are syscalls on
 //! the host backend).
 
+use std::panic::Location;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -25,7 +26,12 @@ pub struct CallTimer {
 }
 
 impl Interposer for CallTimer {
-    fn around<T>(&self, kind: CallKind, call: impl FnOnce() -> Result<T>) -> Result<T> {
+    fn around<T>(
+        &self,
+        kind: CallKind,
+        _site: &'static Location<'static>,
+        call: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
         let start = Instant::now();
         let result = call();
         let nanos = start.elapsed().as_nanos() as u64;

@@ -136,6 +136,49 @@ fn pageable_host_buffers_go_through_the_copy_engine() {
 }
 
 #[test]
+fn pinned_copies_relay_through_a_peer_where_there_is_one() {
+    let host = Arc::new(
+        HostDevice::new(
+            0,
+            glake::device::host::HostOptions {
+                total_memory: 512 * MIB,
+                device_count: 2,
+                ..Default::default()
+            },
+        )
+        .expect("host device"),
+    );
+    let device: SharedDevice = host.clone();
+    let pool = Pool::new(device.clone(), Config::default()).expect("pool");
+    let weights = fill(&pool, &device, "w", &[96 * MIB, 40 * MIB + 3, 700], 40);
+    for cycle in 0..5 {
+        pool.sleep("w", SleepMode::Keep).expect("sleep");
+        assert_eq!(pool.region_info("w").expect("w").resident_bytes, 0);
+        pool.wake("w").expect("wake");
+        assert!(intact(&device, &weights, 40), "cycle {cycle}");
+        check(&pool);
+    }
+    let stats = pool.sleep_transfer_stats().expect("an engine with a relay");
+    assert!(stats.relay_bytes > 0, "the peer carried part: {stats:?}");
+    for (p, _) in weights {
+        pool.free(p).expect("free");
+    }
+    drop(pool);
+    assert_eq!(host.live_objects(), (0, 0, 0));
+    assert_eq!(host.live_pinned(), 0);
+}
+
+#[test]
+fn pinned_copies_on_one_device_need_no_engine() {
+    let (_host, device, pool) = setup(256 * MIB);
+    let weights = fill(&pool, &device, "w", &[64 * MIB], 3);
+    pool.sleep("w", SleepMode::Keep).expect("sleep");
+    pool.wake("w").expect("wake");
+    assert!(intact(&device, &weights, 3));
+    assert!(pool.sleep_transfer_stats().is_none());
+}
+
+#[test]
 fn a_default_region_takes_every_allocation_made_outside_another() {
     let host = host_device(512 * MIB);
     let device: SharedDevice = host.clone();

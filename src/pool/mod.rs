@@ -424,6 +424,12 @@ impl Pool {
         lock(&self.inner).share_read_only(&*self.device, ranges)
     }
 
+    /// The counters of the copy engine sleep and wake go through, where the pool has one
+    /// (pageable host buffers, or relays through peers; see [`Pool::sleep`]).
+    pub fn sleep_transfer_stats(&self) -> Option<crate::transfer::TransferStats> {
+        lock(&self.inner).sleep_engine.as_ref().map(|e| e.stats())
+    }
+
     /// What region `name` holds now (an `InvalidArgument` error for an unknown name).
     pub fn region_info(&self, name: &str) -> Result<RegionInfo> {
         lock(&self.inner).region_info(name)

@@ -9,7 +9,8 @@
 //!
 //! Sleep waits for the device, gives back the region's cached free segments, copies every
 //! allocated byte range to host buffers (pinned ones, copied by the device; or ordinary memory
-//! through the copy engine, `Config::sleep_host`; either kind is kept by the pool afterwards,
+//! through the copy engine, `Config::sleep_host`; pinned copies also go through the engine where
+//! a peer GPU can relay them over its own host link; either kind is kept by the pool afterwards,
 //! so a later sleep neither pins nor faults in pages again) and then unmaps and releases the
 //! segments; a failure before
 //! the copies are done changes no segment, so a retry starts over. Wake maps new memory at each
@@ -328,8 +329,9 @@ impl Inner {
         Ok(saved)
     }
 
-    /// Copies `saved[i]`'s ranges between the host and the segment at `vas[i]` and waits: on
-    /// the sleep stream for pinned buffers, through the copy engine for pageable ones. An
+    /// Copies `saved[i]`'s ranges between the host and the segment at `vas[i]` and waits:
+    /// through the copy engine where the pool has one (pageable buffers, or relays through
+    /// peers), else on the sleep stream. An
     /// error says whether the copies are settled (false: they cannot be waited for, and the
     /// buffers must never be freed nor reused).
     fn copy_saved(
@@ -381,14 +383,28 @@ impl Inner {
         }
     }
 
-    /// Makes the copy engine pageable sleep buffers go through, once.
+    /// Makes the copy engine that sleep and wake copies go through, once: always for
+    /// pageable host buffers (the engine's lanes stage them), and for pinned ones where a peer
+    /// GPU reaches this one and has its own host link (`GLAKE_COPY_PEERS`), so that the copies
+    /// also run over the peer's link. Pinned copies on one link stay the driver's own calls on
+    /// the sleep stream: no engine is faster there.
     pub(super) fn prepare_sleep_engine(&mut self, device: &SharedDevice) -> Result<()> {
-        if self.config.sleep_host == SleepHost::Pageable && self.sleep_engine.is_none() {
-            let config = crate::config::TransferConfig::from_env();
-            let engine = Engine::new(device.clone(), Vec::new(), config)
-                .map_err(|e| e.context("starting the copy engine for sleep"))?;
-            self.sleep_engine = Some(engine);
+        if self.sleep_engine.is_some() {
+            return Ok(());
         }
+        let mut config = crate::config::TransferConfig::from_env();
+        let peers = sleep_relays(device, config.max_peers);
+        if self.config.sleep_host == SleepHost::Pinned {
+            if peers.is_empty() {
+                return Ok(());
+            }
+            // Pinned copies use the first lane of each path: no staging to fill.
+            config.lanes = 1;
+            config.relay_lanes = 1;
+        }
+        let engine = Engine::new(device.clone(), peers, config)
+            .map_err(|e| e.context("starting the copy engine for sleep"))?;
+        self.sleep_engine = Some(engine);
         Ok(())
     }
 
@@ -405,8 +421,9 @@ impl Inner {
     }
 
     /// Wakes region `name`; see the module's documentation. Segments are mapped one after
-    /// another while the copies of those mapped already run (pinned buffers: queued on the
-    /// sleep stream at once; pageable ones: one batch through the engine at the end).
+    /// another while the copies of those mapped already run (pinned buffers on one link:
+    /// queued on the sleep stream at once; through the engine, for pageable buffers or relays
+    /// through peers: one batch at the end).
     pub(super) fn wake(&mut self, device: &dyn crate::device::Device, name: &str) -> Result<()> {
         let index = self.region_index(name)?;
         if !self.regions[index].asleep {
@@ -645,6 +662,18 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// The peer devices sleep copies may relay through: those `device` reaches, at most `most`.
+/// A host-backend peer is opened with the target's device count, so tests of a pretended
+/// multi-device host see their peers.
+fn sleep_relays(device: &SharedDevice, most: usize) -> Vec<SharedDevice> {
+    if most == 0 || device.device_count().map_or(true, |n| n < 2) {
+        return Vec::new();
+    }
+    let mut options = crate::config::host_options_from_env();
+    options.device_count = options.device_count.max(device.device_count().unwrap_or(1));
+    crate::device::open_peers(device, most, options)
 }
 
 /// Queues the copies of `pieces` (inside pinned buffers of the pool's, which stay the pool's

@@ -1,6 +1,7 @@
 //! One copy as the lanes see it: what to move, the cursor its chunks come from, the events that
 //! order it against the caller's stream, and how the lanes report back.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 
@@ -23,6 +24,10 @@ pub struct Job {
     pub start: Event,
     /// One event per lane taking part, recorded after its last piece of work.
     pub finals: Vec<Event>,
+    /// For copies with page-locked host memory: the chunks each lane (by its index in
+    /// `finals`) issues, all at once with the order kept on the device, so the caller is not
+    /// held until the data moves. None: lanes pull chunks from the cursor as slots free up.
+    pub shares: Option<Vec<Range<usize>>>,
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
     remaining: Mutex<usize>,
@@ -37,6 +42,7 @@ impl Job {
         cursor: Cursor,
         start: Event,
         finals: Vec<Event>,
+        shares: Option<Vec<Range<usize>>>,
     ) -> Self {
         let lanes = finals.len();
         Job {
@@ -47,6 +53,7 @@ impl Job {
             cursor,
             start,
             finals,
+            shares,
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
             remaining: Mutex::new(lanes),

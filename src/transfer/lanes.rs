@@ -248,12 +248,23 @@ impl Lane {
         if let (Some(peer), Some(stream)) = (&self.peer, self.peer_stream) {
             peer.stream_wait_event(stream, job.start)?;
         }
-        while !job.failed() {
-            let Some(chunk) = job.cursor.take() else {
-                break;
-            };
-            let slot = self.acquire()?;
-            self.issue(job, slot, chunk)?;
+        if let Some(shares) = &job.shares {
+            let mine = shares.get(index).cloned().unwrap_or(0..0);
+            for chunk in mine.filter_map(|i| job.cursor.chunk(i)) {
+                if job.failed() {
+                    break;
+                }
+                let slot = self.acquire_in_order()?;
+                self.issue(job, slot, chunk)?;
+            }
+        } else {
+            while !job.failed() {
+                let Some(chunk) = job.cursor.take() else {
+                    break;
+                };
+                let slot = self.acquire()?;
+                self.issue(job, slot, chunk)?;
+            }
         }
         if job.host == HostMemory::Pageable && job.direction == Direction::DeviceToHost {
             for slot in 0..self.slots.len() {
@@ -274,6 +285,36 @@ impl Lane {
         let slot = self.next;
         self.next = (self.next + 1) % self.slots.len();
         self.complete(slot)?;
+        Ok(slot)
+    }
+
+    /// The next slot in turn for a chunk of page-locked memory: the lane's stream that first
+    /// touches the slot's relay buffer waits, on the device, for the slot's last piece of work
+    /// (the host does not). A direct lane's slot holds no buffer such a chunk uses.
+    fn acquire_in_order(&mut self) -> Result<usize> {
+        let slot = self.next;
+        self.next = (self.next + 1) % self.slots.len();
+        let Some(pending) = self.slots[slot].pending else {
+            return Ok(slot);
+        };
+        if pending.drain.is_some() {
+            // Bytes still to copy out on the host: only the host can do that.
+            self.complete(slot)?;
+            return Ok(slot);
+        }
+        if self.slots[slot].relay.is_some() {
+            // The last use ended on the stream of one device; the next begins on the other's
+            // (a relayed device-to-host chunk ends on the peer, a host-to-device one on the
+            // target).
+            if pending.on_peer {
+                self.target
+                    .stream_wait_event(self.target_stream, pending.event)?;
+            } else {
+                let (peer, stream) = self.peer()?;
+                peer.stream_wait_event(stream, pending.event)?;
+            }
+        }
+        self.slots[slot].pending = None;
         Ok(slot)
     }
 

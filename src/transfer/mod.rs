@@ -566,13 +566,29 @@ impl Engine {
             }
             return Err(err.context("preparing a copy"));
         }
+        let cursor = plan::Cursor::over(pieces.iter().map(|p| p.len).collect(), chunk);
+        // Pinned copies stage nothing: each lane issues its share at once, slots reused in
+        // device order, so a stream-ordered copy returns without waiting for the data.
+        let shares = (!staged).then(|| {
+            let weights: Vec<f64> = chosen
+                .iter()
+                .map(|lane| {
+                    self.paths
+                        .iter()
+                        .find(|p| p.via == lane.via())
+                        .map_or(0.0, |p| p.gbps)
+                })
+                .collect();
+            plan::shares(cursor.count(), &weights)
+        });
         let job = Arc::new(Job::new(
             direction,
             host,
             pieces.iter().map(|p| (p.host, p.device)).collect(),
-            plan::Cursor::over(pieces.iter().map(|p| p.len).collect(), chunk),
+            cursor,
             start,
             finals.clone(),
+            shares,
         ));
         let mut sent = 0;
         let mut failure = None;

@@ -180,7 +180,11 @@ impl Cursor {
 
     /// The next chunk not yet taken, or None when all are.
     pub fn take(&self) -> Option<Chunk> {
-        let index = self.next.fetch_add(1, Ordering::Relaxed);
+        self.chunk(self.next.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Chunk number `index` of the copy, or None past the last.
+    pub fn chunk(&self, index: usize) -> Option<Chunk> {
         if index >= self.count() {
             return None;
         }
@@ -194,6 +198,31 @@ impl Cursor {
             len: self.chunk.min(self.lens[piece] - offset),
         })
     }
+}
+
+/// Splits chunks `0..count` into one contiguous range per path, in proportion to `weights`
+/// (measured bandwidths; all equal when any is unknown), so that paths fed without the host
+/// in the loop finish together. Every chunk is in exactly one range.
+pub fn shares(count: usize, weights: &[f64]) -> Vec<std::ops::Range<usize>> {
+    if weights.is_empty() {
+        return Vec::new();
+    }
+    let known = weights.iter().all(|&w| w.is_finite() && w > 0.0);
+    let weight = |i: usize| if known { weights[i] } else { 1.0 };
+    let total: f64 = (0..weights.len()).map(weight).sum();
+    let mut ranges = Vec::with_capacity(weights.len());
+    let (mut start, mut before) = (0, 0.0);
+    for i in 0..weights.len() {
+        before += weight(i);
+        let end = if i + 1 == weights.len() {
+            count
+        } else {
+            ((count as f64 * before / total).round() as usize).clamp(start, count)
+        };
+        ranges.push(start..end);
+        start = end;
+    }
+    ranges
 }
 
 /// How many of `lanes` a copy of `len` bytes wakes: one per `per_lane` bytes, at least one, so
@@ -236,6 +265,40 @@ mod tests {
                 gbps: 5.0,
             },
         ]
+    }
+
+    #[test]
+    fn shares_cover_every_chunk_once_in_proportion() {
+        for count in [0, 1, 2, 7, 100, 4097] {
+            for weights in [
+                vec![55.0],
+                vec![55.0, 50.0],
+                vec![55.0, 0.0, 5.0],
+                vec![1.0; 5],
+            ] {
+                let ranges = shares(count, &weights);
+                assert_eq!(ranges.len(), weights.len());
+                assert_eq!(ranges[0].start, 0);
+                assert_eq!(ranges.last().map(|r| r.end), Some(count));
+                for pair in ranges.windows(2) {
+                    assert_eq!(pair[0].end, pair[1].start, "{count} {weights:?}");
+                }
+            }
+        }
+        assert_eq!(shares(100, &[60.0, 40.0]), vec![0..60, 60..100]);
+        // An unmeasured path (0) makes the split even.
+        assert_eq!(shares(10, &[55.0, 0.0]), vec![0..5, 5..10]);
+    }
+
+    #[test]
+    fn chunk_by_index_matches_the_order_take_hands_out() {
+        let cursor = Cursor::over(vec![5 * MIB, 0, 3 * MIB + 1], 2 * MIB);
+        let by_index: Vec<Chunk> = (0..cursor.count())
+            .filter_map(|i| cursor.chunk(i))
+            .collect();
+        let taken: Vec<Chunk> = std::iter::from_fn(|| cursor.take()).collect();
+        assert_eq!(by_index, taken);
+        assert_eq!(cursor.chunk(cursor.count()), None);
     }
 
     #[test]

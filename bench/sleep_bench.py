@@ -4,8 +4,10 @@ method in its own process (each replaces PyTorch's allocator), same workloads, s
     python3 bench/sleep_bench.py [--workloads weights16g,llama7b] [--methods glake,tms]
                                  [--cycles 3] [--markdown FILE] [--jsonl FILE]
 
-Methods: `glake` (pinned host buffers, kept across sleeps), `glake-pageable`
-(GLAKE_SLEEP_HOST=pageable: ordinary host memory through the copy engine), `tms`
+Methods: `glake` (pinned host buffers, kept across sleeps), `glake-prepared` (the same, with
+the host buffers made by glake.torch.prepare_sleep before the first sleep, timed apart),
+`glake-pageable` (GLAKE_SLEEP_HOST=pageable: ordinary host memory through the copy engine),
+`glake-1link` (GLAKE_COPY_PEERS=0: no relay through a peer GPU, for machines with one), `tms`
 (torch_memory_saver). Workloads: `weights16g`, 64 bf16 tensors of 256 MiB; `llama7b`, the weights of a 7B-shape
 decoder (hidden 4096, FFN 11008, 32 layers, vocabulary 32000; 6.7 B bf16 parameters). Both are
 random and made on the GPU inside a region with a host copy kept (glake: region(keep=True);
@@ -62,6 +64,13 @@ def child(method, workload, cycles):
         weights = [torch.randn(s, dtype=torch.bfloat16, device="cuda") for s in shapes(workload)]
     reference = [w.clone() for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
+    prepare_s = None
+    if method == "glake-prepared":
+        # Host memory made once the weights are in, before the first sleep (a server would do
+        # this in the background while it serves).
+        t0 = time.perf_counter()
+        glake.torch.prepare_sleep("weights")
+        prepare_s = time.perf_counter() - t0
     x = torch.randn(16, weights[1].shape[-1], dtype=torch.bfloat16, device="cuda")
     rows = []
     for cycle in range(cycles):
@@ -80,6 +89,7 @@ def child(method, workload, cycles):
         rows.append({"method": method, "workload": workload, "cycle": cycle, "bytes": nbytes,
                      "sleep_s": sleep_s, "wake_s": wake_s, "first_result_s": first_result_s,
                      "freed_bytes": freed, "sleep_gbps": nbytes / sleep_s / 1e9,
+                     "prepare_s": prepare_s, "gpus": torch.cuda.device_count(),
                      "wake_gbps": nbytes / wake_s / 1e9})
     differ = sum(int((a.view(torch.int16) != b.view(torch.int16)).sum().item())
                  for a, b in zip(weights, reference))
@@ -109,7 +119,7 @@ def table(rows):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--workloads", default="weights16g,llama7b")
-    p.add_argument("--methods", default="glake,glake-pageable,tms")
+    p.add_argument("--methods", default="glake,glake-prepared,glake-pageable,tms")
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--markdown")
     p.add_argument("--jsonl")
@@ -125,6 +135,8 @@ def main():
             env.pop("GLAKE_ENABLE", None)
             if method == "glake-pageable":
                 env["GLAKE_SLEEP_HOST"] = "pageable"  # host copies through the copy engine
+            if method == "glake-1link":
+                env["GLAKE_COPY_PEERS"] = "0"  # no relay through a peer GPU's link
             done = subprocess.run([sys.executable, __file__, "--child", method, workload,
                                    "--cycles", str(args.cycles)], env=env, text=True,
                                   capture_output=True, timeout=900)

@@ -900,6 +900,17 @@ glake_status glake_region_end(struct glake_pool *pool);
 // `name` must be NULL or NUL-terminated.
 glake_status glake_sleep(struct glake_pool *pool, const char *name, uint32_t mode);
 
+// Makes ahead of time the host buffers (and the copy engine) a first `glake_sleep` of region
+// `name` in GLAKE_SLEEP_KEEP mode would make, so that it runs at the link's speed instead of
+// the few GB/s of pinning memory. Call it once the region is filled (weights loaded), from
+// any thread: the buffers are made without holding up other calls on the pool. They cover
+// the region as it is now, and are kept until the pool is destroyed. `out_bytes` (may be
+// NULL) receives the bytes made. On an error those made are kept; call again to finish.
+//
+// # Safety
+// `name` must be NULL or NUL-terminated; `out_bytes` NULL or valid for a write.
+glake_status glake_sleep_prepare(struct glake_pool *pool, const char *name, size_t *out_bytes);
+
 // Maps region `name`'s memory back at the same addresses and restores the bytes it kept;
 // returns once the copies are done, so work queued afterwards on any stream sees them.
 // GLAKE_STATUS_INVALID_STATE when it is awake; GLAKE_STATUS_OUT_OF_MEMORY when the device or

@@ -186,6 +186,12 @@ class Pool {
     check(glake_sleep(pool_, name.c_str(), static_cast<std::uint32_t>(mode)));
   }
   void wake(const std::string& name) { check(glake_wake(pool_, name.c_str())); }
+  /// Makes the host buffers a first sleep of `name` would make; returns their bytes.
+  std::size_t prepare_sleep(const std::string& name) {
+    std::size_t bytes = 0;
+    check(glake_sleep_prepare(pool_, name.c_str(), &bytes));
+    return bytes;
+  }
   glake_region_info region_info(const std::string& name) const {
     glake_region_info out{};
     check(glake_get_region_info(pool_, name.c_str(), &out));

@@ -588,6 +588,24 @@ fn regions_sleep_and_wake_through_the_c_api() {
         glake_copy_to_device(pool, ptr, data.as_ptr().cast(), data.len(), null_mut());
         glake_stream_synchronize(pool, null_mut());
     }
+    // Host memory made ahead of the first sleep: one buffer of the region's segment, once.
+    let prepare = |name: *const std::ffi::c_char, out: *mut usize| unsafe {
+        glake_sleep_prepare(pool, name, out)
+    };
+    assert_eq!(
+        prepare(std::ptr::null(), null_mut()),
+        GLAKE_STATUS_NULL_POINTER
+    );
+    assert_eq!(
+        prepare(c"unknown".as_ptr(), null_mut()),
+        GLAKE_STATUS_INVALID_ARGUMENT
+    );
+    let mut made = 0usize;
+    assert_eq!(prepare(name.as_ptr(), &mut made), GLAKE_STATUS_SUCCESS);
+    assert!(made >= 5 * MIB, "{made}");
+    assert_eq!(prepare(name.as_ptr(), &mut made), GLAKE_STATUS_SUCCESS);
+    assert_eq!(made, 0, "nothing more to make");
+    assert_eq!(prepare(name.as_ptr(), null_mut()), GLAKE_STATUS_SUCCESS);
     let sleep = |mode: u32| unsafe { glake_sleep(pool, name.as_ptr(), mode) };
     assert_eq!(sleep(7), GLAKE_STATUS_INVALID_ARGUMENT);
     assert!(message().contains("sleep mode 7"), "{}", message());

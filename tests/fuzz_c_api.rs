@@ -438,6 +438,18 @@ impl Fuzz {
                     }
                 }
             }
+            4 if self.rng.chance(30) => {
+                let mut made = 0usize;
+                let out = if self.rng.chance(20) {
+                    null_mut()
+                } else {
+                    &mut made
+                };
+                let s = unsafe { glake_sleep_prepare(pool, name, out) };
+                if self.status("sleep_prepare", s) == GLAKE_STATUS_SUCCESS {
+                    assert!(named, "prepared a region with a bad name");
+                }
+            }
             _ => {
                 let mut info = glake_region_info::default();
                 let out = if self.rng.chance(10) {

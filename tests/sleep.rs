@@ -179,6 +179,47 @@ fn pinned_copies_on_one_device_need_no_engine() {
 }
 
 #[test]
+fn prepared_host_memory_serves_the_first_sleep_of_either_kind() {
+    for sleep_host in [SleepHost::Pinned, SleepHost::Pageable] {
+        let host = host_device(512 * MIB);
+        let device: SharedDevice = host.clone();
+        let fault = Arc::new(FaultDevice::new(device.clone()));
+        let config = Config {
+            sleep_host,
+            ..Config::default()
+        };
+        let pool = Pool::new(fault.clone() as SharedDevice, config).expect("pool");
+        let weights = fill(&pool, &device, "w", &[48 * MIB, 6 * MIB + 1, 300], 9);
+        let segments = pool.region_info("w").expect("w").segments;
+        let made = pool.prepare_sleep("w").expect("prepare");
+        assert!(made >= 54 * MIB, "{sleep_host:?}: {made}");
+        assert_eq!(pool.prepare_sleep("w").expect("again"), 0, "made once");
+        if sleep_host == SleepHost::Pinned {
+            assert_eq!(host.live_pinned(), segments, "a buffer per segment");
+        }
+        let pinned = host.live_pinned();
+        // The first sleep makes no host memory: every buffer is there.
+        let calls = common::calls_made(&fault, || {
+            pool.sleep("w", SleepMode::Keep).expect("sleep");
+        });
+        assert!(
+            !calls.iter().any(|&(k, n)| k == CallKind::Pinned && n > 0),
+            "{sleep_host:?}: the sleep pinned memory: {calls:?}"
+        );
+        assert_eq!(host.live_pinned(), pinned);
+        assert_eq!(pool.region_info("w").expect("w").host_bytes, made);
+        pool.wake("w").expect("wake");
+        assert!(intact(&device, &weights, 9), "{sleep_host:?}");
+        assert!(pool.prepare_sleep("unknown").is_err());
+        for (p, _) in weights {
+            pool.free(p).expect("free");
+        }
+        drop(pool);
+        assert_eq!(host.live_pinned(), 0, "{sleep_host:?}: freed with the pool");
+    }
+}
+
+#[test]
 fn a_default_region_takes_every_allocation_made_outside_another() {
     let host = host_device(512 * MIB);
     let device: SharedDevice = host.clone();
@@ -383,10 +424,20 @@ fn faulty_region(asleep: bool) -> Faulty {
     }
 }
 
+/// The call of a sleep's life a fault sweep fails calls in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Making host memory ahead of the first sleep.
+    Prepare,
+    Sleep,
+    Wake,
+}
+
 /// One sleep and wake of a two-segment region with the `n`-th call of `kind` failing during
-/// the sleep (`in_wake`: during the wake): the call reports an error or completes, nothing is
-/// lost, the pool stays consistent, a retry completes and nothing leaks.
-fn fault_run(kind: CallKind, n: u64, then: Option<u64>, in_wake: bool) -> Arc<FaultDevice> {
+/// `stage` (a prepared region then sleeps): the call reports an error or completes, nothing
+/// is lost, the pool stays consistent, a retry completes and nothing leaks.
+fn fault_run(kind: CallKind, n: u64, then: Option<u64>, stage: Stage) -> Arc<FaultDevice> {
+    let in_wake = stage == Stage::Wake;
     let Faulty {
         host,
         raw,
@@ -398,25 +449,32 @@ fn fault_run(kind: CallKind, n: u64, then: Option<u64>, in_wake: bool) -> Arc<Fa
     if let Some(j) = then {
         fault.fail_after_failure(j);
     }
-    let result = if in_wake {
-        pool.wake("w")
-    } else {
-        pool.sleep("w", SleepMode::Keep)
+    let result = match stage {
+        Stage::Prepare => pool.prepare_sleep("w").map(|_| ()),
+        Stage::Sleep => pool.sleep("w", SleepMode::Keep),
+        Stage::Wake => pool.wake("w"),
     };
     fault.clear();
-    let what = format!(
-        "{kind:?} #{n} (then call {then:?} after it) of {}",
-        if in_wake { "wake" } else { "sleep" }
-    );
+    let what = format!("{kind:?} #{n} (then call {then:?} after it) of {stage:?}");
     pool.check_invariants()
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     let asleep = pool.region_info("w").expect("info").asleep;
-    if in_wake {
-        assert_eq!(result.is_err(), asleep, "{what}: {result:?}");
-    } else if result.is_err() {
+    match stage {
+        Stage::Wake => assert_eq!(result.is_err(), asleep, "{what}: {result:?}"),
         // A failed sleep is finished by sleeping again.
-        pool.sleep("w", SleepMode::Keep)
-            .unwrap_or_else(|e| panic!("{what}: sleep again: {e}"));
+        Stage::Sleep if result.is_err() => pool
+            .sleep("w", SleepMode::Keep)
+            .unwrap_or_else(|e| panic!("{what}: sleep again: {e}")),
+        Stage::Sleep => {}
+        Stage::Prepare => {
+            assert!(!asleep, "{what}");
+            if result.is_err() {
+                pool.prepare_sleep("w")
+                    .unwrap_or_else(|e| panic!("{what}: prepare again: {e}"));
+            }
+            pool.sleep("w", SleepMode::Keep)
+                .unwrap_or_else(|e| panic!("{what}: sleep after prepare: {e}"));
+        }
     }
     if pool.region_info("w").expect("info").asleep {
         pool.wake("w")
@@ -483,15 +541,15 @@ fn drop_run(kind: CallKind, n: u64, then: Option<u64>) -> Arc<FaultDevice> {
     fault
 }
 
-/// The calls of each kind one sleep (or wake) makes, counted on a clean run.
-fn calls_of(in_wake: bool) -> Vec<(CallKind, u64)> {
-    let Faulty { fault, pool, .. } = faulty_region(in_wake);
-    common::calls_made(&fault, || {
-        if in_wake {
-            pool.wake("w").expect("wake");
-        } else {
-            pool.sleep("w", SleepMode::Keep).expect("sleep");
+/// The calls of each kind one prepare, sleep or wake makes, counted on a clean run.
+fn calls_of(stage: Stage) -> Vec<(CallKind, u64)> {
+    let Faulty { fault, pool, .. } = faulty_region(stage == Stage::Wake);
+    common::calls_made(&fault, || match stage {
+        Stage::Prepare => {
+            pool.prepare_sleep("w").expect("prepare");
         }
+        Stage::Sleep => pool.sleep("w", SleepMode::Keep).expect("sleep"),
+        Stage::Wake => pool.wake("w").expect("wake"),
     })
 }
 
@@ -502,33 +560,33 @@ fn calls_of(in_wake: bool) -> Vec<(CallKind, u64)> {
 #[test]
 fn a_fault_at_each_driver_call_of_a_sleep_or_a_wake_loses_nothing() {
     let mut swept = common::sites::Swept::new("sleep");
-    for in_wake in [false, true] {
-        let calls = calls_of(in_wake);
-        let expected: &[CallKind] = if in_wake {
-            &[
-                CallKind::CreatePhysical,
-                CallKind::Map,
-                CallKind::SetAccess,
-                CallKind::Copy,
-                CallKind::SynchronizeStream,
-            ]
-        } else {
-            &[
+    for stage in [Stage::Prepare, Stage::Sleep, Stage::Wake] {
+        let calls = calls_of(stage);
+        let expected: &[CallKind] = match stage {
+            Stage::Prepare => &[CallKind::Pinned],
+            Stage::Sleep => &[
                 CallKind::SynchronizeDevice,
                 CallKind::Copy,
                 CallKind::SynchronizeStream,
                 CallKind::Unmap,
                 CallKind::ReleasePhysical,
                 CallKind::Unreserve,
-            ]
+            ],
+            Stage::Wake => &[
+                CallKind::CreatePhysical,
+                CallKind::Map,
+                CallKind::SetAccess,
+                CallKind::Copy,
+                CallKind::SynchronizeStream,
+            ],
         };
         common::sweep_every_call(
-            &format!("wake={in_wake}"),
+            &format!("{stage:?}"),
             &calls,
             expected,
             1,
             &mut swept,
-            |kind, n, then| fault_run(kind, n, then, in_wake),
+            |kind, n, then| fault_run(kind, n, then, stage),
         );
     }
     let calls = {

@@ -33,6 +33,7 @@ from . import dedup as _dedup
 # Sleep and wake of regions (glake.sleep); torch_memory_saver's object under its own name, so
 # `from glake.torch import torch_memory_saver` is the whole switch.
 region, sleep, wake, region_info = _sleep.region, _sleep.sleep, _sleep.wake, _sleep.info
+prepare_sleep = _sleep.prepare
 sleep_when_idle, memory_saver = _sleep.sleep_when_idle, _sleep.memory_saver
 torch_memory_saver = memory_saver
 # Replicas of a model on one GPU hold its weights once (glake.dedup).

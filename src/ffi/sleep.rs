@@ -135,6 +135,33 @@ pub unsafe extern "C" fn glake_sleep(
     })
 }
 
+/// Makes ahead of time the host buffers (and the copy engine) a first `glake_sleep` of region
+/// `name` in GLAKE_SLEEP_KEEP mode would make, so that it runs at the link's speed instead of
+/// the few GB/s of pinning memory. Call it once the region is filled (weights loaded), from
+/// any thread: the buffers are made without holding up other calls on the pool. They cover
+/// the region as it is now, and are kept until the pool is destroyed. `out_bytes` (may be
+/// NULL) receives the bytes made. On an error those made are kept; call again to finish.
+///
+/// # Safety
+/// `name` must be NULL or NUL-terminated; `out_bytes` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn glake_sleep_prepare(
+    pool: *mut glake_pool,
+    name: *const c_char,
+    out_bytes: *mut usize,
+) -> glake_status {
+    guard(|| {
+        // SAFETY: forwarded under this function's contract.
+        let name = unsafe { region_name(name) }?;
+        let made = pool_of(pool)?.prepare_sleep(name)?;
+        if !out_bytes.is_null() {
+            // SAFETY: non-NULL, valid for a write per this function's contract.
+            unsafe { out_bytes.write(made) };
+        }
+        Ok(())
+    })
+}
+
 /// Maps region `name`'s memory back at the same addresses and restores the bytes it kept;
 /// returns once the copies are done, so work queued afterwards on any stream sees them.
 /// GLAKE_STATUS_INVALID_STATE when it is awake; GLAKE_STATUS_OUT_OF_MEMORY when the device or

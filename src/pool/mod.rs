@@ -400,6 +400,38 @@ impl Pool {
         inner.sleep(&*self.device, name, mode)
     }
 
+    /// Makes ahead of time what a first sleep of region `name` in [`SleepMode::Keep`] would
+    /// make: a host buffer per segment holding allocations (pinned or ordinary memory, as
+    /// `Config::sleep_host` says) and the copy engine. Pinning runs at a few GB/s, far below
+    /// the link, so a first sleep that pins is slow; prepared, it runs at the speed of later
+    /// ones. The buffers are made outside the pool's lock (other threads allocate meanwhile)
+    /// and kept until the pool goes. Returns the bytes made; on an error those made so far
+    /// are kept and the call may be repeated.
+    pub fn prepare_sleep(&self, name: &str) -> Result<usize> {
+        let (kind, sizes) = {
+            let mut inner = lock(&self.inner);
+            inner.prepare_sleep_engine(&self.device)?;
+            inner.sleep_shortfall(name)?
+        };
+        let mut made = Vec::with_capacity(sizes.len());
+        let mut failure = None;
+        for size in sizes {
+            match sleep::host_bytes_ahead(&*self.device, kind, size) {
+                Ok(bytes) => made.push(bytes),
+                Err(err) => {
+                    failure = Some(err);
+                    break;
+                }
+            }
+        }
+        let bytes = made.iter().map(|b| b.len()).sum();
+        lock(&self.inner).adopt_sleep_buffers(made);
+        match failure {
+            Some(err) => Err(err.context(format!("preparing region {name:?} for sleep"))),
+            None => Ok(bytes),
+        }
+    }
+
     /// Maps region `name`'s memory back at the same addresses and restores its bytes (kept
     /// mode); returns once the copies are done. On an error the segments not yet restored
     /// stay asleep with their bytes: call again to finish.

@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::blocks::{self, SegmentId, Tag, FIRST_REGION};
 use super::growth::Zombie;
+use super::swap_async::PinnedBuf;
 use super::swapping::{wait_for_copy, HostBytes};
 use super::Inner;
 use crate::config::SleepHost;
@@ -375,6 +376,39 @@ impl Inner {
         }
     }
 
+    /// The host buffers a sleep of region `name` in `Keep` mode would have to make now: one
+    /// per segment holding allocations, of its size, less the cached ones of that size; and
+    /// of which kind.
+    pub(super) fn sleep_shortfall(&self, name: &str) -> Result<(SleepHost, Vec<usize>)> {
+        let tag = self.regions[self.region_index(name)?].tag;
+        let idle = self.map.idle_segments();
+        let mut cached: Vec<usize> = match self.config.sleep_host {
+            SleepHost::Pinned => self.pinned.free_sizes().collect(),
+            SleepHost::Pageable => self.pageable.iter().map(Vec::len).collect(),
+        };
+        let mut missing = Vec::new();
+        for segment in self.awake_segments(tag) {
+            if idle.contains(&segment) {
+                continue;
+            }
+            let size = self.map.segments[segment].size;
+            match cached.iter().position(|&c| c == size) {
+                Some(i) => {
+                    cached.swap_remove(i);
+                }
+                None => missing.push(size),
+            }
+        }
+        Ok((self.config.sleep_host, missing))
+    }
+
+    /// Keeps host buffers made ahead of a sleep for it.
+    pub(super) fn adopt_sleep_buffers(&mut self, made: Vec<HostBytes>) {
+        for bytes in made {
+            self.recycle_saved(bytes);
+        }
+    }
+
     /// Keeps a sleeping segment's buffer for the next sleep.
     fn recycle_saved(&mut self, bytes: HostBytes) {
         match bytes {
@@ -421,9 +455,9 @@ impl Inner {
     }
 
     /// Wakes region `name`; see the module's documentation. Segments are mapped one after
-    /// another while the copies of those mapped already run (pinned buffers on one link:
-    /// queued on the sleep stream at once; through the engine, for pageable buffers or relays
-    /// through peers: one batch at the end).
+    /// another while the copies of those mapped already run (pinned buffers: queued at once,
+    /// on the sleep stream or through the engine's relays; pageable ones: one batch through
+    /// the engine at the end).
     pub(super) fn wake(&mut self, device: &dyn crate::device::Device, name: &str) -> Result<()> {
         let index = self.region_index(name)?;
         if !self.regions[index].asleep {
@@ -439,6 +473,10 @@ impl Inner {
         let mut failure = None;
         // The sleeper whose copy could not be queued: its memory is not filled.
         let mut unfilled = None;
+        // Copies of pinned buffers are queued as each segment is mapped; pageable ones go
+        // through the engine's lanes in one batch at the end.
+        let queued_each =
+            self.sleep_engine.is_none() || self.config.sleep_host == SleepHost::Pinned;
         while let Some(sleeper) = waiting.pop() {
             let chunks = match self.map_for_wake(device, &sleeper) {
                 Ok(chunks) => chunks,
@@ -448,13 +486,8 @@ impl Inner {
                     break;
                 }
             };
-            if let (None, Some(saved)) = (&self.sleep_engine, &sleeper.saved) {
-                let queued = queue_pinned(
-                    device,
-                    Direction::HostToDevice,
-                    &saved.pieces(sleeper.va),
-                    stream,
-                );
+            if let (true, Some(saved)) = (queued_each, &sleeper.saved) {
+                let queued = self.queue_wake_copy(device, &saved.pieces(sleeper.va), stream);
                 if let Err(err) = queued {
                     // Part of its copy may be queued: it waits with the others below, then
                     // its new memory goes.
@@ -467,7 +500,7 @@ impl Inner {
             mapped.push((sleeper, chunks));
         }
         let copied = match &self.sleep_engine {
-            Some(engine) => {
+            Some(engine) if !queued_each => {
                 let pieces: Vec<CopyPiece> = mapped
                     .iter()
                     .filter_map(|(s, _)| s.saved.as_ref().map(|saved| saved.pieces(s.va)))
@@ -484,7 +517,7 @@ impl Inner {
                     )
                 }
             }
-            None => wait_for_copy(device, stream),
+            _ => wait_for_copy(device, stream),
         };
         for (i, (sleeper, chunks)) in mapped.into_iter().enumerate() {
             if copied.is_err() {
@@ -509,6 +542,29 @@ impl Inner {
         }
         self.regions[index].asleep = false;
         Ok(())
+    }
+
+    /// Queues a wake's copies of `pieces` (inside pinned buffers its sleepers keep until the
+    /// copies are waited for) on `stream`: through the copy engine where the pool has one
+    /// (relays through peers), else the driver's calls.
+    fn queue_wake_copy(
+        &self,
+        device: &dyn crate::device::Device,
+        pieces: &[CopyPiece],
+        stream: Stream,
+    ) -> Result<()> {
+        match &self.sleep_engine {
+            // SAFETY: page-locked buffers that stay unchanged until the stream is waited for.
+            Some(engine) => unsafe {
+                engine.copy_pieces(
+                    Direction::HostToDevice,
+                    pieces,
+                    stream,
+                    Completion::StreamOrdered,
+                )
+            },
+            None => queue_pinned(device, Direction::HostToDevice, pieces, stream),
+        }
     }
 
     /// A sleeping segment's memory is mapped and filled: resident from here.
@@ -698,6 +754,32 @@ fn queue_pinned(
         }?;
     }
     Ok(())
+}
+
+/// Host memory for a sleeping segment of `len` bytes made ahead of the sleep, outside the
+/// pool's lock: a pinned buffer, or ordinary memory with every page faulted in already.
+pub(super) fn host_bytes_ahead(
+    device: &dyn crate::device::Device,
+    kind: SleepHost,
+    len: usize,
+) -> Result<HostBytes> {
+    match kind {
+        SleepHost::Pinned => {
+            let ptr = device
+                .alloc_pinned(len)
+                .map_err(|e| e.context("pinning host memory ahead of a sleep"))?;
+            Ok(HostBytes::Pinned(PinnedBuf::from_pinned(ptr, len)))
+        }
+        SleepHost::Pageable => {
+            let mut bytes = zeroed(len)?;
+            // A write per page faults it in now rather than during the sleep's copies.
+            for page in bytes.chunks_mut(4096) {
+                page[0] = 0;
+                std::hint::black_box(&page[0]);
+            }
+            Ok(HostBytes::Pageable(bytes))
+        }
+    }
 }
 
 /// `len` zeroed bytes of ordinary memory: fresh pages from the system, so nothing is written

@@ -25,6 +25,14 @@ pub(super) struct PinnedBuf {
 }
 
 impl PinnedBuf {
+    /// A buffer of `len` bytes at `ptr`, made by the device's `alloc_pinned`.
+    pub(super) fn from_pinned(ptr: *mut u8, len: usize) -> PinnedBuf {
+        PinnedBuf {
+            addr: ptr as usize,
+            len,
+        }
+    }
+
     pub(super) fn ptr(&self) -> *const u8 {
         self.addr as *const u8
     }
@@ -46,6 +54,13 @@ pub(super) struct Leaving {
 pub(super) struct PinnedCache {
     free: Vec<PinnedBuf>,
     busy: Vec<(Event, PinnedBuf)>,
+}
+
+impl PinnedCache {
+    /// The sizes of the free buffers.
+    pub(super) fn free_sizes(&self) -> impl Iterator<Item = usize> + '_ {
+        self.free.iter().map(|b| b.len)
+    }
 }
 
 impl Inner {
@@ -279,10 +294,7 @@ impl Inner {
         let ptr = device
             .alloc_pinned(len)
             .map_err(|e| e.context("pinning host memory for a swap"))?;
-        Ok(PinnedBuf {
-            addr: ptr as usize,
-            len,
-        })
+        Ok(PinnedBuf::from_pinned(ptr, len))
     }
 
     /// A buffer a queued copy on `copy` may read: back to the cache once the stream is waited

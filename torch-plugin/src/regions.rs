@@ -46,6 +46,28 @@ pub unsafe extern "C" fn gmlake_sleep(name: *const c_char, keep: c_int, device: 
     }))
 }
 
+/// Makes the host buffers a first sleep of region `name` of `device` would make; `out_bytes`
+/// (may be NULL) receives their bytes.
+///
+/// # Safety
+/// `name` must be NULL or NUL-terminated; `out_bytes` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gmlake_sleep_prepare(
+    name: *const c_char,
+    device: c_int,
+    out_bytes: *mut u64,
+) -> c_int {
+    // SAFETY: forwarded under this function's contract.
+    status(guarded(|| {
+        let made = devices::pool(device)?.prepare_sleep(unsafe { region_name(name) }?)?;
+        if !out_bytes.is_null() {
+            // SAFETY: non-NULL, valid for a write per this function's contract.
+            unsafe { out_bytes.write(made as u64) };
+        }
+        Ok(())
+    }))
+}
+
 /// Wakes region `name` of `device`.
 ///
 /// # Safety

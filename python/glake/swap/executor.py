@@ -13,6 +13,8 @@ Ops are matched by their index in the block's forward; when the forward takes an
 the profiled one (data-dependent routing), the block stops keeping anything from there on, so it
 never holds more than planned."""
 
+import logging
+import os
 import time
 
 import torch
@@ -104,14 +106,35 @@ class OpRecord:
         return self.name in HEAVY_OPS
 
 
+def _relay_engine(device):
+    """The device index whose glake copy engine swaps go through, when that engine relays
+    through a peer GPU's host link as well as the device's own (GLAKE_SWAP_RELAY=0 turns it
+    off); None where there is one link, and swaps are the driver's copies."""
+    if device.type != "cuda" or os.environ.get("GLAKE_SWAP_RELAY", "1") == "0":
+        return None
+    if torch.cuda.device_count() < 2:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        from .. import transfer
+        if transfer.stats(index)["paths"] > 1:
+            return index
+    except (OSError, RuntimeError) as err:
+        logging.getLogger("glake.swap").info("glake.swap: no copy engine for swaps: %s", err)
+    return None
+
+
 class Swapper:
     """Moves cached outputs to pinned host memory and back on two side streams. Pinned buffers
     are made on first need and reused by size (pinning is slow: a planned step makes none once
-    the first has run); on CPU (tests) the same path runs without streams."""
+    the first has run); on CPU (tests) the same path runs without streams. Where a peer GPU
+    reaches this one over NVLink, the copies go through glake's copy engine, which also uses
+    the peer's host link."""
 
     def __init__(self, device):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.relay = _relay_engine(self.device) if self.cuda else None
         if self.cuda:
             self.d2h = torch.cuda.Stream(self.device)
             self.h2d = torch.cuda.Stream(self.device)
@@ -133,6 +156,27 @@ class Swapper:
         self.waits.clear()
         return total
 
+    def copy(self, pairs, stream):
+        """Queues copies of (destination, source) uint8 tensors, one side pinned host memory
+        and the other this device, all in one direction, on `stream` (on CPU: copies them)."""
+        if not pairs:
+            return
+        if not self.cuda:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        if self.relay is not None:
+            from .. import transfer
+            to_device = pairs[0][0].is_cuda
+            pieces = [(src.data_ptr(), dst.data_ptr(), dst.numel()) if to_device
+                      else (dst.data_ptr(), src.data_ptr(), dst.numel()) for dst, src in pairs]
+            transfer.batch(self.relay, pieces, to_device=to_device, stream=stream.cuda_stream,
+                           non_blocking=True)
+            return
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+
     def host_buffer(self, nbytes):
         """A pinned buffer of at least `nbytes`, rounded to a size class (an eighth of a power
         of two) so that outputs whose size changes from step to step (expert loads) still reuse
@@ -152,20 +196,19 @@ class Swapper:
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
             self.d2h.wait_stream(main)
+        copies = []
         for t, storage in _storages(out):
             raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
             whole = self.host_buffer(raw.numel())
             buf = whole[:raw.numel()]
+            copies.append((buf, raw))
             if self.cuda:
-                with torch.cuda.stream(self.d2h):
-                    buf.copy_(raw, non_blocking=True)
                 # The allocator must not hand this memory out before the copy has read it:
                 # held until `release`, which frees it in stream order.
                 sources.append(raw)
-            else:
-                buf.copy_(raw)
             pieces.append((storage.data_ptr(), buf, whole))
             self.bytes_out += raw.numel()
+        self.copy(copies, self.d2h if self.cuda else None)
         done = None
         if self.cuda:
             done = torch.cuda.Event()
@@ -200,9 +243,7 @@ class Swapper:
                     for buf in handle["pieces"]]
             self.h2d.wait_stream(torch.cuda.current_stream(self.device))
             self.h2d.wait_event(handle["done"])
-            with torch.cuda.stream(self.h2d):
-                for dev, buf in zip(back, handle["pieces"]):
-                    dev.copy_(buf, non_blocking=True)
+            self.copy(list(zip(back, handle["pieces"])), self.h2d)
             handle["ready"] = torch.cuda.Event()
             handle["ready"].record(self.h2d)
         else:

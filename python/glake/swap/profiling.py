@@ -73,9 +73,9 @@ class ProfilingMixin:
                 torch.cuda.reset_peak_memory_stats(self.device)
 
     def _measure_bandwidth(self):
-        """Device-to-host and host-to-device bytes per second of pinned copies, the best of
-        three rounds on an idle device (a copy that shares the link with other traffic would
-        have the planner underrate it for the rest of the run)."""
+        """Device-to-host and host-to-device bytes per second of the swapper's copies, the best
+        of three rounds on an idle device (a copy that shares the link with other traffic
+        would have the planner underrate it for the rest of the run)."""
         if not self.cuda:
             return 10e9, 10e9
         torch.cuda.synchronize(self.device)
@@ -86,17 +86,17 @@ class ProfilingMixin:
         for src, dst in ((dev, host), (host, dev)):
             stream = torch.cuda.Stream(self.device)
             best = 0.0
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-                for _ in range(3):
-                    a = torch.cuda.Event(enable_timing=True)
-                    z = torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    for _ in range(4):
-                        dst.copy_(src, non_blocking=True)
-                    z.record()
-                    z.synchronize()
-                    best = max(best, 4 * n / (a.elapsed_time(z) / 1e3))
+            # Through the swapper's own path: the peer's link counts where it relays.
+            self.swapper.copy([(dst, src)], stream)
+            for _ in range(3):
+                a = torch.cuda.Event(enable_timing=True)
+                z = torch.cuda.Event(enable_timing=True)
+                a.record(stream)
+                for _ in range(4):
+                    self.swapper.copy([(dst, src)], stream)
+                z.record(stream)
+                z.synchronize()
+                best = max(best, 4 * n / (a.elapsed_time(z) / 1e3))
             rates.append(best)
         return rates[0], rates[1]
 

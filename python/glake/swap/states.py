@@ -57,6 +57,7 @@ class StateSwapper:
         for b, tensors in self.groups.items():
             if self.cuda:
                 self.swapper.d2h.wait_stream(torch.cuda.current_stream(self.swapper.device))
+            copies = []
             for t in tensors:
                 storage = t.untyped_storage()
                 buf = self.host.get(id(t))
@@ -65,12 +66,9 @@ class StateSwapper:
                                       pin_memory=self.cuda)
                     self.host[id(t)] = buf
                 raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                if self.cuda:
-                    with torch.cuda.stream(self.swapper.d2h):
-                        buf.copy_(raw, non_blocking=True)
-                else:
-                    buf.copy_(raw)
+                copies.append((buf, raw))
                 self.bytes_out += storage.nbytes()
+            self.swapper.copy(copies, self.swapper.d2h if self.cuda else None)
             done = None
             if self.cuda:
                 done = torch.cuda.Event()
@@ -103,13 +101,9 @@ class StateSwapper:
             h2d.wait_stream(torch.cuda.current_stream(self.swapper.device))
             if done is not None:
                 h2d.wait_event(done)
-        for t in tensors:
-            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-            if self.cuda:
-                with torch.cuda.stream(self.swapper.h2d):
-                    raw.copy_(self.host[id(t)], non_blocking=True)
-            else:
-                raw.copy_(self.host[id(t)])
+        copies = [(torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()),
+                   self.host[id(t)]) for t in tensors]
+        self.swapper.copy(copies, self.swapper.h2d if self.cuda else None)
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record(self.swapper.h2d)

@@ -2,6 +2,7 @@
 the allocator (this session) and without it (a fresh process)."""
 import textwrap
 
+import pytest
 import torch
 from conftest import run_script
 
@@ -68,3 +69,24 @@ def test_the_engine_works_without_glake_as_the_allocator():
         print("engine bytes", glake.torch.transfer_stats()["engine_bytes"])
     """))
     assert "engine bytes" in out and "engine bytes 0" not in out
+
+
+def test_swaps_relay_through_a_peer_gpu_and_keep_their_bytes(gpu_count):
+    if gpu_count < 2:
+        pytest.skip("one GPU: swaps are the driver's copies")
+    from glake import transfer
+    from glake.swap.executor import Swapper
+
+    swapper = Swapper("cuda:0")
+    assert swapper.relay == 0, "the engine of GPU 0 relays through GPU 1"
+    before = transfer.stats(0)["engine_bytes"]
+    data = torch.randint(0, 255, (96 * MIB + 7,), dtype=torch.uint8, device="cuda:0")
+    host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+    swapper.d2h.wait_stream(torch.cuda.current_stream())
+    swapper.copy([(host, data)], swapper.d2h)
+    back = torch.empty_like(data)
+    swapper.h2d.wait_stream(swapper.d2h)
+    swapper.copy([(back, host)], swapper.h2d)
+    swapper.h2d.synchronize()
+    assert torch.equal(back, data)
+    assert transfer.stats(0)["engine_bytes"] - before >= 2 * data.numel()

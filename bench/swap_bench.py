@@ -30,7 +30,8 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, method@allocator
+METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, glake-1link,
+# method@allocator
 MODELS = {
     # name: (width, layers, heads, ffn, experts, batch, sequence)
     "dense-1b": (2048, 22, 16, 5632, 0, 8, 2048),
@@ -122,8 +123,11 @@ def child(args):
     spec, name = args.child_method, args.child_model
     method, _, allocator = spec.partition("@")
     # "glake-memory": SmartSwap with the "memory" preference (optimizer states move too).
+    # "glake-1link": swaps on the device's own link only, where a peer GPU could relay.
     preference = "memory" if method == "glake-memory" else "performance"
-    method = "glake" if method == "glake-memory" else method
+    if method == "glake-1link":
+        os.environ["GLAKE_SWAP_RELAY"] = "0"
+    method = "glake" if method in ("glake-memory", "glake-1link") else method
     if (allocator or ("glake" if method == "glake" else "native")) == "glake":
         import glake.torch
         glake.torch.enable()

@@ -250,12 +250,24 @@ impl Lane {
         }
         if let Some(shares) = &job.shares {
             let mine = shares.get(index).cloned().unwrap_or(0..0);
-            for chunk in mine.filter_map(|i| job.cursor.chunk(i)) {
-                if job.failed() {
-                    break;
+            let chunks = mine.filter_map(|i| job.cursor.chunk(i));
+            if self.peer.is_none() {
+                // The target's own link stages nothing here: one copy per piece of the share,
+                // not one per chunk (fewer driver calls, made while the caller waits).
+                for run in super::plan::runs(chunks) {
+                    if job.failed() {
+                        break;
+                    }
+                    self.issue_direct(job, run)?;
                 }
-                let slot = self.acquire_in_order()?;
-                self.issue(job, slot, chunk)?;
+            } else {
+                for chunk in chunks {
+                    if job.failed() {
+                        break;
+                    }
+                    let slot = self.acquire_in_order()?;
+                    self.issue(job, slot, chunk)?;
+                }
             }
         } else {
             while !job.failed() {
@@ -391,6 +403,33 @@ impl Lane {
             relayed.fetch_add(len as u64, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// Copies `run` of page-locked host memory over the target's own link, in one call.
+    fn issue_direct(&self, job: &Job, run: Chunk) -> Result<()> {
+        let Some(&(host_start, device_start)) = job.pieces.get(run.piece) else {
+            return Err(Error::internal("a chunk of a piece the copy does not have"));
+        };
+        let host_at = host_start + run.offset;
+        let device_at = device_start + run.offset as u64;
+        // SAFETY: the run lies inside the caller's page-locked host memory, which stays valid
+        // (and unchanged, or unread) until the copy's final event, which follows this copy.
+        unsafe {
+            match job.direction {
+                Direction::HostToDevice => self.target.copy_to_device(
+                    device_at,
+                    host_at as *const u8,
+                    run.len,
+                    self.target_stream,
+                ),
+                Direction::DeviceToHost => self.target.copy_to_host(
+                    host_at as *mut u8,
+                    device_at,
+                    run.len,
+                    self.target_stream,
+                ),
+            }
+        }
     }
 
     fn to_device(

@@ -225,6 +225,21 @@ pub fn shares(count: usize, weights: &[f64]) -> Vec<std::ops::Range<usize>> {
     ranges
 }
 
+/// Merges consecutive chunks of one piece that follow each other into one: a path that
+/// stages nothing copies each run with one call.
+pub fn runs(chunks: impl IntoIterator<Item = Chunk>) -> Vec<Chunk> {
+    let mut merged: Vec<Chunk> = Vec::new();
+    for chunk in chunks {
+        match merged.last_mut() {
+            Some(last) if last.piece == chunk.piece && last.offset + last.len == chunk.offset => {
+                last.len += chunk.len;
+            }
+            _ => merged.push(chunk),
+        }
+    }
+    merged
+}
+
 /// How many of `lanes` a copy of `len` bytes wakes: one per `per_lane` bytes, at least one, so
 /// that a mid-sized copy does not pay for waking lanes that would each move little.
 pub fn lanes_for(len: usize, lanes: usize, per_lane: usize) -> usize {
@@ -288,6 +303,33 @@ mod tests {
         assert_eq!(shares(100, &[60.0, 40.0]), vec![0..60, 60..100]);
         // An unmeasured path (0) makes the split even.
         assert_eq!(shares(10, &[55.0, 0.0]), vec![0..5, 5..10]);
+    }
+
+    #[test]
+    fn runs_merge_what_follows_within_a_piece() {
+        let cursor = Cursor::over(vec![5 * MIB, 0, 3 * MIB + 1], 2 * MIB);
+        let all: Vec<Chunk> = (0..cursor.count())
+            .filter_map(|i| cursor.chunk(i))
+            .collect();
+        let merged = runs(all.clone());
+        assert_eq!(
+            merged,
+            vec![
+                Chunk {
+                    piece: 0,
+                    offset: 0,
+                    len: 5 * MIB
+                },
+                Chunk {
+                    piece: 2,
+                    offset: 0,
+                    len: 3 * MIB + 1
+                },
+            ]
+        );
+        // A share that starts inside a piece keeps its offset.
+        assert_eq!(runs(all[1..2].to_vec()), all[1..2].to_vec());
+        assert!(runs(Vec::new()).is_empty());
     }
 
     #[test]

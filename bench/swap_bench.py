@@ -30,7 +30,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, glake-1link,
+METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, a -1link suffix,
 # method@allocator
 MODELS = {
     # name: (width, layers, heads, ffn, experts, batch, sequence)
@@ -123,11 +123,12 @@ def child(args):
     spec, name = args.child_method, args.child_model
     method, _, allocator = spec.partition("@")
     # "glake-memory": SmartSwap with the "memory" preference (optimizer states move too).
-    # "glake-1link": swaps on the device's own link only, where a peer GPU could relay.
-    preference = "memory" if method == "glake-memory" else "performance"
-    if method == "glake-1link":
+    # A "-1link" suffix: swaps on the device's own link only, where a peer GPU could relay.
+    if method.endswith("-1link"):
         os.environ["GLAKE_SWAP_RELAY"] = "0"
-    method = "glake" if method in ("glake-memory", "glake-1link") else method
+        method = method[: -len("-1link")]
+    preference = "memory" if method == "glake-memory" else "performance"
+    method = "glake" if method == "glake-memory" else method
     if (allocator or ("glake" if method == "glake" else "native")) == "glake":
         import glake.torch
         glake.torch.enable()

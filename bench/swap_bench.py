@@ -30,7 +30,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, a -1link suffix,
+METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, -relay/-1link suffixes,
 # method@allocator
 MODELS = {
     # name: (width, layers, heads, ffn, experts, batch, sequence)
@@ -123,10 +123,12 @@ def child(args):
     spec, name = args.child_method, args.child_model
     method, _, allocator = spec.partition("@")
     # "glake-memory": SmartSwap with the "memory" preference (optimizer states move too).
-    # A "-1link" suffix: swaps on the device's own link only, where a peer GPU could relay.
-    if method.endswith("-1link"):
-        os.environ["GLAKE_SWAP_RELAY"] = "0"
-        method = method[: -len("-1link")]
+    # A "-relay" suffix: swaps also over a peer GPU's link (GLAKE_SWAP_RELAY=1); "-1link":
+    # the device's own link only (the default).
+    for suffix, relay in (("-relay", "1"), ("-1link", "0")):
+        if method.endswith(suffix):
+            os.environ["GLAKE_SWAP_RELAY"] = relay
+            method = method[: -len(suffix)]
     preference = "memory" if method == "glake-memory" else "performance"
     method = "glake" if method == "glake-memory" else method
     if (allocator or ("glake" if method == "glake" else "native")) == "glake":

@@ -31,6 +31,10 @@ use crate::device::{DevicePtr, SharedDevice, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transfer::{Completion, CopyPiece, Direction, Engine};
 
+/// Bytes of a wake's copies queued through the copy engine at once: enough for its relays
+/// (which take copies from 32 MiB on) to carry a share of segments smaller than that.
+const WAKE_BATCH_BYTES: usize = 256 << 20;
+
 /// Longest region name accepted (names are labels, not data).
 pub const MAX_REGION_NAME: usize = 255;
 
@@ -471,33 +475,56 @@ impl Inner {
         let mut waiting = std::mem::take(&mut self.regions[index].sleepers);
         let mut mapped: Vec<(Sleeper, Vec<blocks::Chunk>)> = Vec::new();
         let mut failure = None;
-        // The sleeper whose copy could not be queued: its memory is not filled.
+        // Sleepers from this index of `mapped` on had copies that could not all be queued:
+        // their memory is not filled.
         let mut unfilled = None;
-        // Copies of pinned buffers are queued as each segment is mapped; pageable ones go
+        // Copies of pinned buffers are queued as segments are mapped, gathered into batches
+        // large enough for the engine's relays where there is an engine; pageable ones go
         // through the engine's lanes in one batch at the end.
         let queued_each =
             self.sleep_engine.is_none() || self.config.sleep_host == SleepHost::Pinned;
-        while let Some(sleeper) = waiting.pop() {
-            let chunks = match self.map_for_wake(device, &sleeper) {
-                Ok(chunks) => chunks,
-                Err(err) => {
-                    waiting.push(sleeper);
-                    failure = Some(err);
-                    break;
-                }
+        let batch_bytes = if self.sleep_engine.is_some() {
+            WAKE_BATCH_BYTES
+        } else {
+            0
+        };
+        let mut batch: Vec<CopyPiece> = Vec::new();
+        let mut batch_first = 0;
+        loop {
+            let next = waiting.pop();
+            let mapping_failed = match next {
+                Some(sleeper) => match self.map_for_wake(device, &sleeper) {
+                    Ok(chunks) => {
+                        if let (true, Some(saved)) = (queued_each, &sleeper.saved) {
+                            batch.extend(saved.pieces(sleeper.va));
+                        }
+                        mapped.push((sleeper, chunks));
+                        false
+                    }
+                    Err(err) => {
+                        waiting.push(sleeper);
+                        failure = Some(err);
+                        true
+                    }
+                },
+                None => true,
             };
-            if let (true, Some(saved)) = (queued_each, &sleeper.saved) {
-                let queued = self.queue_wake_copy(device, &saved.pieces(sleeper.va), stream);
-                if let Err(err) = queued {
-                    // Part of its copy may be queued: it waits with the others below, then
-                    // its new memory goes.
-                    unfilled = Some(mapped.len());
-                    mapped.push((sleeper, chunks));
-                    failure = Some(err);
+            let done = mapping_failed || waiting.is_empty();
+            let batched: usize = batch.iter().map(|p| p.len).sum();
+            if !batch.is_empty() && (done || batched >= batch_bytes) {
+                if let Err(err) = self.queue_wake_copy(device, &batch, stream) {
+                    // Part of the batch may be queued: it waits with the others below, then
+                    // the new memory of its sleepers goes.
+                    unfilled = Some(batch_first);
+                    failure.get_or_insert(err);
                     break;
                 }
+                batch.clear();
+                batch_first = mapped.len();
             }
-            mapped.push((sleeper, chunks));
+            if done {
+                break;
+            }
         }
         let copied = match &self.sleep_engine {
             Some(engine) if !queued_each => {
@@ -526,7 +553,7 @@ impl Inner {
                 // a later wait for the device.
                 self.zombies.push(Zombie::mapped(sleeper.va, &chunks));
                 waiting.push(sleeper);
-            } else if Some(i) == unfilled {
+            } else if unfilled.is_some_and(|first| i >= first) {
                 self.bury(device, Zombie::mapped(sleeper.va, &chunks));
                 waiting.push(sleeper);
             } else {

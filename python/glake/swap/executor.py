@@ -107,10 +107,12 @@ class OpRecord:
 
 
 def _relay_engine(device):
-    """The device index whose glake copy engine swaps go through, when that engine relays
-    through a peer GPU's host link as well as the device's own (GLAKE_SWAP_RELAY=0 turns it
-    off); None where there is one link, and swaps are the driver's copies."""
-    if device.type != "cuda" or os.environ.get("GLAKE_SWAP_RELAY", "1") == "0":
+    """The device index whose glake copy engine swaps go through when GLAKE_SWAP_RELAY=1 and
+    that engine relays through a peer GPU's host link as well as the device's own; else None,
+    and swaps are the driver's copies on the device's own link. Off by default: on two H200s
+    the planner swapped more at the doubled bandwidth, and the measured steps were no faster
+    (BENCHMARKS.md)."""
+    if device.type != "cuda" or os.environ.get("GLAKE_SWAP_RELAY", "0") != "1":
         return None
     if torch.cuda.device_count() < 2:
         return None
@@ -127,9 +129,9 @@ def _relay_engine(device):
 class Swapper:
     """Moves cached outputs to pinned host memory and back on two side streams. Pinned buffers
     are made on first need and reused by size (pinning is slow: a planned step makes none once
-    the first has run); on CPU (tests) the same path runs without streams. Where a peer GPU
-    reaches this one over NVLink, the copies go through glake's copy engine, which also uses
-    the peer's host link."""
+    the first has run); on CPU (tests) the same path runs without streams. With
+    GLAKE_SWAP_RELAY=1, where a peer GPU reaches this one over NVLink, the copies go through
+    glake's copy engine, which also uses the peer's host link."""
 
     def __init__(self, device):
         self.device = torch.device(device)

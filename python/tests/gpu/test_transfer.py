@@ -71,12 +71,14 @@ def test_the_engine_works_without_glake_as_the_allocator():
     assert "engine bytes" in out and "engine bytes 0" not in out
 
 
-def test_swaps_relay_through_a_peer_gpu_and_keep_their_bytes(gpu_count):
+def test_swaps_relay_through_a_peer_gpu_and_keep_their_bytes(gpu_count, monkeypatch):
     if gpu_count < 2:
         pytest.skip("one GPU: swaps are the driver's copies")
     from glake import transfer
     from glake.swap.executor import Swapper
 
+    assert Swapper("cuda:0").relay is None, "off unless asked for"
+    monkeypatch.setenv("GLAKE_SWAP_RELAY", "1")
     swapper = Swapper("cuda:0")
     assert swapper.relay == 0, "the engine of GPU 0 relays through GPU 1"
     before = transfer.stats(0)["engine_bytes"]

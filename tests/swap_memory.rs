@@ -418,12 +418,66 @@ fn stream_ordered_swaps_round_trip_cancel_and_reuse_buffers() {
     assert_eq!(host.created_bytes(), 0);
 }
 
+/// A swap-out cancelled by a swap-in leaves its copy queued on the copy stream, still reading
+/// the allocation: a later waiting swap-out (which waits for the allocation's streams) and a
+/// free must not take the memory away before that copy has read it. The copy stream is held
+/// up by a host function until a helper thread opens it, so the copy is surely still queued.
+#[test]
+fn a_cancelled_swap_out_still_queued_keeps_its_memory_until_it_has_read_it() {
+    let host = host_device(256 * MIB);
+    let device: SharedDevice = host.clone();
+    let pool = Pool::new(device.clone(), Config::default()).expect("pool");
+    let copy = device.create_stream().expect("copy stream");
+    // The allocation's own stream: not the default one, which the host backend (like CUDA's
+    // legacy default stream) orders after every other.
+    let own = device.create_stream().expect("stream");
+    let size = 2 * MIB;
+    let ptr = pool.malloc_swappable(size, own).expect("malloc");
+    write_pattern(&device, ptr, size, 31);
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    host.enqueue_host_fn(
+        copy,
+        Box::new(move || {
+            let _ = gate.recv();
+        }),
+    )
+    .expect("gate");
+    pool.swap_out_async(ptr, copy)
+        .expect("swap out, queued behind the gate");
+    pool.swap_in_async(ptr, own).expect("cancelled");
+    let opened = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = opened.clone();
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = open.send(());
+    });
+    // It waits for the queued copy out (on the copy stream), not only for the allocation's
+    // stream, before it unmaps the memory that copy reads.
+    pool.swap_out(ptr).expect("swap out, waiting");
+    assert!(
+        opened.load(std::sync::atomic::Ordering::SeqCst),
+        "the memory went before the queued copy out had read it"
+    );
+    pool.swap_in(ptr).expect("swap in");
+    assert!(has_pattern(&device, ptr, size, 31), "bytes kept");
+    pool.free(ptr).expect("free");
+    opener.join().expect("opener");
+    device.synchronize_device().expect("sync");
+    check(&pool);
+    device.destroy_stream(copy).expect("destroy");
+    device.destroy_stream(own).expect("destroy");
+    drop(pool);
+    assert_eq!(host.live_objects(), (0, 0, 0));
+}
+
 /// Each driver call of stream-ordered swaps failing in turn: from a fresh pool, a swap out
 /// and back (the pinned buffer made), another with a non-blocking finish, one cancelled by
 /// the swap-in, one freed while its copy is queued, and the pool dropped with a swap-out under
 /// way and a buffer still busy. Each call that fails reports it, a retry completes, nothing is
 /// lost and no driver object is left (a pinned buffer whose copy cannot be waited for is kept
-/// by design, so pinned memory is not counted).
+/// by design, so pinned memory is not counted). A failed stream wait is also run with the
+/// call right after it (its fallback) failing.
 fn sweep_stream_ordered_swaps(swept: &mut common::sites::Swept) {
     let size = 4 * MIB;
     /// Runs the scenario from a fresh pool on a 64 MiB host device with `plan` made on its
@@ -448,8 +502,10 @@ fn sweep_stream_ordered_swaps(swept: &mut common::sites::Swept) {
         write_pattern(&io, other, size, 8);
         let before: Vec<u64> = CallKind::ALL.iter().map(|&k| fault.calls(k)).collect();
         plan(&fault);
+        // A failed call is retried (twice: the retry's own first call may be the one failed
+        // after the first failure).
         let again = |f: &dyn Fn() -> glake::Result<()>| {
-            if f().is_err() {
+            if f().is_err() && f().is_err() {
                 f().unwrap_or_else(|e| panic!("{what}: the retry fails: {e}"));
             }
         };
@@ -518,6 +574,21 @@ fn sweep_stream_ordered_swaps(swept: &mut common::sites::Swept) {
             );
             fired += fault.injected();
             swept.add(&fault);
+            // A failed ordering falls back to a wait: that wait failing too is swept as well.
+            // (Other pairs include both of a tear-down's waits failing, after which memory is
+            // left to the driver by design: the leak checks above would not hold.)
+            if kind == CallKind::StreamWaitEvent
+                && fault.injected() == 1
+                && !fault.calls_after_failure().is_empty()
+            {
+                let what = format!("{what}, then the call after it");
+                let (fault, _) = scenario(&what, size, |f| {
+                    f.fail_nth(kind, n);
+                    f.fail_after_failure(1);
+                });
+                fired += fault.injected();
+                swept.add(&fault);
+            }
         }
     }
     println!("swept {counts:?}: {fired} failures fired");

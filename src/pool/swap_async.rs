@@ -177,9 +177,20 @@ impl Inner {
         ptr: DevicePtr,
         copy: Stream,
     ) -> Result<()> {
-        if let Some(leaving) = self.swappable.get_mut(&ptr).and_then(|e| e.leaving.take()) {
-            // Never unmapped: the bytes are still there; the buffer is free once read.
-            self.cache_busy(leaving.done, leaving.buf);
+        let leaving_done = self
+            .swappable
+            .get(&ptr)
+            .and_then(|e| e.leaving.as_ref())
+            .map(|l| l.done);
+        if let Some(done) = leaving_done {
+            // Never unmapped: the bytes are still there; the buffer is free once read. The
+            // copy out may still read the memory: the allocation's streams wait for it, so a
+            // later swap-out or free (which wait for those streams) cannot take the memory
+            // away under it. On an error it is still on its way out.
+            self.order_after_copy_out(device, ptr, done)?;
+            if let Some(leaving) = self.swappable.get_mut(&ptr).and_then(|e| e.leaving.take()) {
+                self.cache_busy(leaving.done, leaving.buf);
+            }
             return Ok(());
         }
         let t = self.swap_target(ptr, true)?;
@@ -228,6 +239,33 @@ impl Inner {
         }
         // The buffer is accounted for above (busy until the copy is done, or free).
         let _ = self.complete_swap_in(ptr, t.block, t.size, chunks);
+        Ok(())
+    }
+
+    /// Makes the streams of allocation `ptr` wait for `done`, the end of a copy out still
+    /// queued; where that cannot be ordered, waits for the copy here (an error when that
+    /// fails too).
+    fn order_after_copy_out(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+        done: Event,
+    ) -> Result<()> {
+        let streams: Vec<Stream> = match self.live.get(&ptr) {
+            Some(live) => std::iter::once(live.stream)
+                .chain(live.extra_streams.iter().copied())
+                .collect(),
+            None => Vec::new(),
+        };
+        let ordered = streams
+            .iter()
+            .try_for_each(|&stream| device.stream_wait_event(stream, done));
+        if let Err(err) = ordered {
+            log::warn!("glake: ordering after a cancelled swap-out failed ({err}); waiting for it");
+            device
+                .synchronize_event(done)
+                .map_err(|e| e.context("waiting for a cancelled swap-out's copy"))?;
+        }
         Ok(())
     }
 

@@ -39,6 +39,17 @@ fn fill(
     ptrs
 }
 
+/// Frees `weights`, drops the pool and checks that no driver object and no pinned buffer is
+/// left on `host`.
+fn free_and_drop(pool: Pool, host: &HostDevice, weights: Vec<(DevicePtr, usize)>) {
+    for (p, _) in weights {
+        pool.free(p).expect("free");
+    }
+    drop(pool);
+    assert_eq!(host.live_objects(), (0, 0, 0));
+    assert_eq!(host.live_pinned(), 0, "host buffers freed with the pool");
+}
+
 fn intact(device: &SharedDevice, ptrs: &[(DevicePtr, usize)], seed: u64) -> bool {
     ptrs.iter()
         .enumerate()
@@ -127,12 +138,7 @@ fn pageable_host_buffers_go_through_the_copy_engine() {
         check(&pool);
     }
     assert_eq!(read(&device, weights[0].0, 48 * MIB), whole);
-    for (p, _) in weights {
-        pool.free(p).expect("free");
-    }
-    drop(pool);
-    assert_eq!(host.live_objects(), (0, 0, 0));
-    assert_eq!(host.live_pinned(), 0);
+    free_and_drop(pool, &host, weights);
 }
 
 #[test]
@@ -160,12 +166,7 @@ fn pinned_copies_relay_through_a_peer_where_there_is_one() {
     }
     let stats = pool.sleep_transfer_stats().expect("an engine with a relay");
     assert!(stats.relay_bytes > 0, "the peer carried part: {stats:?}");
-    for (p, _) in weights {
-        pool.free(p).expect("free");
-    }
-    drop(pool);
-    assert_eq!(host.live_objects(), (0, 0, 0));
-    assert_eq!(host.live_pinned(), 0);
+    free_and_drop(pool, &host, weights);
 }
 
 #[test]
@@ -211,11 +212,7 @@ fn prepared_host_memory_serves_the_first_sleep_of_either_kind() {
         pool.wake("w").expect("wake");
         assert!(intact(&device, &weights, 9), "{sleep_host:?}");
         assert!(pool.prepare_sleep("unknown").is_err());
-        for (p, _) in weights {
-            pool.free(p).expect("free");
-        }
-        drop(pool);
-        assert_eq!(host.live_pinned(), 0, "{sleep_host:?}: freed with the pool");
+        free_and_drop(pool, &host, weights);
     }
 }
 

@@ -169,6 +169,64 @@ fn pinned_copies_relay_through_a_peer_where_there_is_one() {
     free_and_drop(pool, &host, weights);
 }
 
+/// A copy of a relayed sleep failing halfway (on the driver's route, which small regions take):
+/// the sleep reports it after the copies queued before it are waited for, loses nothing, and a
+/// second sleep completes; nothing is left when the pool goes.
+#[test]
+fn a_relayed_sleep_whose_copy_fails_loses_nothing() {
+    let options = glake::device::host::HostOptions {
+        total_memory: 256 * MIB,
+        device_count: 2,
+        ..Default::default()
+    };
+    let host = Arc::new(HostDevice::new(0, options).expect("host device"));
+    let raw: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(raw.clone()));
+    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    let weights = fill(&pool, &raw, "w", &[4 * MIB, 2 * MIB + 9, 700], 50);
+    // The engine and the host buffers first: the failure is one of the sleep's own copies.
+    pool.prepare_sleep("w").expect("prepare");
+    fault.fail_nth(CallKind::Copy, 2);
+    assert!(
+        pool.sleep("w", SleepMode::Keep).is_err(),
+        "the failure is reported"
+    );
+    assert!(fault.injected() == 1);
+    check(&pool);
+    pool.sleep("w", SleepMode::Keep).expect("sleep again");
+    assert!(
+        pool.sleep_transfer_stats().is_some(),
+        "through the relaying engine"
+    );
+    pool.wake("w").expect("wake");
+    assert!(intact(&raw, &weights, 50), "bytes kept");
+    free_and_drop(pool, &host, weights);
+}
+
+/// An engine that cannot start (its staging cannot be pinned) leaves a pinned sleep on the
+/// driver's copies over one link: the sleep still succeeds.
+#[test]
+fn a_pinned_sleep_goes_on_without_an_engine_that_cannot_start() {
+    let options = glake::device::host::HostOptions {
+        total_memory: 256 * MIB,
+        device_count: 2,
+        ..Default::default()
+    };
+    let host = Arc::new(HostDevice::new(0, options).expect("host device"));
+    let raw: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(raw.clone()));
+    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    let weights = fill(&pool, &raw, "w", &[40 * MIB, 300], 60);
+    fault.fail_nth(CallKind::Pinned, 1);
+    pool.sleep("w", SleepMode::Keep)
+        .expect("sleep without the engine");
+    assert_eq!(fault.injected(), 1);
+    assert!(pool.sleep_transfer_stats().is_none());
+    pool.wake("w").expect("wake");
+    assert!(intact(&raw, &weights, 60));
+    free_and_drop(pool, &host, weights);
+}
+
 #[test]
 fn pinned_copies_on_one_device_need_no_engine() {
     let (_host, device, pool) = setup(256 * MIB);

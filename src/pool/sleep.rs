@@ -355,8 +355,16 @@ impl Inner {
         if let Some(engine) = &self.sleep_engine {
             // SAFETY: every piece lies inside a live buffer of the pool's; a blocking copy is
             // done when it returns.
-            return unsafe { engine.copy_pieces(direction, &pieces, stream, Completion::Blocking) }
-                .map_err(|e| (e, true));
+            let copied =
+                unsafe { engine.copy_pieces(direction, &pieces, stream, Completion::Blocking) };
+            return copied.map_err(|err| {
+                // Copies queued before the failure may still run: settled only once waited for.
+                let settled = wait_for_copy(device, stream).is_ok();
+                if !settled {
+                    log::error!("glake: sleep copies cannot be waited for; leaking their buffers");
+                }
+                (err, settled)
+            });
         }
         let queued = queue_pinned(device, direction, &pieces, stream);
         if let Err(err) = wait_for_copy(device, stream) {
@@ -430,6 +438,13 @@ impl Inner {
         if self.sleep_engine.is_some() {
             return Ok(());
         }
+        if self.routing > 0 {
+            // Starting an engine measures its paths on the device: not during a capture.
+            return Err(Error::new(
+                ErrorKind::InvalidState,
+                "cannot sleep while a graph capture may be under way",
+            ));
+        }
         let mut config = crate::config::TransferConfig::from_env();
         let peers = sleep_relays(device, config.max_peers);
         if self.config.sleep_host == SleepHost::Pinned {
@@ -440,9 +455,15 @@ impl Inner {
             config.lanes = 1;
             config.relay_lanes = 1;
         }
-        let engine = Engine::new(device.clone(), peers, config)
-            .map_err(|e| e.context("starting the copy engine for sleep"))?;
-        self.sleep_engine = Some(engine);
+        match Engine::new(device.clone(), peers, config) {
+            Ok(engine) => self.sleep_engine = Some(engine),
+            // Pinned buffers need no engine: the driver's copies on one link serve (an engine
+            // needs device memory, which may be short when a region is put to sleep).
+            Err(err) if self.config.sleep_host == SleepHost::Pinned => {
+                log::warn!("glake: no copy engine for sleep ({err}); copies use one link")
+            }
+            Err(err) => return Err(err.context("starting the copy engine for sleep")),
+        }
         Ok(())
     }
 

@@ -448,7 +448,8 @@ impl Engine {
             }
         }
         let mut driver_used = false;
-        for (host, group) in groups {
+        let mut failure = None;
+        'groups: for (host, group) in groups {
             let len: usize = group.iter().map(|p| p.len).sum();
             let route = if small {
                 Route::Driver
@@ -461,19 +462,36 @@ impl Engine {
                     driver_used = true;
                     for piece in &group {
                         // SAFETY: forwarded under the caller's contract.
-                        unsafe { self.driver_copy(direction, piece, stream)? };
+                        if let Err(err) = unsafe { self.driver_copy(direction, piece, stream) } {
+                            failure = Some(err);
+                            break 'groups;
+                        }
                     }
                 }
-                // SAFETY: forwarded under the caller's contract.
-                Route::Engine(paths) => unsafe {
-                    self.run_job(direction, host, &group, stream, completion, &paths)?
-                },
+                Route::Engine(paths) => {
+                    // SAFETY: forwarded under the caller's contract.
+                    let done = unsafe {
+                        self.run_job(direction, host, &group, stream, completion, &paths)
+                    };
+                    if let Err(err) = done {
+                        failure = Some(err);
+                        break;
+                    }
+                }
             }
         }
-        if driver_used && completion == Completion::Blocking {
-            self.target.synchronize_stream(stream)?;
+        // Driver copies queued before a failure still touch the caller's memory: they are
+        // waited for as well as can be before the error goes back.
+        if driver_used && (completion == Completion::Blocking || failure.is_some()) {
+            let waited = self.target.synchronize_stream(stream);
+            if failure.is_none() {
+                waited?;
+            }
         }
-        Ok(())
+        match failure {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
     }
 
     /// One call of the driver on the caller's stream (its own semantics for pageable memory:

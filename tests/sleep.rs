@@ -169,11 +169,9 @@ fn pinned_copies_relay_through_a_peer_where_there_is_one() {
     free_and_drop(pool, &host, weights);
 }
 
-/// A copy of a relayed sleep failing halfway (on the driver's route, which small regions take):
-/// the sleep reports it after the copies queued before it are waited for, loses nothing, and a
-/// second sleep completes; nothing is left when the pool goes.
-#[test]
-fn a_relayed_sleep_whose_copy_fails_loses_nothing() {
+/// A pool on a fault device over host device 0 of a pretended two-device host (so sleep can
+/// relay through device 1): the host device, it as the seam, the fault device and the pool.
+fn two_device_faulty_pool() -> (Arc<HostDevice>, SharedDevice, Arc<FaultDevice>, Pool) {
     let options = glake::device::host::HostOptions {
         total_memory: 256 * MIB,
         device_count: 2,
@@ -183,6 +181,15 @@ fn a_relayed_sleep_whose_copy_fails_loses_nothing() {
     let raw: SharedDevice = host.clone();
     let fault = Arc::new(FaultDevice::new(raw.clone()));
     let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    (host, raw, fault, pool)
+}
+
+/// A copy of a relayed sleep failing halfway (on the driver's route, which small regions take):
+/// the sleep reports it after the copies queued before it are waited for, loses nothing, and a
+/// second sleep completes; nothing is left when the pool goes.
+#[test]
+fn a_relayed_sleep_whose_copy_fails_loses_nothing() {
+    let (host, raw, fault, pool) = two_device_faulty_pool();
     let weights = fill(&pool, &raw, "w", &[4 * MIB, 2 * MIB + 9, 700], 50);
     // The engine and the host buffers first: the failure is one of the sleep's own copies.
     pool.prepare_sleep("w").expect("prepare");
@@ -207,15 +214,7 @@ fn a_relayed_sleep_whose_copy_fails_loses_nothing() {
 /// driver's copies over one link: the sleep still succeeds.
 #[test]
 fn a_pinned_sleep_goes_on_without_an_engine_that_cannot_start() {
-    let options = glake::device::host::HostOptions {
-        total_memory: 256 * MIB,
-        device_count: 2,
-        ..Default::default()
-    };
-    let host = Arc::new(HostDevice::new(0, options).expect("host device"));
-    let raw: SharedDevice = host.clone();
-    let fault = Arc::new(FaultDevice::new(raw.clone()));
-    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    let (host, raw, fault, pool) = two_device_faulty_pool();
     let weights = fill(&pool, &raw, "w", &[40 * MIB, 300], 60);
     fault.fail_nth(CallKind::Pinned, 1);
     pool.sleep("w", SleepMode::Keep)

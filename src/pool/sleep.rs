@@ -20,6 +20,7 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
 
 use super::blocks::{self, SegmentId, Tag, FIRST_REGION};
 use super::growth::Zombie;
@@ -260,18 +261,32 @@ impl Inner {
         mode: SleepMode,
     ) -> Result<()> {
         let tag = self.regions[index].tag;
+        let started = Instant::now();
         // Cached free memory of the region goes back whole, range included.
         for segment in self.map.idle_segments() {
             if self.map.segments[segment].tag == tag {
                 self.release_segment(device, segment)?;
             }
         }
+        let released = started.elapsed();
         let segments = self.awake_segments(tag);
+        let handles: usize = segments
+            .iter()
+            .map(|&s| self.map.segments[s].chunks().len())
+            .sum();
         let saved = match mode {
             SleepMode::Keep => Some(self.copy_out(device, &segments)?),
             SleepMode::Drop => None,
         };
+        let copied = started.elapsed();
+        let bytes: usize = saved
+            .iter()
+            .flatten()
+            .flat_map(|s| &s.ranges)
+            .map(|&(_, len)| len)
+            .sum();
         let mut saved = saved.map(|v| v.into_iter());
+        let count = segments.len();
         for segment in segments {
             let (va, size) = (
                 self.map.segments[segment].va,
@@ -285,6 +300,18 @@ impl Inner {
                 saved: saved.as_mut().and_then(|s| s.next()),
             });
         }
+        // Where a sleep's time goes (GLAKE_LOG=info): copies against the driver's tear-down.
+        let total = started.elapsed();
+        log::info!(
+            "glake: sleep of region {:?}: {:.1} ms releasing cached segments, {:.1} ms copying \
+             {bytes} bytes ({:.1} GB/s), {:.1} ms unmapping {count} segments of {handles} \
+             handles",
+            self.regions[index].name,
+            released.as_secs_f64() * 1e3,
+            (copied - released).as_secs_f64() * 1e3,
+            bytes as f64 / (copied - released).as_secs_f64().max(1e-9) / 1e9,
+            (total - copied).as_secs_f64() * 1e3,
+        );
         Ok(())
     }
 
@@ -511,10 +538,18 @@ impl Inner {
         };
         let mut batch: Vec<CopyPiece> = Vec::new();
         let mut batch_first = 0;
+        let started = Instant::now();
+        let mut mapping = std::time::Duration::ZERO;
         loop {
             let next = waiting.pop();
-            let mapping_failed = match next {
-                Some(sleeper) => match self.map_for_wake(device, &sleeper) {
+            let map_started = Instant::now();
+            let mapped_now = next.map(|sleeper| {
+                let chunks = self.map_for_wake(device, &sleeper);
+                (sleeper, chunks)
+            });
+            mapping += map_started.elapsed();
+            let mapping_failed = match mapped_now {
+                Some((sleeper, chunks)) => match chunks {
                     Ok(chunks) => {
                         if let (true, Some(saved)) = (queued_each, &sleeper.saved) {
                             batch.extend(saved.pieces(sleeper.va));
@@ -567,6 +602,22 @@ impl Inner {
             }
             _ => wait_for_copy(device, stream),
         };
+        let bytes: usize = mapped
+            .iter()
+            .filter_map(|(s, _)| s.saved.as_ref())
+            .flat_map(|saved| &saved.ranges)
+            .map(|&(_, len)| len)
+            .sum();
+        // Where a wake's time goes (GLAKE_LOG=info): mapping runs while earlier copies do.
+        log::info!(
+            "glake: wake of region {:?}: {:.1} ms in all for {bytes} bytes ({:.1} GB/s), {:.1} ms \
+             of it mapping {} segments",
+            self.regions[index].name,
+            started.elapsed().as_secs_f64() * 1e3,
+            bytes as f64 / started.elapsed().as_secs_f64().max(1e-9) / 1e9,
+            mapping.as_secs_f64() * 1e3,
+            mapped.len(),
+        );
         for (i, (sleeper, chunks)) in mapped.into_iter().enumerate() {
             if copied.is_err() {
                 // Copies in only read the host buffers: the sleeper keeps its bytes. Copies

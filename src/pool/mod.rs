@@ -393,26 +393,38 @@ impl Pool {
     /// device first and for its copies before returning. Allocations in the region are refused
     /// until [`Pool::wake`]. On an error nothing is lost: call again to finish, or wake.
     pub fn sleep(&self, name: &str, mode: SleepMode) -> Result<()> {
-        let mut inner = lock(&self.inner);
         if mode == SleepMode::Keep {
-            inner.prepare_sleep_engine(&self.device)?;
+            self.ensure_sleep_engine()?;
         }
-        inner.sleep(&*self.device, name, mode)
+        lock(&self.inner).sleep(&*self.device, name, mode)
+    }
+
+    /// Starts the copy engine of sleep and wake once, without holding the pool's lock while
+    /// it opens peers, pins its staging and measures its paths (a thread that gets there
+    /// first wins; the other engine is dropped).
+    fn ensure_sleep_engine(&self) -> Result<()> {
+        let Some(sleep_host) = lock(&self.inner).sleep_engine_wanted()? else {
+            return Ok(());
+        };
+        let engine = sleep::start_sleep_engine(&self.device, sleep_host)?;
+        let mut inner = lock(&self.inner);
+        if inner.sleep_engine.is_none() {
+            inner.sleep_engine = engine;
+        }
+        Ok(())
     }
 
     /// Makes ahead of time what a first sleep of region `name` in [`SleepMode::Keep`] would
     /// make: a host buffer per segment holding allocations (pinned or ordinary memory, as
     /// `Config::sleep_host` says) and the copy engine. Pinning runs at a few GB/s, far below
     /// the link, so a first sleep that pins is slow; prepared, it runs at the speed of later
-    /// ones. The buffers are made outside the pool's lock (other threads allocate meanwhile)
-    /// and kept until the pool goes. Returns the bytes made; on an error those made so far
-    /// are kept and the call may be repeated.
+    /// ones. The engine and the buffers are made outside the pool's lock (other threads
+    /// allocate meanwhile) and kept until the pool goes. Returns the bytes made; on an error
+    /// those made so far are kept and the call may be repeated.
     pub fn prepare_sleep(&self, name: &str) -> Result<usize> {
-        let (kind, sizes) = {
-            let mut inner = lock(&self.inner);
-            inner.prepare_sleep_engine(&self.device)?;
-            inner.sleep_shortfall(name)?
-        };
+        lock(&self.inner).region_index(name)?; // an unknown region starts nothing
+        self.ensure_sleep_engine()?;
+        let (kind, sizes) = lock(&self.inner).sleep_shortfall(name)?;
         let mut made = Vec::with_capacity(sizes.len());
         let mut failure = None;
         for size in sizes {

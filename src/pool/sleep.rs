@@ -185,7 +185,7 @@ impl Inner {
         Ok(tag)
     }
 
-    fn region_index(&self, name: &str) -> Result<usize> {
+    pub(super) fn region_index(&self, name: &str) -> Result<usize> {
         check_name(name)?;
         self.regions
             .iter()
@@ -456,42 +456,19 @@ impl Inner {
         }
     }
 
-    /// Makes the copy engine that sleep and wake copies go through, once: always for
-    /// pageable host buffers (the engine's lanes stage them), and for pinned ones where a peer
-    /// GPU reaches this one and has its own host link (`GLAKE_COPY_PEERS`), so that the copies
-    /// also run over the peer's link. Pinned copies on one link stay the driver's own calls on
-    /// the sleep stream: no engine is faster there.
-    pub(super) fn prepare_sleep_engine(&mut self, device: &SharedDevice) -> Result<()> {
+    /// Whether a sleep engine should be started now: none yet, and no capture under way
+    /// (starting one measures its paths on the device). Returns the kind of host buffers.
+    pub(super) fn sleep_engine_wanted(&self) -> Result<Option<SleepHost>> {
         if self.sleep_engine.is_some() {
-            return Ok(());
+            return Ok(None);
         }
         if self.routing > 0 {
-            // Starting an engine measures its paths on the device: not during a capture.
             return Err(Error::new(
                 ErrorKind::InvalidState,
                 "cannot sleep while a graph capture may be under way",
             ));
         }
-        let mut config = crate::config::TransferConfig::from_env();
-        let peers = sleep_relays(device, config.max_peers);
-        if self.config.sleep_host == SleepHost::Pinned {
-            if peers.is_empty() {
-                return Ok(());
-            }
-            // Pinned copies use the first lane of each path: no staging to fill.
-            config.lanes = 1;
-            config.relay_lanes = 1;
-        }
-        match Engine::new(device.clone(), peers, config) {
-            Ok(engine) => self.sleep_engine = Some(engine),
-            // Pinned buffers need no engine: the driver's copies on one link serve (an engine
-            // needs device memory, which may be short when a region is put to sleep).
-            Err(err) if self.config.sleep_host == SleepHost::Pinned => {
-                log::warn!("glake: no copy engine for sleep ({err}); copies use one link")
-            }
-            Err(err) => return Err(err.context("starting the copy engine for sleep")),
-        }
-        Ok(())
+        Ok(Some(self.config.sleep_host))
     }
 
     /// The pool's stream for sleep and wake copies, made on first use.
@@ -816,6 +793,36 @@ impl Inner {
             }
         }
         Ok(())
+    }
+}
+
+/// Starts the copy engine that sleep and wake copies go through (made by the caller without
+/// the pool's lock: it opens peers, pins staging and measures paths): always for pageable host
+/// buffers (the engine's lanes stage them), and for pinned ones where a peer GPU reaches this
+/// one and has its own host link (`GLAKE_COPY_PEERS`), so that the copies also run over the
+/// peer's link. None for pinned buffers otherwise: the driver's own calls on one link are as
+/// fast, and they need no device memory, which may be short when a region is put to sleep.
+pub(super) fn start_sleep_engine(
+    device: &SharedDevice,
+    sleep_host: SleepHost,
+) -> Result<Option<Engine>> {
+    let mut config = crate::config::TransferConfig::from_env();
+    let peers = sleep_relays(device, config.max_peers);
+    if sleep_host == SleepHost::Pinned {
+        if peers.is_empty() {
+            return Ok(None);
+        }
+        // Pinned copies use the first lane of each path: no staging to fill.
+        config.lanes = 1;
+        config.relay_lanes = 1;
+    }
+    match Engine::new(device.clone(), peers, config) {
+        Ok(engine) => Ok(Some(engine)),
+        Err(err) if sleep_host == SleepHost::Pinned => {
+            log::warn!("glake: no copy engine for sleep ({err}); copies use one link");
+            Ok(None)
+        }
+        Err(err) => Err(err.context("starting the copy engine for sleep")),
     }
 }
 

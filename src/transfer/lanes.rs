@@ -294,18 +294,23 @@ impl Lane {
     /// The next slot in turn, after its last piece of work has finished (and, for a pageable
     /// destination, its bytes have been copied out).
     fn acquire(&mut self) -> Result<usize> {
-        let slot = self.next;
-        self.next = (self.next + 1) % self.slots.len();
+        let slot = self.turn();
         self.complete(slot)?;
         Ok(slot)
+    }
+
+    /// The next slot in turn.
+    fn turn(&mut self) -> usize {
+        let slot = self.next;
+        self.next = (self.next + 1) % self.slots.len();
+        slot
     }
 
     /// The next slot in turn for a chunk of page-locked memory: the lane's stream that first
     /// touches the slot's relay buffer waits, on the device, for the slot's last piece of work
     /// (the host does not). A direct lane's slot holds no buffer such a chunk uses.
     fn acquire_in_order(&mut self) -> Result<usize> {
-        let slot = self.next;
-        self.next = (self.next + 1) % self.slots.len();
+        let slot = self.turn();
         let Some(pending) = self.slots[slot].pending else {
             return Ok(slot);
         };

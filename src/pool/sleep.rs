@@ -517,33 +517,30 @@ impl Inner {
         let mut batch_first = 0;
         let started = Instant::now();
         let mut mapping = std::time::Duration::ZERO;
+        let mut batched = 0;
         loop {
-            let next = waiting.pop();
-            let map_started = Instant::now();
-            let mapped_now = next.map(|sleeper| {
+            let mut stop = true;
+            if let Some(sleeper) = waiting.pop() {
+                let map_started = Instant::now();
                 let chunks = self.map_for_wake(device, &sleeper);
-                (sleeper, chunks)
-            });
-            mapping += map_started.elapsed();
-            let mapping_failed = match mapped_now {
-                Some((sleeper, chunks)) => match chunks {
+                mapping += map_started.elapsed();
+                match chunks {
                     Ok(chunks) => {
                         if let (true, Some(saved)) = (queued_each, &sleeper.saved) {
-                            batch.extend(saved.pieces(sleeper.va));
+                            let pieces = saved.pieces(sleeper.va);
+                            batched += pieces.iter().map(|p| p.len).sum::<usize>();
+                            batch.extend(pieces);
                         }
                         mapped.push((sleeper, chunks));
-                        false
+                        stop = false;
                     }
                     Err(err) => {
                         waiting.push(sleeper);
                         failure = Some(err);
-                        true
                     }
-                },
-                None => true,
-            };
-            let done = mapping_failed || waiting.is_empty();
-            let batched: usize = batch.iter().map(|p| p.len).sum();
+                }
+            }
+            let done = stop || waiting.is_empty();
             if !batch.is_empty() && (done || batched >= batch_bytes) {
                 if let Err(err) = self.queue_wake_copy(device, &batch, stream) {
                     // Part of the batch may be queued: it waits with the others below, then
@@ -553,6 +550,7 @@ impl Inner {
                     break;
                 }
                 batch.clear();
+                batched = 0;
                 batch_first = mapped.len();
             }
             if done {

@@ -143,6 +143,10 @@ def main():
             got = [json.loads(line[4:]) for line in done.stdout.splitlines()
                    if line.startswith("ROW ")]
             tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            if os.environ.get("GLAKE_LOG"):  # the child's log lines (sleep and wake phases)
+                for line in done.stderr.splitlines():
+                    if "glake" in line:
+                        print(f"{workload} {method}: {line}", file=sys.stderr)
             if not got:
                 print(f"{workload} {method}: failed:\n" + "\n".join(tail), file=sys.stderr)
                 got = [{"method": method, "workload": workload,

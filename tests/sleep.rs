@@ -478,6 +478,48 @@ fn faulty_region(asleep: bool) -> Faulty {
     }
 }
 
+/// Pinned copies out are waited for batch by batch and each batch's segments unmapped as soon
+/// as they are done: when the copies of a later batch cannot be waited for at all (its
+/// event, the stream and the device all fail), the segments copied before stay asleep, the
+/// rest stay awake with their bytes, and sleeping again finishes. The buffers whose copies
+/// could not be waited for are kept for good.
+#[test]
+fn a_sleep_unmaps_range_by_range_and_a_failed_wait_leaves_the_rest_awake() {
+    let Faulty {
+        host,
+        raw,
+        fault,
+        pool,
+        weights,
+    } = faulty_region(false);
+    let pinned_before = host.live_pinned();
+    // The sleep's first device-wide wait is the one before its copies.
+    fault.fail_nth_after_call(CallKind::SynchronizeEvent, 2);
+    fault.fail_nth_after_call(CallKind::SynchronizeStream, 1);
+    fault.fail_nth_after_call(CallKind::SynchronizeDevice, 2);
+    let result = pool.sleep("w", SleepMode::Keep);
+    fault.clear();
+    assert!(result.is_err(), "the failed wait is reported");
+    assert_eq!(fault.injected(), 3);
+    check(&pool);
+    let info = pool.region_info("w").expect("info");
+    assert!(info.asleep, "asleep in part");
+    assert!(info.asleep_bytes > 0, "the first batch slept: {info:?}");
+    assert!(info.resident_bytes > 0, "later batches stayed: {info:?}");
+    // A buffer was made for each segment; those of the segments still awake are not reused.
+    let segments = info.segments;
+    pool.sleep("w", SleepMode::Keep).expect("sleep again");
+    let info = pool.region_info("w").expect("info");
+    assert_eq!(info.resident_bytes, 0, "{info:?}");
+    assert!(
+        host.live_pinned() - pinned_before > segments,
+        "the buffers whose copies were not waited for are not reused"
+    );
+    pool.wake("w").expect("wake");
+    assert!(intact(&raw, &weights, 40), "bytes kept");
+    check(&pool);
+}
+
 /// The call of a sleep's life a fault sweep fails calls in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
@@ -621,7 +663,9 @@ fn a_fault_at_each_driver_call_of_a_sleep_or_a_wake_loses_nothing() {
             Stage::Sleep => &[
                 CallKind::SynchronizeDevice,
                 CallKind::Copy,
-                CallKind::SynchronizeStream,
+                CallKind::CreateEvent,
+                CallKind::RecordEvent,
+                CallKind::SynchronizeEvent,
                 CallKind::Unmap,
                 CallKind::ReleasePhysical,
                 CallKind::Unreserve,

@@ -11,9 +11,10 @@
 //! allocated byte range to host buffers (pinned ones, copied by the device; or ordinary memory
 //! through the copy engine, `Config::sleep_host`; pinned copies also go through the engine where
 //! a peer GPU can relay them over its own host link; either kind is kept by the pool afterwards,
-//! so a later sleep neither pins nor faults in pages again) and then unmaps and releases the
-//! segments; a failure before
-//! the copies are done changes no segment, so a retry starts over. Wake maps new memory at each
+//! so a later sleep neither pins nor faults in pages again) and unmaps and releases the
+//! segments: pinned copies range by range, each batch as soon as its copies are done while
+//! later ones still copy. A failure to copy changes no segment that was not fully copied; the
+//! region is then asleep in part, and sleeping it again finishes. Wake maps new memory at each
 //! sleeping segment's range and copies the bytes back; a failure leaves the segments not yet
 //! restored asleep with their bytes, and a retry goes on from there. Both return once their
 //! copies are done, so work queued afterwards on any stream sees the bytes.
@@ -28,13 +29,14 @@ use super::swap_async::PinnedBuf;
 use super::swapping::{wait_for_copy, HostBytes};
 use super::Inner;
 use crate::config::SleepHost;
-use crate::device::{DevicePtr, SharedDevice, Stream};
+use crate::device::{DevicePtr, Event, SharedDevice, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transfer::{Completion, CopyPiece, Direction, Engine};
 
-/// Bytes of a wake's copies queued through the copy engine at once: enough for its relays
-/// (which take copies from 32 MiB on) to carry a share of segments smaller than that.
-const WAKE_BATCH_BYTES: usize = 256 << 20;
+/// Bytes of a sleep's or a wake's copies queued through the copy engine at once: enough for
+/// its relays (which take copies from 32 MiB on) to carry a share of segments smaller than
+/// that.
+const COPY_BATCH_BYTES: usize = 256 << 20;
 
 /// Longest region name accepted (names are labels, not data).
 pub const MAX_REGION_NAME: usize = 255;
@@ -95,6 +97,11 @@ struct Saved {
 }
 
 impl Saved {
+    /// The bytes its ranges hold.
+    fn bytes(&self) -> usize {
+        self.ranges.iter().map(|&(_, len)| len).sum()
+    }
+
     /// The engine's pieces for the ranges of a segment at `va`.
     fn pieces(&self, va: DevicePtr) -> Vec<CopyPiece> {
         self.ranges
@@ -106,6 +113,15 @@ impl Saved {
             })
             .collect()
     }
+}
+
+/// Where a sleep's time went, for its log line.
+#[derive(Debug, Default)]
+struct SleepTimes {
+    /// Waiting for copies out.
+    waiting: std::time::Duration,
+    /// Unmapping and releasing segments.
+    unmapping: std::time::Duration,
 }
 
 /// Regions begun and not ended, process-wide: while zero, allocations skip the thread-local
@@ -274,91 +290,218 @@ impl Inner {
             .iter()
             .map(|&s| self.map.segments[s].chunks().len())
             .sum();
-        let saved = match mode {
-            SleepMode::Keep => Some(self.copy_out(device, &segments)?),
-            SleepMode::Drop => None,
-        };
-        let copied = started.elapsed();
-        let bytes: usize = saved
-            .iter()
-            .flatten()
-            .flat_map(|s| &s.ranges)
-            .map(|&(_, len)| len)
-            .sum();
-        let mut saved = saved.map(|v| v.into_iter());
         let count = segments.len();
-        for segment in segments {
-            let (va, size) = (
-                self.map.segments[segment].va,
-                self.map.segments[segment].size,
-            );
-            self.unmap_segment(device, segment);
-            self.regions[index].sleepers.push(Sleeper {
-                segment,
-                va,
-                size,
-                saved: saved.as_mut().and_then(|s| s.next()),
-            });
-        }
-        // Where a sleep's time goes (GLAKE_LOG=info): copies against the driver's tear-down.
-        let total = started.elapsed();
+        let mut spent = SleepTimes::default();
+        let bytes = match mode {
+            SleepMode::Drop => {
+                let unmapping = Instant::now();
+                for segment in segments {
+                    self.put_to_sleep(device, index, segment, None);
+                }
+                spent.unmapping = unmapping.elapsed();
+                0
+            }
+            SleepMode::Keep => self.sleep_kept(device, index, segments, &mut spent)?,
+        };
+        // Where a sleep's time goes (GLAKE_LOG=info): copies against the driver's tear-down,
+        // which overlap where the copies are pipelined.
+        let copying = started.elapsed() - released;
         log::info!(
             "glake: sleep of region {:?}: {:.1} ms releasing cached segments, {:.1} ms copying \
-             {bytes} bytes ({:.1} GB/s), {:.1} ms unmapping {count} segments of {handles} \
-             handles",
+             {bytes} bytes out and unmapping {count} segments of {handles} handles ({:.1} GB/s); \
+             of that {:.1} ms waiting for copies and {:.1} ms unmapping",
             self.regions[index].name,
             released.as_secs_f64() * 1e3,
-            (copied - released).as_secs_f64() * 1e3,
-            bytes as f64 / (copied - released).as_secs_f64().max(1e-9) / 1e9,
-            (total - copied).as_secs_f64() * 1e3,
+            copying.as_secs_f64() * 1e3,
+            bytes as f64 / copying.as_secs_f64().max(1e-9) / 1e9,
+            spent.waiting.as_secs_f64() * 1e3,
+            spent.unmapping.as_secs_f64() * 1e3,
         );
         Ok(())
     }
 
-    /// Copies the allocated ranges of `segments` to host buffers (one per segment, of its
-    /// size, from the pool's caches) and waits for the copies. On failure no buffer is kept
-    /// and no segment changes.
-    fn copy_out(
+    /// Segment `segment` of region `index` gives its physical memory back, keeping `saved`.
+    fn put_to_sleep(
+        &mut self,
+        device: &dyn crate::device::Device,
+        index: usize,
+        segment: SegmentId,
+        saved: Option<Saved>,
+    ) {
+        let (va, size) = (
+            self.map.segments[segment].va,
+            self.map.segments[segment].size,
+        );
+        self.unmap_segment(device, segment);
+        self.regions[index].sleepers.push(Sleeper {
+            segment,
+            va,
+            size,
+            saved,
+        });
+    }
+
+    /// Sleeps `segments` of region `index` in `Keep` mode; returns the bytes copied out. Pinned
+    /// buffers are pipelined ([`Self::sleep_pipelined`]); pageable ones are copied by the
+    /// engine's host threads, all before any segment is unmapped.
+    fn sleep_kept(
+        &mut self,
+        device: &dyn crate::device::Device,
+        index: usize,
+        segments: Vec<SegmentId>,
+        spent: &mut SleepTimes,
+    ) -> Result<usize> {
+        let stream = self.sleep_stream(device)?;
+        let saved = self.sleep_buffers(device, &segments)?;
+        let bytes = saved.iter().map(Saved::bytes).sum();
+        if self.config.sleep_host == SleepHost::Pinned {
+            self.sleep_pipelined(device, index, segments, saved, stream, spent)?;
+            return Ok(bytes);
+        }
+        let vas: Vec<DevicePtr> = segments.iter().map(|&s| self.map.segments[s].va).collect();
+        let copied = Instant::now();
+        if let Err((err, settled)) =
+            self.copy_saved(device, Direction::DeviceToHost, &saved, &vas, stream)
+        {
+            self.give_up_saved(saved, settled);
+            return Err(err.context("copying a sleeping region to the host"));
+        }
+        spent.waiting = copied.elapsed();
+        let unmapping = Instant::now();
+        for (segment, saved) in segments.into_iter().zip(saved) {
+            self.put_to_sleep(device, index, segment, Some(saved));
+        }
+        spent.unmapping = unmapping.elapsed();
+        Ok(bytes)
+    }
+
+    /// A host buffer (from the pool's caches) for each of `segments`, of its size, with the
+    /// allocated ranges to copy into it. On failure no buffer is kept.
+    fn sleep_buffers(
         &mut self,
         device: &dyn crate::device::Device,
         segments: &[SegmentId],
     ) -> Result<Vec<Saved>> {
-        let stream = self.sleep_stream(device)?;
         let mut saved = Vec::with_capacity(segments.len());
-        let mut queued = Ok(());
         for &segment in segments {
             let size = self.map.segments[segment].size;
             let ranges = self.map.used_ranges(segment);
             match self.host_buffer(device, size) {
                 Ok(buf) => saved.push(Saved { ranges, buf }),
                 Err(err) => {
-                    queued = Err(err);
-                    break;
+                    self.give_up_saved(saved, true);
+                    return Err(err.context("copying a sleeping region to the host"));
                 }
             }
-        }
-        let vas: Vec<DevicePtr> = segments.iter().map(|&s| self.map.segments[s].va).collect();
-        let mut settled = true;
-        if queued.is_ok() {
-            queued = self
-                .copy_saved(device, Direction::DeviceToHost, &saved, &vas, stream)
-                .map_err(|(err, done)| {
-                    settled = done;
-                    err
-                });
-        }
-        if let Err(err) = queued {
-            for s in saved {
-                if settled {
-                    self.recycle_saved(s.buf);
-                } else {
-                    // A copy may still write into it: it must never be freed nor reused.
-                    std::mem::forget(s.buf);
-                }
-            }
-            return Err(err.context("copying a sleeping region to the host"));
         }
         Ok(saved)
+    }
+
+    /// Buffers of a sleep that did not complete: back to the cache when no copy may still
+    /// write into them (`settled`), else never freed nor reused.
+    fn give_up_saved(&mut self, saved: impl IntoIterator<Item = Saved>, settled: bool) {
+        if !settled {
+            log::error!("glake: sleep copies cannot be waited for; leaking their buffers");
+        }
+        for s in saved {
+            if settled {
+                self.recycle_saved(s.buf);
+            } else {
+                std::mem::forget(s.buf);
+            }
+        }
+    }
+
+    /// Copies `segments` out to the pinned buffers `saved` and unmaps them range by range:
+    /// every batch of copies is queued on the sleep stream (through the engine's relays where
+    /// there is an engine, in batches large enough for them; else a segment per batch) with an
+    /// event after it, and each batch's segments are unmapped as soon as its event completes,
+    /// while later batches still copy. A failure to queue changes no segment. A failure to
+    /// wait leaves the segments from that batch on awake (their buffers kept for good when
+    /// the copies cannot be waited for at all): the region is asleep in part, and sleeping it
+    /// again finishes.
+    fn sleep_pipelined(
+        &mut self,
+        device: &dyn crate::device::Device,
+        index: usize,
+        segments: Vec<SegmentId>,
+        saved: Vec<Saved>,
+        stream: Stream,
+        spent: &mut SleepTimes,
+    ) -> Result<()> {
+        let batch_bytes = if self.sleep_engine.is_some() {
+            COPY_BATCH_BYTES
+        } else {
+            0
+        };
+        // The end (exclusive index into `segments`) of each batch queued, and its event.
+        let mut marks: Vec<(usize, Event)> = Vec::new();
+        let mut batch: Vec<CopyPiece> = Vec::new();
+        let mut batched = 0;
+        let mut queued = Ok(());
+        for (i, (s, &segment)) in saved.iter().zip(&segments).enumerate() {
+            batch.extend(s.pieces(self.map.segments[segment].va));
+            batched += s.bytes();
+            if batched < batch_bytes && i + 1 < segments.len() {
+                continue;
+            }
+            queued = self.queue_copy(device, Direction::DeviceToHost, &batch, stream);
+            if queued.is_ok() {
+                queued = self
+                    .mark(device, stream)
+                    .map(|event| marks.push((i + 1, event)));
+            }
+            if queued.is_err() {
+                break;
+            }
+            batch.clear();
+            batched = 0;
+        }
+        if let Err(err) = queued {
+            let settled = wait_for_copy(device, stream).is_ok();
+            self.idle_events.extend(marks.into_iter().map(|(_, e)| e));
+            self.give_up_saved(saved, settled);
+            return Err(err.context("copying a sleeping region to the host"));
+        }
+        let mut sleeping = segments.into_iter().zip(saved);
+        let mut slept = 0;
+        let mut failure = None;
+        for &(end, event) in &marks {
+            let waiting = Instant::now();
+            let waited = device.synchronize_event(event).or_else(|err| {
+                log::warn!(
+                    "glake: waiting for a sleep copy's event failed, waiting for the stream: {err}"
+                );
+                wait_for_copy(device, stream)
+            });
+            spent.waiting += waiting.elapsed();
+            if let Err(err) = waited {
+                failure = Some(err);
+                break;
+            }
+            let unmapping = Instant::now();
+            for (segment, saved) in sleeping.by_ref().take(end - slept) {
+                self.put_to_sleep(device, index, segment, Some(saved));
+            }
+            spent.unmapping += unmapping.elapsed();
+            slept = end;
+        }
+        self.idle_events.extend(marks.into_iter().map(|(_, e)| e));
+        if let Some(err) = failure {
+            self.give_up_saved(sleeping.map(|(_, s)| s), false);
+            return Err(err.context("waiting for a sleeping region's copies"));
+        }
+        Ok(())
+    }
+
+    /// An event recorded on `stream` now: it completes when the work queued so far has.
+    fn mark(&mut self, device: &dyn crate::device::Device, stream: Stream) -> Result<Event> {
+        let event = self.take_event(device)?;
+        if let Err(err) = device.record_event(event, stream) {
+            self.idle_events.push(event);
+            return Err(err);
+        }
+        Ok(event)
     }
 
     /// Copies `saved[i]`'s ranges between the host and the segment at `vas[i]` and waits:
@@ -386,16 +529,11 @@ impl Inner {
                 unsafe { engine.copy_pieces(direction, &pieces, stream, Completion::Blocking) };
             return copied.map_err(|err| {
                 // Copies queued before the failure may still run: settled only once waited for.
-                let settled = wait_for_copy(device, stream).is_ok();
-                if !settled {
-                    log::error!("glake: sleep copies cannot be waited for; leaking their buffers");
-                }
-                (err, settled)
+                (err, wait_for_copy(device, stream).is_ok())
             });
         }
         let queued = queue_pinned(device, direction, &pieces, stream);
         if let Err(err) = wait_for_copy(device, stream) {
-            log::error!("glake: sleep copies cannot be waited for; leaking their buffers");
             return Err((err.context("waiting for a sleeping region's copies"), false));
         }
         queued.map_err(|e| (e, true))
@@ -509,7 +647,7 @@ impl Inner {
         let queued_each =
             self.sleep_engine.is_none() || self.config.sleep_host == SleepHost::Pinned;
         let batch_bytes = if self.sleep_engine.is_some() {
-            WAKE_BATCH_BYTES
+            COPY_BATCH_BYTES
         } else {
             0
         };
@@ -542,7 +680,7 @@ impl Inner {
             }
             let done = stop || waiting.is_empty();
             if !batch.is_empty() && (done || batched >= batch_bytes) {
-                if let Err(err) = self.queue_wake_copy(device, &batch, stream) {
+                if let Err(err) = self.queue_copy(device, Direction::HostToDevice, &batch, stream) {
                     // Part of the batch may be queued: it waits with the others below, then
                     // the new memory of its sleepers goes.
                     unfilled = Some(batch_first);
@@ -580,8 +718,7 @@ impl Inner {
         let bytes: usize = mapped
             .iter()
             .filter_map(|(s, _)| s.saved.as_ref())
-            .flat_map(|saved| &saved.ranges)
-            .map(|&(_, len)| len)
+            .map(Saved::bytes)
             .sum();
         // Where a wake's time goes (GLAKE_LOG=info): mapping runs while earlier copies do.
         log::info!(
@@ -618,26 +755,22 @@ impl Inner {
         Ok(())
     }
 
-    /// Queues a wake's copies of `pieces` (inside pinned buffers its sleepers keep until the
-    /// copies are waited for) on `stream`: through the copy engine where the pool has one
-    /// (relays through peers), else the driver's calls.
-    fn queue_wake_copy(
+    /// Queues a sleep's or a wake's copies of `pieces` (inside pinned buffers the pool keeps
+    /// until the copies are waited for) on `stream`: through the copy engine where the pool
+    /// has one (relays through peers), else the driver's calls.
+    fn queue_copy(
         &self,
         device: &dyn crate::device::Device,
+        direction: Direction,
         pieces: &[CopyPiece],
         stream: Stream,
     ) -> Result<()> {
         match &self.sleep_engine {
             // SAFETY: page-locked buffers that stay unchanged until the stream is waited for.
             Some(engine) => unsafe {
-                engine.copy_pieces(
-                    Direction::HostToDevice,
-                    pieces,
-                    stream,
-                    Completion::StreamOrdered,
-                )
+                engine.copy_pieces(direction, pieces, stream, Completion::StreamOrdered)
             },
-            None => queue_pinned(device, Direction::HostToDevice, pieces, stream),
+            None => queue_pinned(device, direction, pieces, stream),
         }
     }
 

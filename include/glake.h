@@ -891,7 +891,9 @@ glake_status glake_region_end(struct glake_pool *pool);
 // Gives the physical memory of region `name` back to the device, every address staying
 // reserved: cached free memory of the region goes back whole, allocated bytes are copied to
 // host memory (GLAKE_SLEEP_KEEP) or dropped. Waits for all work queued on the device first,
-// and returns once the copies are done. Until `glake_wake`, allocations in the region fail
+// and returns once the copies are done; with pinned host buffers (the default) each range's
+// memory goes back as soon as its bytes are copied, while later ranges still copy. Until
+// `glake_wake`, allocations in the region fail
 // with GLAKE_STATUS_INVALID_STATE. GLAKE_STATUS_INVALID_ARGUMENT for an unknown region,
 // GLAKE_STATUS_INVALID_STATE when it is already asleep. On another error no byte is lost:
 // call again to finish, or wake.

@@ -480,44 +480,54 @@ fn faulty_region(asleep: bool) -> Faulty {
 
 /// Pinned copies out are waited for batch by batch and each batch's segments unmapped as soon
 /// as they are done: when the copies of a later batch cannot be waited for at all (its
-/// event, the stream and the device all fail), the segments copied before stay asleep, the
-/// rest stay awake with their bytes, and sleeping again finishes. The buffers whose copies
-/// could not be waited for are kept for good.
+/// event, the stream and the device all fail), the segments copied before stay asleep and the
+/// rest stay awake with their bytes. Sleeping again finishes, and so does waking instead; the
+/// buffers whose copies could not be waited for are kept for good.
 #[test]
 fn a_sleep_unmaps_range_by_range_and_a_failed_wait_leaves_the_rest_awake() {
-    let Faulty {
-        host,
-        raw,
-        fault,
-        pool,
-        weights,
-    } = faulty_region(false);
-    let pinned_before = host.live_pinned();
-    // The sleep's first device-wide wait is the one before its copies.
-    fault.fail_nth_after_call(CallKind::SynchronizeEvent, 2);
-    fault.fail_nth_after_call(CallKind::SynchronizeStream, 1);
-    fault.fail_nth_after_call(CallKind::SynchronizeDevice, 2);
-    let result = pool.sleep("w", SleepMode::Keep);
-    fault.clear();
-    assert!(result.is_err(), "the failed wait is reported");
-    assert_eq!(fault.injected(), 3);
-    check(&pool);
-    let info = pool.region_info("w").expect("info");
-    assert!(info.asleep, "asleep in part");
-    assert!(info.asleep_bytes > 0, "the first batch slept: {info:?}");
-    assert!(info.resident_bytes > 0, "later batches stayed: {info:?}");
-    // A buffer was made for each segment; those of the segments still awake are not reused.
-    let segments = info.segments;
-    pool.sleep("w", SleepMode::Keep).expect("sleep again");
-    let info = pool.region_info("w").expect("info");
-    assert_eq!(info.resident_bytes, 0, "{info:?}");
-    assert!(
-        host.live_pinned() - pinned_before > segments,
-        "the buffers whose copies were not waited for are not reused"
-    );
-    pool.wake("w").expect("wake");
-    assert!(intact(&raw, &weights, 40), "bytes kept");
-    check(&pool);
+    for sleep_again in [true, false] {
+        let Faulty {
+            host,
+            raw,
+            fault,
+            pool,
+            weights,
+        } = faulty_region(false);
+        let pinned_before = host.live_pinned();
+        // The sleep's first device-wide wait is the one before its copies.
+        fault.fail_nth_after_call(CallKind::SynchronizeEvent, 2);
+        fault.fail_nth_after_call(CallKind::SynchronizeStream, 1);
+        fault.fail_nth_after_call(CallKind::SynchronizeDevice, 2);
+        let result = pool.sleep("w", SleepMode::Keep);
+        fault.clear();
+        assert!(result.is_err(), "the failed wait is reported");
+        assert_eq!(fault.injected(), 3);
+        check(&pool);
+        let info = pool.region_info("w").expect("info");
+        assert!(info.asleep, "asleep in part");
+        assert!(info.asleep_bytes > 0, "the first batch slept: {info:?}");
+        assert!(info.resident_bytes > 0, "later batches stayed: {info:?}");
+        if sleep_again {
+            // A buffer was made for each segment; those of the segments still awake are not
+            // reused.
+            let segments = info.segments;
+            pool.sleep("w", SleepMode::Keep).expect("sleep again");
+            let info = pool.region_info("w").expect("info");
+            assert_eq!(info.resident_bytes, 0, "{info:?}");
+            assert!(
+                host.live_pinned() - pinned_before > segments,
+                "the buffers whose copies were not waited for are not reused"
+            );
+        }
+        pool.wake("w").expect("wake");
+        let info = pool.region_info("w").expect("info");
+        assert!(!info.asleep && info.asleep_bytes == 0, "{info:?}");
+        assert!(
+            intact(&raw, &weights, 40),
+            "bytes kept (slept again: {sleep_again})"
+        );
+        check(&pool);
+    }
 }
 
 /// The call of a sleep's life a fault sweep fails calls in.

@@ -286,10 +286,15 @@ impl Inner {
         }
         let released = started.elapsed();
         let segments = self.awake_segments(tag);
-        let handles: usize = segments
-            .iter()
-            .map(|&s| self.map.segments[s].chunks().len())
-            .sum();
+        // Counted for the log line only.
+        let handles: usize = if log::log_enabled!(log::Level::Info) {
+            segments
+                .iter()
+                .map(|&s| self.map.segments[s].chunks().len())
+                .sum()
+        } else {
+            0
+        };
         let count = segments.len();
         let mut spent = SleepTimes::default();
         let bytes = match mode {
@@ -360,9 +365,7 @@ impl Inner {
         }
         let vas: Vec<DevicePtr> = segments.iter().map(|&s| self.map.segments[s].va).collect();
         let copied = Instant::now();
-        if let Err((err, settled)) =
-            self.copy_saved(device, Direction::DeviceToHost, &saved, &vas, stream)
-        {
+        if let Err((err, settled)) = self.copy_out_whole(device, &saved, &vas, stream) {
             self.give_up_saved(saved, settled);
             return Err(err.context("copying a sleeping region to the host"));
         }
@@ -429,11 +432,7 @@ impl Inner {
         stream: Stream,
         spent: &mut SleepTimes,
     ) -> Result<()> {
-        let batch_bytes = if self.sleep_engine.is_some() {
-            COPY_BATCH_BYTES
-        } else {
-            0
-        };
+        let batch_bytes = self.copy_batch_bytes();
         // The end (exclusive index into `segments`) of each batch queued, and its event.
         let mut marks: Vec<(usize, Event)> = Vec::new();
         let mut batch: Vec<CopyPiece> = Vec::new();
@@ -504,15 +503,13 @@ impl Inner {
         Ok(event)
     }
 
-    /// Copies `saved[i]`'s ranges between the host and the segment at `vas[i]` and waits:
-    /// through the copy engine where the pool has one (pageable buffers, or relays through
-    /// peers), else on the sleep stream. An
-    /// error says whether the copies are settled (false: they cannot be waited for, and the
-    /// buffers must never be freed nor reused).
-    fn copy_saved(
+    /// Copies the ranges of the segments at `vas[i]` out to `saved[i]` and waits, all at
+    /// once: through the copy engine (which pageable buffers always have), else on the sleep
+    /// stream. An error says whether the copies are settled (false: they cannot be waited for,
+    /// and the buffers must never be freed nor reused).
+    fn copy_out_whole(
         &mut self,
         device: &dyn crate::device::Device,
-        direction: Direction,
         saved: &[Saved],
         vas: &[DevicePtr],
         stream: Stream,
@@ -525,14 +522,20 @@ impl Inner {
         if let Some(engine) = &self.sleep_engine {
             // SAFETY: every piece lies inside a live buffer of the pool's; a blocking copy is
             // done when it returns.
-            let copied =
-                unsafe { engine.copy_pieces(direction, &pieces, stream, Completion::Blocking) };
+            let copied = unsafe {
+                engine.copy_pieces(
+                    Direction::DeviceToHost,
+                    &pieces,
+                    stream,
+                    Completion::Blocking,
+                )
+            };
             return copied.map_err(|err| {
                 // Copies queued before the failure may still run: settled only once waited for.
                 (err, wait_for_copy(device, stream).is_ok())
             });
         }
-        let queued = queue_pinned(device, direction, &pieces, stream);
+        let queued = queue_pinned(device, Direction::DeviceToHost, &pieces, stream);
         if let Err(err) = wait_for_copy(device, stream) {
             return Err((err.context("waiting for a sleeping region's copies"), false));
         }
@@ -646,11 +649,7 @@ impl Inner {
         // through the engine's lanes in one batch at the end.
         let queued_each =
             self.sleep_engine.is_none() || self.config.sleep_host == SleepHost::Pinned;
-        let batch_bytes = if self.sleep_engine.is_some() {
-            COPY_BATCH_BYTES
-        } else {
-            0
-        };
+        let batch_bytes = self.copy_batch_bytes();
         let mut batch: Vec<CopyPiece> = Vec::new();
         let mut batch_first = 0;
         let started = Instant::now();
@@ -665,9 +664,8 @@ impl Inner {
                 match chunks {
                     Ok(chunks) => {
                         if let (true, Some(saved)) = (queued_each, &sleeper.saved) {
-                            let pieces = saved.pieces(sleeper.va);
-                            batched += pieces.iter().map(|p| p.len).sum::<usize>();
-                            batch.extend(pieces);
+                            batched += saved.bytes();
+                            batch.extend(saved.pieces(sleeper.va));
                         }
                         mapped.push((sleeper, chunks));
                         stop = false;
@@ -753,6 +751,16 @@ impl Inner {
         }
         self.regions[index].asleep = false;
         Ok(())
+    }
+
+    /// Bytes of copies queued at once: batches large enough for the engine's relays where
+    /// there is an engine; else every segment on its own (0).
+    fn copy_batch_bytes(&self) -> usize {
+        if self.sleep_engine.is_some() {
+            COPY_BATCH_BYTES
+        } else {
+            0
+        }
     }
 
     /// Queues a sleep's or a wake's copies of `pieces` (inside pinned buffers the pool keeps

@@ -475,7 +475,7 @@ impl Engine {
                     };
                     if let Err(err) = done {
                         failure = Some(err);
-                        break;
+                        break 'groups;
                     }
                 }
             }

@@ -63,7 +63,7 @@ if [ -x gpu-bundle/glake_tests_shared ]; then
   done
 fi
 if [ "${SANITIZE_TORCH:-1}" != 0 ]; then
-  export GLAKE_LIBRARY="$PWD/gpu-bundle/lib/libgmlake.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+  export GLAKE_UNDER_SANITIZER=1 GLAKE_LIBRARY="$PWD/gpu-bundle/lib/libgmlake.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
   if ! python3 -c 'import pytest' 2>/dev/null && ls gpu-bundle/wheels/pytest-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/glake-site gpu-bundle/wheels/*.whl &&
       export PYTHONPATH="$PYTHONPATH:/tmp/glake-site"

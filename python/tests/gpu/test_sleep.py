@@ -1,6 +1,7 @@
 """Sleep and wake of regions under glake as PyTorch's allocator: the driver gets the memory
 back (torch.cuda.mem_get_info sees it), the same tensors hold the same values afterwards, a
 captured CUDA graph still replays, and torch_memory_saver's names and the idle sleeper work."""
+import os
 import time
 
 import pytest
@@ -12,6 +13,9 @@ from glake.torch import torch_memory_saver
 from conftest import run_script
 
 MIB = 1 << 20
+# compute-sanitizer takes device memory of its own while the program runs (2 MiB was seen
+# during a sleep), which the driver's free count shows; scripts/gpu-sanitize.sh sets this.
+TOOL_SLACK = 4 * MIB if os.environ.get("GLAKE_UNDER_SANITIZER") == "1" else 0
 
 
 def free_bytes():
@@ -38,7 +42,7 @@ def test_weights_sleep_and_wake_with_their_values_and_addresses():
     asleep = glake.torch.region_info("test-weights")
     assert asleep["asleep"] and asleep["resident_bytes"] == 0
     # At least 99% of the region's physical memory is back with the driver.
-    assert freed >= 0.99 * region["resident_bytes"], (freed, region)
+    assert freed + TOOL_SLACK >= 0.99 * region["resident_bytes"], (freed, region)
     with pytest.raises(RuntimeError, match="asleep"):
         with glake.torch.region("test-weights"):
             torch.empty(MIB, device="cuda")
@@ -51,6 +55,10 @@ def test_weights_sleep_and_wake_with_their_values_and_addresses():
         glake.torch.wake("test-weights")
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+    # The parameters' memory is dropped directly: under compute-sanitizer, PyTorch keeps Python
+    # frames of the forward pass (and through them the module) alive after `del model`.
+    for p in model.parameters():
+        p.data = torch.empty(0, device="cuda")
     del model
     torch.cuda.empty_cache()
     assert glake.torch.region_info("test-weights")["segments"] == 0
@@ -124,7 +132,7 @@ model = torch.nn.Linear(4096, 4096).cuda()
 x = torch.randn(8, 4096, device="cuda")
 with torch.no_grad():
     expected = model(x)
-deadline = time.monotonic() + 10
+deadline = time.monotonic() + 30
 while not glake.torch.region_info("process")["asleep"]:
     assert time.monotonic() < deadline, "never slept"
     time.sleep(0.05)
@@ -137,5 +145,8 @@ print("slept and woke", asleep["asleep_bytes"])
 
 
 def test_glake_sleep_idle_needs_no_code_change():
-    out = run_script(IDLE_FROM_THE_ENVIRONMENT, launcher=True, env={"GLAKE_SLEEP_IDLE": "0.3"})
+    # The idle time must exceed the gap between the forward and the script's use of its output
+    # (the whole process's memory sleeps); under compute-sanitizer that gap passed 0.4 s.
+    idle = "3" if TOOL_SLACK else "0.3"
+    out = run_script(IDLE_FROM_THE_ENVIRONMENT, launcher=True, env={"GLAKE_SLEEP_IDLE": idle})
     assert "slept and woke" in out

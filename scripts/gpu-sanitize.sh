@@ -7,6 +7,8 @@
 # tool reports. Results in $OUT (or ./gpu-results): sanitize.txt and one log per run.
 #   bash scripts/gpu-sanitize.sh            # everything
 #   SANITIZE_TORCH=0 bash scripts/gpu-sanitize.sh   # without the PyTorch part
+#   SANITIZE_PARTS=torch bash scripts/gpu-sanitize.sh  # parts: rust c cpp torch (default all)
+#   SANITIZE_TORCH_CHECKS=memcheck ...                 # the PyTorch part's checks (default both)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
@@ -32,7 +34,7 @@ run() {
   shift 2
   local log="$out/sanitize-logs/$check-$name.log"
   local extra=()
-  [ "$check" = memcheck ] && extra=(--leak-check full --check-api-memory-access yes)
+  [ "$check" = memcheck ] && extra=(--leak-check "${LEAK_CHECK:-full}" --check-api-memory-access yes)
   extra+=(--report-api-errors "${RUN_API_ERRORS:-explicit}")
   if timeout "${SANITIZE_TIMEOUT_S:-600}" "$tool" --tool "$check" "${extra[@]}" \
     --error-exitcode 9 --target-processes all "$@" > "$log" 2>&1; then r=ok; else r="FAILED (exit $?)"; status=1; fi
@@ -47,30 +49,35 @@ run() {
       sed 's/^/    /' | tee -a "$summary" ;;
   esac
 }
-for t in gpu-bundle/test-*; do
+parts=" ${SANITIZE_PARTS:-rust c cpp torch} "
+[ "${SANITIZE_TORCH:-1}" = 0 ] && parts=${parts/ torch / }
+part() { [[ $parts == *" $1 "* ]]; }
+part rust && for t in gpu-bundle/test-*; do
   name=$(basename "$t")
   # Build-machine checks (see gpu-run.sh), and the guard tests, whose children fault on purpose.
   case $name in test-header | test-replay | test-guard) continue ;; esac
   RUN_API_ERRORS=no GLAKE_FUZZ_OPS=${GLAKE_FUZZ_OPS:-2000} run memcheck "$name" "$t" --test-threads=1
 done
-for t in gpu-bundle/c-*; do
+part c && for t in gpu-bundle/c-*; do
   [ -x "$t" ] || continue
   run memcheck "$(basename "$t")" "$t"
 done
-if [ -x gpu-bundle/glake_tests_shared ]; then
+if part cpp && [ -x gpu-bundle/glake_tests_shared ]; then
   for check in memcheck racecheck synccheck; do
     RUN_API_ERRORS=no run "$check" glake_tests_shared gpu-bundle/glake_tests_shared
   done
 fi
-if [ "${SANITIZE_TORCH:-1}" != 0 ]; then
+if part torch; then
   export GLAKE_UNDER_SANITIZER=1 GLAKE_LIBRARY="$PWD/gpu-bundle/lib/libgmlake.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
   if ! python3 -c 'import pytest' 2>/dev/null && ls gpu-bundle/wheels/pytest-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/glake-site gpu-bundle/wheels/*.whl &&
       export PYTHONPATH="$PYTHONPATH:/tmp/glake-site"
   fi
   python3 -m glake.native > /dev/null 2>&1 || true  # build the native allocator outside the tool
-  for check in memcheck racecheck; do
-    RUN_API_ERRORS=no run "$check" torch python3 -m pytest -q -x python/tests/gpu/test_torch.py python/tests/gpu/test_sleep.py \
+  for check in ${SANITIZE_TORCH_CHECKS:-memcheck racecheck}; do
+    # No leak check: PyTorch keeps its cache (and glake's plug-in its pool) to the end of the
+    # process, as the driver takes everything back at exit.
+    LEAK_CHECK=no RUN_API_ERRORS=no run "$check" torch python3 -m pytest -q -x python/tests/gpu/test_torch.py python/tests/gpu/test_sleep.py \
       -k "not two_gpu and not fsdp and not ddp and not compile"
   done
 fi

@@ -52,7 +52,7 @@ _PROFILE_MISS = 0.25  # a first plan measured this far off its prediction is pro
 _MAX_TRIALS = 3  # plans a search tries (each corrected by the last one's measured waits)
 _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
         "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",
-        "margin": "GLAKE_SWAP_MARGIN"}
+        "margin": "GLAKE_SWAP_MARGIN", "states_in_step": "GLAKE_SWAP_STATES_IN_STEP"}
 
 
 @dataclass
@@ -65,13 +65,16 @@ class Settings:
     planned in buckets of at least this many bytes (0: one bucket per block). `prefetch`:
     blocks ahead that swap-ins start. `margin`: share of the target left for what the profile
     cannot see (allocator rounding, the copy engine's buffers). `search_steps`: measured steps
-    per plan tried in the search."""
+    per plan tried in the search. `states_in_step` (the "memory" preference): optimizer states
+    come back only in the block-by-block optimizer step, never all at once (None: when the
+    parameters, gradients and states would not fit the target together)."""
     target: float = None
     preference: str = "performance"
     swap_bucket_size: int = 0
     prefetch: int = 1
     margin: float = 0.05
     search_steps: int = 3
+    states_in_step: bool = None
 
     @classmethod
     def from_env(cls, **overrides):
@@ -88,6 +91,8 @@ class Settings:
         for key in ("swap_bucket_size", "prefetch", "search_steps"):
             if key in values:
                 values[key] = int(values[key])
+        if values.get("states_in_step") is not None:
+            values["states_in_step"] = bool(values["states_in_step"])
         s = cls(**values)
         if s.preference not in planner.PREFERENCES:
             raise ValueError(f"preference must be one of {sorted(planner.PREFERENCES)}")
@@ -321,7 +326,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         """The backward of block `b` starts: bring back what the next blocks swapped out."""
         for ahead in range(b, max(-1, b - self.settings.prefetch - 1), -1):
             self.swapper.prefetch(ahead)
-            self.states.prefetch(ahead)
+            self.states.backward_prefetch(ahead)
         if self.phase == "profile" and self.marks is not None:
             alloc, peak = self._memory()
             self.marks.bwd[b] = (self._event(), alloc, peak)
@@ -374,8 +379,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.decisions = self._decisions(choices)
         groups = {}
         for (action, _, _), meaning in zip(choices, self.meaning):
-            if meaning is not None and meaning[0] == "state" and action == planner.SWAP:
-                b = meaning[1]
+            if meaning is not None and meaning[0] == "state" and (
+                    action == planner.SWAP or self.states.in_step):
+                b = meaning[1]  # in step mode every block's states move
                 groups[b] = state_tensors(self.optimizer, self.blocks[b].parameters())
         self.states.plan(groups)
         self.swapper.release_at, self.state_release = self._release_schedule(

@@ -178,8 +178,8 @@ class ProfilingMixin:
             # needed from the block's backward to the optimizer step, so the one window the
             # planner can choose is out during the forward, in ahead of that backward.
             for b in range(n_blocks):
-                nbytes = sum(t.untyped_storage().nbytes() for t in
-                             state_tensors(self.optimizer, self.blocks[b].parameters()))
+                nbytes = self.states.full_bytes(
+                    state_tensors(self.optimizer, self.blocks[b].parameters()))
                 if nbytes:
                     tensors.append(planner.Tensor(nbytes, 0, tail,
                                                   list(range(bwd_op[b], tail + 1)),

@@ -7,7 +7,12 @@ The state tensors stay the optimizer's own objects: their storage is emptied and
 place (as FSDP does with parameters), so the optimizer, its foreach and fused kernels and its
 state_dict see the same tensors. Between the first block's forward and the optimizer step a
 moved state has no storage: code that reads optimizer states inside the step must not run
-then."""
+then.
+
+When even the parameters, their gradients and the states do not fit the target together
+(`in_step`), the states stay off the device through the backward too: each block's come back
+during the block-by-block optimizer step, one block ahead of the part that uses them, and go
+out again once that part has run, so at most two blocks' states are on the device at once."""
 
 import weakref
 
@@ -42,38 +47,72 @@ class StateSwapper:
         self.back = {}     # block -> copy-in ready event while coming back
         self.released = set()
         self.bytes_out = 0
+        self.in_step = False  # states come back in the optimizer step, not in the backward
 
     @property
     def cuda(self):
         return self.swapper.cuda
 
     def plan(self, groups):
-        """Moves the states in `groups` ({block: [state tensors]}) from the next step on."""
-        self.restore()
+        """Moves the states in `groups` ({block: [state tensors]}) from the next step on. In
+        step mode a group that stays planned stays where it is (off the device): bringing
+        every state back at once is the peak that mode exists to avoid."""
+        if self.in_step:
+            for b in [b for b in self.out if b not in groups]:
+                self.prefetch(b)
+            self._wait_back()
+        else:
+            self.restore()
         self.groups = groups
 
     def after_step(self):
-        """The optimizer step has run: start copying every planned group out."""
-        for b, tensors in self.groups.items():
-            if self.cuda:
-                self.swapper.d2h.wait_stream(torch.cuda.current_stream(self.swapper.device))
-            copies = []
-            for t in tensors:
-                storage = t.untyped_storage()
-                buf = self.host.get(id(t))
-                if buf is None or buf.numel() != storage.nbytes():
-                    buf = torch.empty(storage.nbytes(), dtype=torch.uint8,
-                                      pin_memory=self.cuda)
-                    self.host[id(t)] = buf
-                raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                copies.append((buf, raw))
-                self.bytes_out += storage.nbytes()
-            self.swapper.copy(copies, self.swapper.d2h if self.cuda else None)
-            done = None
-            if self.cuda:
-                done = torch.cuda.Event()
-                done.record(self.swapper.d2h)
-            self.out[b] = done
+        """The optimizer step has run: start copying every planned group out (in step mode
+        the step moved each group out already)."""
+        for b in self.groups:
+            if b not in self.out:
+                self._copy_out(b)
+
+    def _copy_out(self, b):
+        """Queues the copy of group `b` to its pinned host buffers after the current stream's
+        work, and records when it is done."""
+        if self.cuda:
+            self.swapper.d2h.wait_stream(torch.cuda.current_stream(self.swapper.device))
+        copies = []
+        for t in self.groups[b]:
+            storage = t.untyped_storage()
+            buf = self.host.get(id(t))
+            if buf is None or buf.numel() != storage.nbytes():
+                buf = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.cuda)
+                self.host[id(t)] = buf
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            copies.append((buf, raw))
+            self.bytes_out += storage.nbytes()
+        self.swapper.copy(copies, self.swapper.d2h if self.cuda else None)
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.swapper.d2h)
+        self.out[b] = done
+
+    def step_block(self, b, run, tensors, next_block=None):
+        """Step mode: runs `run` (block `b`'s part of the optimizer step) with its states on
+        the device, the next block's already coming back, then sends them out again and
+        frees them in stream order. `tensors()` gives the block's states once the part has
+        run (the first step makes them)."""
+        self.prefetch(b)
+        if next_block is not None:
+            self.prefetch(next_block)
+        ready = self.back.pop(b, None)
+        if ready is not None:
+            self.swapper.wait_for(ready)
+        run()
+        if b not in self.groups:
+            made = tensors()
+            if not made:
+                return
+            self.groups[b] = made
+        self._copy_out(b)
+        self.release([b])
 
     def release(self, blocks):
         """Frees the device memory of the groups of `blocks` on their way out, once the
@@ -109,17 +148,36 @@ class StateSwapper:
             ready.record(self.swapper.h2d)
             self.back[block] = ready
 
-    def before_step(self):
-        """The optimizer step is about to run: every group back, and waited for."""
+    def full_bytes(self, tensors):
+        """Bytes of state `tensors` wherever they are (a moved one counts its host copy)."""
+        return sum(self.host[id(t)].numel() if id(t) in self.host and
+                   t.untyped_storage().nbytes() == 0 else t.untyped_storage().nbytes()
+                   for t in tensors)
+
+    def backward_prefetch(self, block):
+        """The backward reached `block`: its states start coming back (not in step mode)."""
+        if not self.in_step:
+            self.prefetch(block)
+
+    def before_step(self, split=False):
+        """The optimizer step is about to run: every group back, and waited for (in step
+        mode a `split` step brings each back in its block's part instead)."""
+        if not (self.in_step and split):
+            self._bring_all_back()
+
+    def _bring_all_back(self):
         for b in list(self.out):
             self.prefetch(b)
+        self._wait_back()
+
+    def _wait_back(self):
         for ready in self.back.values():
             self.swapper.wait_for(ready)
         self.back.clear()
 
     def restore(self):
         """Every state back on the device now (a plan change, a removal, an abandoned step)."""
-        self.before_step()
+        self._bring_all_back()
         self.groups = {}
 
 
@@ -163,10 +221,32 @@ class OptimizerStatesMixin:
     def _moves_states(self):
         return self.optimizer is not None and self.settings.preference == "memory"
 
+    def _decide_states_in_step(self):
+        """Whether the states come back only in the optimizer step (the `states_in_step`
+        setting, else: when the parameters, their gradients and the states together take
+        over 90% of the target left after the margin, so that holding them all at the step,
+        as the backward's prefetch does, would not fit)."""
+        setting = self.settings.states_in_step
+        if setting is not None or not self._moves_states():
+            self.states.in_step = bool(setting) and self._moves_states()
+            return
+        target = self._resolve_target()
+        if target is None:
+            self.states.in_step = False
+            return
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        made = state_tensors(self.optimizer, params)
+        # Before the first step there are none yet: AdamW makes two per parameter.
+        state_bytes = self.states.full_bytes(made) if made else 2 * param_bytes
+        self.states.in_step = (2 * param_bytes + state_bytes
+                               > 0.9 * target * (1 - self.settings.margin))
+
     def _stop_moving_states(self):
         """Until the next plan: under the "memory" preference every block's optimizer states
         leave the device before the first block and come back during the backward (so warm-up
         fits in the least memory the executor can give it); otherwise they stay."""
+        self._decide_states_in_step()
         if self._moves_states():
             groups = {b: state_tensors(self.optimizer, block.parameters())
                       for b, block in enumerate(self.blocks)}
@@ -183,6 +263,7 @@ class OptimizerStatesMixin:
         step's temporaries (a foreach AdamW makes several of its parameters' size) are one
         block's, not the model's. A step given a closure runs whole."""
         self.optimizer = optimizer
+        self._decide_states_in_step()
         parts = [{id(p) for p in block.parameters()} for block in self.blocks]
         in_blocks = set().union(*parts)
         whole = optimizer.step
@@ -192,25 +273,37 @@ class OptimizerStatesMixin:
                 return whole(closure)
             groups = optimizer.param_groups
             rest = {id(p) for g in groups for p in g["params"]} - in_blocks
-            self._before_step(optimizer, (), {})
+            self._before_step(optimizer, (), {}, split=True)
             self._splitting = True
+
+            def run_part(ids):
+                pairs = [(g, dict(g, params=[p for p in g["params"] if id(p) in ids]))
+                         for g in groups]
+                pairs = [(g, sub) for g, sub in pairs if sub["params"]]
+                if not pairs:
+                    return
+                optimizer.param_groups = [sub for _, sub in pairs]
+                try:
+                    whole()
+                finally:
+                    optimizer.param_groups = groups
+                    # A step that writes its group's settings writes them to the real group.
+                    for g, sub in pairs:
+                        for key, value in sub.items():
+                            if key != "params" and g.get(key) is not value:
+                                g[key] = value
+
             try:
-                for ids in [rest] + parts:
-                    pairs = [(g, dict(g, params=[p for p in g["params"] if id(p) in ids]))
-                             for g in groups]
-                    pairs = [(g, sub) for g, sub in pairs if sub["params"]]
-                    if not pairs:
+                run_part(rest)
+                for b, ids in enumerate(parts):
+                    if not self.states.in_step:
+                        run_part(ids)
                         continue
-                    optimizer.param_groups = [sub for _, sub in pairs]
-                    try:
-                        whole()
-                    finally:
-                        optimizer.param_groups = groups
-                        # A step that writes its group's settings writes them to the real group.
-                        for g, sub in pairs:
-                            for key, value in sub.items():
-                                if key != "params" and g.get(key) is not value:
-                                    g[key] = value
+                    block = self.blocks[b]
+                    self.states.step_block(
+                        b, lambda ids=ids: run_part(ids),
+                        lambda block=block: state_tensors(optimizer, block.parameters()),
+                        b + 1 if b + 1 < len(parts) else None)
             finally:
                 self._splitting = False
             self._after_step(optimizer, (), {})
@@ -231,7 +324,7 @@ class OptimizerStatesMixin:
         optimizer.step = step
         self._unwrap_optimizer = unwrap
 
-    def _before_step(self, optimizer, args, kwargs):
+    def _before_step(self, optimizer, args, kwargs, split=False):
         if self._splitting:
             return
         if self.optimizer is None and self.enabled:
@@ -239,7 +332,7 @@ class OptimizerStatesMixin:
             if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
                 self._adopt_optimizer(optimizer)  # block by block from its next step
         if optimizer is self.optimizer:
-            self.states.before_step()
+            self.states.before_step(split)
 
     def _after_step(self, optimizer, args, kwargs):
         if self._splitting:

@@ -323,6 +323,63 @@ def test_memory_preference_plans_optimizer_states_through_every_phase():
     assert "step" not in vars(opt)
 
 
+def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stays_exact():
+    """Step mode (parameters, gradients and states do not fit the target together): AdamW's
+    states of every block stay off the device through forward and backward, come back one
+    block ahead in the block-by-block step, and leave again after their part; at most two
+    blocks' states are ever on the device, and losses and parameters are those of the
+    unplanned run, bit for bit."""
+
+    def resident(opt, model):
+        return [b for b in range(LAYERS) if sum(
+            t.untyped_storage().nbytes()
+            for t in swap.states.state_tensors(opt, model.layers[b].parameters()))]
+
+    def run(model, plan=None):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        smart = plan(model, opt) if plan else None
+        during, after_backward = [], []
+        if smart is not None:
+            opt.register_step_post_hook(lambda o, a, k: during.append(resident(opt, model)))
+        losses = []
+        for _ in range(8):
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            loss.backward()
+            if smart is not None:
+                after_backward.append(resident(opt, model))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()], smart, opt, (
+            during, after_backward)
+
+    ref_losses, ref_params, _, ref_opt, _ = run(fresh())
+    model = fresh()
+    losses, params, smart, opt, (during, after_backward) = run(model, lambda m, o: swap.apply(
+        m, optimizer=o, target=2, preference="memory", margin=0))  # 2 bytes: step mode
+    assert smart.states.in_step
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert after_backward == [[]] * 8, after_backward
+    assert max(len(r) for r in during) == 2 and all(len(r) <= 2 for r in during), during
+    assert smart.states.bytes_out > 0 and set(smart.states.groups) == set(range(LAYERS))
+    smart.remove()  # every state back, equal to the unplanned run's
+    for p, q in zip(model.parameters(), ref_opt.param_groups[0]["params"]):
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, ref_opt.state[q][key]), key
+    # The automatic choice: a target the whole set fits in keeps the backward's prefetch.
+    other = fresh()
+    roomy = swap.apply(other, optimizer=torch.optim.AdamW(other.parameters()), target=2**40,
+                       preference="memory")
+    assert not roomy.states.in_step
+    roomy.remove()
+    forced = swap.apply(other, optimizer=torch.optim.AdamW(other.parameters()), target=2**40,
+                        preference="memory", states_in_step=True)
+    assert forced.states.in_step
+    forced.remove()
+
+
 def test_block_by_block_optimizer_step_follows_a_learning_rate_schedule():
     """The split step reads each group's settings as they are at each step (a scheduler changes
     the learning rate between steps) and gives the unsplit step's parameters, bit for bit."""

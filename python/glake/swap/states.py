@@ -264,6 +264,12 @@ class OptimizerStatesMixin:
         block's, not the model's. A step given a closure runs whole."""
         self.optimizer = optimizer
         self._decide_states_in_step()
+        if self.states.in_step and not self.states.groups:
+            # States made before (an optimizer that has stepped already) leave now, freed
+            # before the first block's forward: otherwise they would all stay through the
+            # next forward and backward, the peak this mode exists to avoid.
+            self._stop_moving_states()
+            self.states.after_step()
         parts = [{id(p) for p in block.parameters()} for block in self.blocks]
         in_blocks = set().union(*parts)
         whole = optimizer.step

@@ -368,6 +368,32 @@ def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stay
     for p, q in zip(model.parameters(), ref_opt.param_groups[0]["params"]):
         for key, value in opt.state[p].items():
             assert torch.equal(value, ref_opt.state[q][key]), key
+    # Adopted by an optimizer that has stepped before: its states leave before the next
+    # forward's first block is done, and the steps go on exactly.
+    def resumed(model, planned):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, seen = [], []
+        for step in range(5):
+            if planned and step == 2:
+                smart = swap.apply(model, optimizer=opt, preference="memory",
+                                   states_in_step=True)
+                model.layers[1].register_forward_pre_hook(
+                    lambda m, a: seen.append(resident(opt, model)))
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        if planned:
+            smart.remove()
+        return losses, [p.detach().clone() for p in model.parameters()], seen
+
+    ref = resumed(fresh(), False)
+    got = resumed(fresh(), True)
+    assert got[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+    assert got[2] == [[]] * 3, got[2]
     # The automatic choice: a target the whole set fits in keeps the backward's prefetch.
     other = fresh()
     roomy = swap.apply(other, optimizer=torch.optim.AdamW(other.parameters()), target=2**40,

@@ -178,6 +178,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.trials = []            # search.Trial per plan tried in this search
         self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
         self.recompute_ms = None    # measured step with every block recomputed (warm-up)
+        self.warm_peak = None       # peak allocated bytes over warm-up (CUDA)
+        self.resident_states = []   # step mode: blocks whose states stay on the device
         self.reprofiled = False     # profiled again since the last warm-up
         self.chosen = None          # the trial whose plan runs in stable (None: recomputing)
         self.step_start = None
@@ -231,6 +233,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         elif self.phase == "warmup" and self.iteration >= _WARMUP_STEPS:
             self.phase = "profile"
             self.marks = Marks()
+            if self.cuda:
+                self.warm_peak = torch.cuda.max_memory_allocated(self.device)
+        elif self.phase == "warmup" and self.iteration == 0 and self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)  # warm-up's own peak, for states
         self.iteration += 1
         self.step_start, self.step_cpu = now, time.perf_counter()
         measured = self.phase == "search" or (self.phase == "stable"
@@ -383,7 +389,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                     action == planner.SWAP or self.states.in_step):
                 b = meaning[1]  # in step mode every block's states move
                 groups[b] = state_tensors(self.optimizer, self.blocks[b].parameters())
-        self.states.plan(groups)
+        self.states.plan(self._keep_states_that_fit(groups))
         self.swapper.release_at, self.state_release = self._release_schedule(
             choices, bandwidth_scale)
 
@@ -572,6 +578,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "trials": [t.describe() for t in self.trials],
                 "recompute_ms": self.recompute_ms,
                 "measured": [vars(m) for m in self.measured],
+                "resident_state_blocks": len(self.resident_states),
                 "swapped_out_bytes": self.swapper.bytes_out,
                 "swapped_in_bytes": self.swapper.bytes_in}
 

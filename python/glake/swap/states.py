@@ -14,11 +14,19 @@ When even the parameters, their gradients and the states do not fit the target t
 during the block-by-block optimizer step, one block ahead of the part that uses them, and go
 out again once that part has run, so at most two blocks' states are on the device at once."""
 
+import logging
 import weakref
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                     register_optimizer_step_pre_hook)
+
+
+log = logging.getLogger("glake.swap")
+
+# Share of the room under the goal that states kept on the device may take: warm-up's peak is
+# one step's, and the next may allocate a little differently.
+_STATE_ROOM = 0.8
 
 
 def state_tensors(optimizer, params):
@@ -257,6 +265,29 @@ class OptimizerStatesMixin:
             self.states.plan({})
             self.state_release = {}
 
+    def _keep_states_that_fit(self, groups):
+        """Step mode under a plan that recomputes every block (the memory warm-up ran in): the
+        first blocks whose states fit in the room warm-up's peak left under the goal stay on
+        the device (their copies cost the step time); the others' groups are returned."""
+        peak, goal = self.warm_peak, self._goal()
+        full = (self.decisions is not None and len(self.decisions) == len(self.blocks)
+                and not any(self.decisions.values()))
+        kept = []
+        if self.states.in_step and full and peak and goal and goal > peak:
+            room = (goal - peak) * _STATE_ROOM
+            for b in sorted(groups):
+                size = self.states.full_bytes(groups[b])
+                if size > room:
+                    break
+                room -= size
+                kept.append(b)
+        if kept != self.resident_states and kept:
+            log.info("glake.swap: optimizer states of blocks 0-%d stay on the device (warm-up "
+                     "peaked at %.2f GiB of a %.2f GiB goal)", kept[-1], peak / 2**30,
+                     goal / 2**30)
+        self.resident_states = kept
+        return {b: g for b, g in groups.items() if b not in kept}
+
     def _adopt_optimizer(self, optimizer):
         """Makes `optimizer` the one whose states are planned, and runs its step block by
         block from now on: one call per block's parameters (and one for the rest), so the
@@ -302,7 +333,7 @@ class OptimizerStatesMixin:
             try:
                 run_part(rest)
                 for b, ids in enumerate(parts):
-                    if not self.states.in_step:
+                    if not self.states.in_step or b in self.resident_states:
                         run_part(ids)
                         continue
                     block = self.blocks[b]

@@ -406,6 +406,49 @@ def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stay
     forced.remove()
 
 
+def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
+    """Under a plan that recomputes every block, step mode leaves on the device the states of
+    the first blocks that fit in the room warm-up's peak left under the goal (80% of it), and
+    moves the rest; the steps stay exact."""
+
+    def resident(opt, model):
+        return [b for b in range(LAYERS) if sum(
+            t.untyped_storage().nbytes()
+            for t in swap.states.state_tensors(opt, model.layers[b].parameters()))]
+
+    def run(model, planned):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        smart = (swap.apply(model, optimizer=opt, target=2, preference="memory", margin=0)
+                 if planned else None)
+        losses, seen = [], []
+        for step in range(10):
+            if planned and step == 8:  # planned (full recomputation), every state moving
+                assert smart.decisions is not None and smart.states.in_step
+                per_block = smart.states.full_bytes(
+                    swap.states.state_tensors(opt, model.layers[0].parameters()))
+                smart.warm_peak, smart.target_bytes = 1000, 1000 + int(2.5 * per_block / 0.8)
+                smart._adopt(smart.choices, smart.bandwidth_scale)
+                assert smart.resident_states == [0, 1]
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            loss.backward()
+            if planned:
+                seen.append(resident(opt, model))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        if planned:
+            assert smart.report()["resident_state_blocks"] == 2
+            smart.remove()
+        return losses, [p.detach().clone() for p in model.parameters()], seen
+
+    ref = run(fresh(), False)
+    got = run(fresh(), True)
+    assert got[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+    assert got[2][1:8] == [[]] * 7 and got[2][8:] == [[0, 1]] * 2, got[2]
+
+
 def test_block_by_block_optimizer_step_follows_a_learning_rate_schedule():
     """The split step reads each group's settings as they are at each step (a scheduler changes
     the learning rate between steps) and gives the unsplit step's parameters, bit for bit."""

@@ -428,6 +428,8 @@ def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
                 per_block = smart.states.full_bytes(
                     swap.states.state_tensors(opt, model.layers[0].parameters()))
                 smart.warm_peak, smart.target_bytes = 1000, 1000 + int(2.5 * per_block / 0.8)
+                smart.correction = 0  # what the unreachable target's measured steps asked for
+                smart.phase, smart.iteration = "stable", 1  # no search re-plans meanwhile
                 smart._adopt(smart.choices, smart.bandwidth_scale)
                 assert smart.resident_states == [0, 1]
             loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))

@@ -233,6 +233,7 @@ def child(args):
                 plan = report["plan"] or {}
                 row.update(phase=report["phase"], plan=plan, trials=report["trials"],
                            recompute_ms=report["recompute_ms"],
+                           resident_state_blocks=report["resident_state_blocks"],
                            predicted_step_ms=plan.get("predicted_step_ms"),
                            predicted_peak=plan.get("predicted_peak_bytes"))
         except torch.OutOfMemoryError as e:

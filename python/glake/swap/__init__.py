@@ -384,14 +384,35 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.choices = choices
         self.decisions = self._decisions(choices)
         groups = {}
+        if self.states.in_step:  # every block's states move, but those that fit (below)
+            for b, block in enumerate(self.blocks):
+                tensors = state_tensors(self.optimizer, block.parameters())
+                if tensors:
+                    groups[b] = tensors
         for (action, _, _), meaning in zip(choices, self.meaning):
-            if meaning is not None and meaning[0] == "state" and (
-                    action == planner.SWAP or self.states.in_step):
-                b = meaning[1]  # in step mode every block's states move
+            if meaning is not None and meaning[0] == "state" and action == planner.SWAP:
+                b = meaning[1]
                 groups[b] = state_tensors(self.optimizer, self.blocks[b].parameters())
         self.states.plan(self._keep_states_that_fit(groups))
+        if self.resident_states:
+            self.prediction = self._with_states_kept(choices, bandwidth_scale)
         self.swapper.release_at, self.state_release = self._release_schedule(
             choices, bandwidth_scale)
+
+    def _with_states_kept(self, choices, bandwidth_scale):
+        """The prediction of `choices` once step mode keeps some blocks' states: the profiled
+        optimizer step held the copies of every block's states (in and out at once, so as
+        long as the slower direction), and those kept are copied no more."""
+        kept = sum(self.states.full_bytes(state_tensors(self.optimizer,
+                                                        self.blocks[b].parameters()))
+                   for b in self.resident_states)
+        d2h, h2d = (x * bandwidth_scale for x in self.bandwidth)
+        ops = list(self.profile.ops)
+        ns, phase = ops[-1]
+        ops[-1] = (max(0, int(ns - kept * 1e9 / min(d2h, h2d))), phase)
+        profile = planner.Profile(ops=ops, tensors=self.profile.tensors,
+                                  base_bytes=self.profile.base_bytes)
+        return planner.simulate(profile, choices, d2h, h2d, self.settings.prefetch + 1)
 
     def _release_schedule(self, choices, bandwidth_scale):
         """Where the executor frees what goes out: per block, the first later block whose

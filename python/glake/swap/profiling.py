@@ -102,7 +102,8 @@ class ProfilingMixin:
 
     def _build_profile(self):
         """The block-level iteration the planner sees, and per tensor which (block, op indexes)
-        it stands for."""
+        it stands for. In step mode the states are no tensors of the plan: they are off the
+        device but inside the optimizer step, whose profiled time already holds their copies."""
         m, n_blocks = self.marks, len(self.blocks)
         ns = (lambda a, z: int(a.elapsed_time(z) * 1e6)) if self.cuda else (lambda a, z: 1000)
         fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]
@@ -173,7 +174,7 @@ class ProfilingMixin:
                                               bwd_op[b], bwd_op[b], [bwd_op[b]],
                                               kind=planner.OTHER_KIND))
                 meaning += [None, None]
-        if self._moves_states():
+        if self._moves_states() and not self.states.in_step:
             # Each block's optimizer states: on the device from the step's start (op 0) and
             # needed from the block's backward to the optimizer step, so the one window the
             # planner can choose is out during the forward, in ahead of that backward.

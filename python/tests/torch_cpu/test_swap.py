@@ -310,7 +310,8 @@ def test_memory_preference_plans_optimizer_states_through_every_phase():
     ref_losses, ref_params, _, _, _ = run(fresh())
     model = fresh()
     losses, params, smart, opt, steps = run(model, lambda m, o: swap.apply(
-        m, optimizer=o, target=2, preference="memory", margin=0))  # 2 bytes: unreachable
+        m, optimizer=o, target=2, preference="memory", margin=0,  # 2 bytes: unreachable
+        states_in_step=False))  # the states in the plan, back in the backward
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     per_block = len(list(model.layers[0].parameters()))
@@ -359,6 +360,8 @@ def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stay
     losses, params, smart, opt, (during, after_backward) = run(model, lambda m, o: swap.apply(
         m, optimizer=o, target=2, preference="memory", margin=0))  # 2 bytes: step mode
     assert smart.states.in_step
+    # Not tensors of the plan: the profiled optimizer step holds their copies.
+    assert not [m for m in smart.meaning if m is not None and m[0] == "state"]
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     assert after_backward == [[]] * 8, after_backward

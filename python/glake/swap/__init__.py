@@ -383,12 +383,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         """Makes `choices` the plan the executor follows from the next block on."""
         self.choices = choices
         self.decisions = self._decisions(choices)
-        groups = {}
-        if self.states.in_step:  # every block's states move, but those that fit (below)
-            for b, block in enumerate(self.blocks):
-                tensors = state_tensors(self.optimizer, block.parameters())
-                if tensors:
-                    groups[b] = tensors
+        # In step mode every block's states move, but those that fit (below).
+        groups = self._state_groups() if self.states.in_step else {}
         for (action, _, _), meaning in zip(choices, self.meaning):
             if meaning is not None and meaning[0] == "state" and action == planner.SWAP:
                 b = meaning[1]
@@ -399,17 +395,31 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.swapper.release_at, self.state_release = self._release_schedule(
             choices, bandwidth_scale)
 
+    def _recompute_estimate_ms(self):
+        """Full recomputation's step as measured in warm-up (every state moving, in step
+        mode), less the copies of the states it would keep on the device."""
+        if self.recompute_ms is None or not self.states.in_step:
+            return self.recompute_ms
+        kept = self._states_that_fit(self._state_groups())
+        return self.recompute_ms - self._state_copy_ns(kept, 1.0) / 1e6
+
+    def _state_copy_ns(self, blocks, bandwidth_scale):
+        """How long the step spends copying the states of `blocks` (in and out at once, so as
+        long as the slower direction)."""
+        nbytes = sum(self.states.full_bytes(state_tensors(self.optimizer,
+                                                          self.blocks[b].parameters()))
+                     for b in blocks)
+        return nbytes * 1e9 / (min(self.bandwidth) * bandwidth_scale)
+
     def _with_states_kept(self, choices, bandwidth_scale):
         """The prediction of `choices` once step mode keeps some blocks' states: the profiled
-        optimizer step held the copies of every block's states (in and out at once, so as
-        long as the slower direction), and those kept are copied no more."""
-        kept = sum(self.states.full_bytes(state_tensors(self.optimizer,
-                                                        self.blocks[b].parameters()))
-                   for b in self.resident_states)
+        optimizer step held the copies of every block's states, and those kept are copied no
+        more."""
         d2h, h2d = (x * bandwidth_scale for x in self.bandwidth)
         ops = list(self.profile.ops)
         ns, phase = ops[-1]
-        ops[-1] = (max(0, int(ns - kept * 1e9 / min(d2h, h2d))), phase)
+        ops[-1] = (max(0, int(ns - self._state_copy_ns(self.resident_states, bandwidth_scale))),
+                   phase)
         profile = planner.Profile(ops=ops, tensors=self.profile.tensors,
                                   base_bytes=self.profile.base_bytes)
         return planner.simulate(profile, choices, d2h, h2d, self.settings.prefetch + 1)
@@ -569,15 +579,16 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             if all(t.choices != self.trials[-1].choices for t in self.trials[:-1]):
                 return
             self.trials.pop()
-        best = fastest(self.trials, self.recompute_ms)
+        best = fastest(self.trials, self._recompute_estimate_ms())
         self.chosen = best
         if best is None:
             choices = self._full_recompute_choices()
             self._adopt(choices, 1.0)
             self.decisions = {b: {} for b in range(len(self.blocks))}
             s = self.settings
-            self.prediction = planner.simulate(self.profile, choices, *self.bandwidth,
-                                               s.prefetch + 1)
+            self.prediction = (self._with_states_kept(choices, 1.0) if self.resident_states
+                               else planner.simulate(self.profile, choices, *self.bandwidth,
+                                                     s.prefetch + 1))
             self.history.append(dict(self._summary(), chosen="recompute"))
             log.info("glake.swap: stable; recomputing every block (%.1f ms measured) beats "
                      "every plan tried", self.recompute_ms)

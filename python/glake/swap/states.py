@@ -256,9 +256,7 @@ class OptimizerStatesMixin:
         fits in the least memory the executor can give it); otherwise they stay."""
         self._decide_states_in_step()
         if self._moves_states():
-            groups = {b: state_tensors(self.optimizer, block.parameters())
-                      for b, block in enumerate(self.blocks)}
-            groups = {b: g for b, g in groups.items() if g}
+            groups = self._state_groups()
             self.states.plan(groups)
             self.state_release = {b: 0 for b in groups}
         else:
@@ -269,11 +267,22 @@ class OptimizerStatesMixin:
         """Step mode under a plan that recomputes every block (the memory warm-up ran in): the
         first blocks whose states fit in the room warm-up's peak left under the goal stay on
         the device (their copies cost the step time); the others' groups are returned."""
-        peak, goal = self.warm_peak, self._goal()
         full = (self.decisions is not None and len(self.decisions) == len(self.blocks)
                 and not any(self.decisions.values()))
+        kept = self._states_that_fit(groups) if full else []
+        if kept != self.resident_states and kept:
+            log.info("glake.swap: optimizer states of blocks 0-%d stay on the device (warm-up "
+                     "peaked at %.2f GiB of a %.2f GiB goal)", kept[-1],
+                     self.warm_peak / 2**30, self._goal() / 2**30)
+        self.resident_states = kept
+        return {b: g for b, g in groups.items() if b not in kept}
+
+    def _states_that_fit(self, groups):
+        """Step mode: the first blocks of `groups` whose states fit in the room warm-up's peak
+        left under the goal (a share of it: the next step may allocate a little differently)."""
+        peak, goal = self.warm_peak, self._goal()
         kept = []
-        if self.states.in_step and full and peak and goal and goal > peak:
+        if self.states.in_step and peak and goal and goal > peak:
             room = (goal - peak) * _STATE_ROOM
             for b in sorted(groups):
                 size = self.states.full_bytes(groups[b])
@@ -281,12 +290,16 @@ class OptimizerStatesMixin:
                     break
                 room -= size
                 kept.append(b)
-        if kept != self.resident_states and kept:
-            log.info("glake.swap: optimizer states of blocks 0-%d stay on the device (warm-up "
-                     "peaked at %.2f GiB of a %.2f GiB goal)", kept[-1], peak / 2**30,
-                     goal / 2**30)
-        self.resident_states = kept
-        return {b: g for b, g in groups.items() if b not in kept}
+        return kept
+
+    def _state_groups(self):
+        """Every block's optimizer states, by block (blocks without any left out)."""
+        groups = {}
+        for b, block in enumerate(self.blocks):
+            tensors = state_tensors(self.optimizer, block.parameters())
+            if tensors:
+                groups[b] = tensors
+        return groups
 
     def _adopt_optimizer(self, optimizer):
         """Makes `optimizer` the one whose states are planned, and runs its step block by

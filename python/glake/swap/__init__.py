@@ -395,14 +395,6 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.swapper.release_at, self.state_release = self._release_schedule(
             choices, bandwidth_scale)
 
-    def _recompute_estimate_ms(self):
-        """Full recomputation's step as measured in warm-up (every state moving, in step
-        mode), less the copies of the states it would keep on the device."""
-        if self.recompute_ms is None or not self.states.in_step:
-            return self.recompute_ms
-        kept = self._states_that_fit(self._state_groups())
-        return self.recompute_ms - self._state_copy_ns(kept, 1.0) / 1e6
-
     def _state_copy_ns(self, blocks, bandwidth_scale):
         """How long the step spends copying the states of `blocks` (in and out at once, so as
         long as the slower direction)."""
@@ -579,7 +571,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             if all(t.choices != self.trials[-1].choices for t in self.trials[:-1]):
                 return
             self.trials.pop()
-        best = fastest(self.trials, self._recompute_estimate_ms())
+        best = fastest(self.trials, self.recompute_ms)
         self.chosen = best
         if best is None:
             choices = self._full_recompute_choices()

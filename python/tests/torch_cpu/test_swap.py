@@ -324,6 +324,19 @@ def test_memory_preference_plans_optimizer_states_through_every_phase():
     assert "step" not in vars(opt)
 
 
+def blocks_with_states_on_device(opt, model):
+    """The blocks of `model` whose optimizer states hold device memory now."""
+    return [b for b in range(LAYERS) if sum(
+        t.untyped_storage().nbytes()
+        for t in swap.states.state_tensors(opt, model.layers[b].parameters()))]
+
+
+def same_steps(got, ref):
+    """Two runs' (losses, parameters, ...) agree bit for bit."""
+    assert got[0] == ref[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+
+
 def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stays_exact():
     """Step mode (parameters, gradients and states do not fit the target together): AdamW's
     states of every block stay off the device through forward and backward, come back one
@@ -331,24 +344,19 @@ def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stay
     blocks' states are ever on the device, and losses and parameters are those of the
     unplanned run, bit for bit."""
 
-    def resident(opt, model):
-        return [b for b in range(LAYERS) if sum(
-            t.untyped_storage().nbytes()
-            for t in swap.states.state_tensors(opt, model.layers[b].parameters()))]
-
     def run(model, plan=None):
         torch.manual_seed(0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
         smart = plan(model, opt) if plan else None
         during, after_backward = [], []
         if smart is not None:
-            opt.register_step_post_hook(lambda o, a, k: during.append(resident(opt, model)))
+            opt.register_step_post_hook(lambda o, a, k: during.append(blocks_with_states_on_device(opt, model)))
         losses = []
         for _ in range(8):
             loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
             loss.backward()
             if smart is not None:
-                after_backward.append(resident(opt, model))
+                after_backward.append(blocks_with_states_on_device(opt, model))
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
@@ -382,7 +390,7 @@ def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stay
                 smart = swap.apply(model, optimizer=opt, preference="memory",
                                    states_in_step=True)
                 model.layers[1].register_forward_pre_hook(
-                    lambda m, a: seen.append(resident(opt, model)))
+                    lambda m, a: seen.append(blocks_with_states_on_device(opt, model)))
             loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
             loss.backward()
             opt.step()
@@ -394,8 +402,7 @@ def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stay
 
     ref = resumed(fresh(), False)
     got = resumed(fresh(), True)
-    assert got[0] == ref[0]
-    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+    same_steps(got, ref)
     assert got[2] == [[]] * 3, got[2]
     # The automatic choice: a target the whole set fits in keeps the backward's prefetch.
     other = fresh()
@@ -413,11 +420,6 @@ def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
     """Under a plan that recomputes every block, step mode leaves on the device the states of
     the first blocks that fit in the room warm-up's peak left under the goal (80% of it), and
     moves the rest; the steps stay exact."""
-
-    def resident(opt, model):
-        return [b for b in range(LAYERS) if sum(
-            t.untyped_storage().nbytes()
-            for t in swap.states.state_tensors(opt, model.layers[b].parameters()))]
 
     def run(model, planned):
         torch.manual_seed(0)
@@ -438,7 +440,7 @@ def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
             loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
             loss.backward()
             if planned:
-                seen.append(resident(opt, model))
+                seen.append(blocks_with_states_on_device(opt, model))
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
@@ -449,8 +451,7 @@ def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
 
     ref = run(fresh(), False)
     got = run(fresh(), True)
-    assert got[0] == ref[0]
-    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+    same_steps(got, ref)
     assert got[2][1:8] == [[]] * 7 and got[2][8:] == [[0, 1]] * 2, got[2]
 
 

@@ -252,8 +252,9 @@ class OptimizerStatesMixin:
 
     def _stop_moving_states(self):
         """Until the next plan: under the "memory" preference every block's optimizer states
-        leave the device before the first block and come back during the backward (so warm-up
-        fits in the least memory the executor can give it); otherwise they stay."""
+        leave the device before the first block and come back during the backward, or in step
+        mode inside the optimizer step (so warm-up fits in the least memory the executor can
+        give it); otherwise they stay."""
         self._decide_states_in_step()
         if self._moves_states():
             groups = self._state_groups()

@@ -29,6 +29,7 @@ ahead of the backward) and recompute the rest. Losses and gradients are those of
 step."""
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -395,13 +396,15 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.swapper.release_at, self.state_release = self._release_schedule(
             choices, bandwidth_scale)
 
+    def _state_bytes(self, blocks):
+        return sum(self.states.full_bytes(state_tensors(self.optimizer,
+                                                        self.blocks[b].parameters()))
+                   for b in blocks)
+
     def _state_copy_ns(self, blocks, bandwidth_scale):
         """How long the step spends copying the states of `blocks` (in and out at once, so as
         long as the slower direction)."""
-        nbytes = sum(self.states.full_bytes(state_tensors(self.optimizer,
-                                                          self.blocks[b].parameters()))
-                     for b in blocks)
-        return nbytes * 1e9 / (min(self.bandwidth) * bandwidth_scale)
+        return self._state_bytes(blocks) * 1e9 / (min(self.bandwidth) * bandwidth_scale)
 
     def _with_states_kept(self, choices, bandwidth_scale):
         """The prediction of `choices` once step mode keeps some blocks' states: the profiled
@@ -414,7 +417,11 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                    phase)
         profile = planner.Profile(ops=ops, tensors=self.profile.tensors,
                                   base_bytes=self.profile.base_bytes)
-        return planner.simulate(profile, choices, d2h, h2d, self.settings.prefetch + 1)
+        prediction = planner.simulate(profile, choices, d2h, h2d, self.settings.prefetch + 1)
+        # The profile saw every state off the device; the kept ones stay on it throughout.
+        kept = self._state_bytes(self.resident_states)
+        return dataclasses.replace(prediction, peak_bytes=prediction.peak_bytes + kept,
+                                   baseline_peak_bytes=prediction.baseline_peak_bytes + kept)
 
     def _release_schedule(self, choices, bandwidth_scale):
         """Where the executor frees what goes out: per block, the first later block whose

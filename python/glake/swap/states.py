@@ -112,23 +112,24 @@ class StateSwapper:
             self.prefetch(next_block)
         ready = self.back.pop(b, None)
         if ready is not None:
-            self.swapper.wait_for(ready)
+            # Not timed: the profiled optimizer step holds these copies, not the plan's waits.
+            self.swapper.wait_for(ready, timed=False)
         run()
-        if b not in self.groups:
-            made = tensors()
-            if not made:
-                return
-            self.groups[b] = made
+        # Read again each step: a state made later (an expert first routed to) moves too.
+        made = tensors()
+        if not made:
+            return
+        self.groups[b] = made
         self._copy_out(b)
-        self.release([b])
+        self.release([b], timed=False)
 
-    def release(self, blocks):
+    def release(self, blocks, timed=True):
         """Frees the device memory of the groups of `blocks` on their way out, once the
         current stream has waited for their copies (stream order: reusable at once)."""
         for b in blocks:
             if b in self.out and b not in self.released:
                 if self.out[b] is not None:
-                    self.swapper.wait_for(self.out[b])
+                    self.swapper.wait_for(self.out[b], timed)
                 for t in self.groups[b]:
                     t.untyped_storage().resize_(0)
                 self.released.add(b)
@@ -256,6 +257,7 @@ class OptimizerStatesMixin:
         mode inside the optimizer step (so warm-up fits in the least memory the executor can
         give it); otherwise they stay."""
         self._decide_states_in_step()
+        self.resident_states = []  # every block's states move until a plan keeps some
         if self._moves_states():
             groups = self._state_groups()
             self.states.plan(groups)
@@ -318,6 +320,7 @@ class OptimizerStatesMixin:
         parts = [{id(p) for p in block.parameters()} for block in self.blocks]
         in_blocks = set().union(*parts)
         whole = optimizer.step
+        whole_state_dict = optimizer.state_dict
 
         def step(closure=None):
             if closure is not None or not self.enabled:
@@ -357,8 +360,14 @@ class OptimizerStatesMixin:
                         b + 1 if b + 1 < len(parts) else None)
             finally:
                 self._splitting = False
-            self._after_step(optimizer, (), {})
+            self._after_step(optimizer, (), {}, split=True)
             return None
+
+        def state_dict():
+            # A checkpoint taken between steps reads every state: step mode brings them back.
+            if self.enabled and self.states.in_step and self.states.out:
+                self._states_back_until_next_forward()
+            return whole_state_dict()
 
         # A learning-rate scheduler made before checks that the step it wrapped is still
         # the one called; it still is, inside this one.
@@ -366,13 +375,17 @@ class OptimizerStatesMixin:
             step._wrapped_by_lr_sched = True
         previous = vars(optimizer).get("step")  # a scheduler's wrapper, say
 
+        previous_state_dict = vars(optimizer).get("state_dict")
+
         def unwrap():
-            if previous is None:
-                vars(optimizer).pop("step", None)
-            else:
-                optimizer.step = previous
+            for name, before in (("step", previous), ("state_dict", previous_state_dict)):
+                if before is None:
+                    vars(optimizer).pop(name, None)
+                else:
+                    setattr(optimizer, name, before)
 
         optimizer.step = step
+        optimizer.state_dict = state_dict
         self._unwrap_optimizer = unwrap
 
     def _before_step(self, optimizer, args, kwargs, split=False):
@@ -385,10 +398,21 @@ class OptimizerStatesMixin:
         if optimizer is self.optimizer:
             self.states.before_step(split)
 
-    def _after_step(self, optimizer, args, kwargs):
+    def _after_step(self, optimizer, args, kwargs, split=False):
         if self._splitting:
             return
         if optimizer is self.optimizer and self.enabled:
             if self.phase in ("warmup", "profile") and not self.states.groups:
                 self._stop_moving_states()  # the states exist now (made by the first step)
             self.states.after_step()
+            if self.states.in_step and not split:
+                # A whole step (given a closure) had every state back: freed before the
+                # next forward's first block, as the split step would have left them.
+                self.state_release = {b: 0 for b in self.states.groups}
+
+    def _states_back_until_next_forward(self):
+        """Step mode: every moved state on the device now, sent out again at once and freed
+        before the next forward's first block."""
+        self.states.before_step()
+        self.states.after_step()
+        self.state_release = {b: 0 for b in self.states.groups}

@@ -427,7 +427,7 @@ def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
         smart = (swap.apply(model, optimizer=opt, target=2, preference="memory", margin=0)
                  if planned else None)
         losses, seen = [], []
-        for step in range(10):
+        for step in range(13):
             if planned and step == 8:  # planned (full recomputation), every state moving
                 assert smart.decisions is not None and smart.states.in_step
                 per_block = smart.states.full_bytes(
@@ -437,7 +437,11 @@ def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
                 smart.phase, smart.iteration = "stable", 1  # no search re-plans meanwhile
                 smart._adopt(smart.choices, smart.bandwidth_scale)
                 assert smart.resident_states == [0, 1]
-            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            if planned and step == 10:
+                assert smart.report()["resident_state_blocks"] == 2
+            # New shapes from step 10: back to warm-up, where every block's states move again.
+            shape = (2, 16) if step < 10 else (3, 8)
+            loss = model(torch.randint(0, VOCAB, shape).to(DEVICE))
             loss.backward()
             if planned:
                 seen.append(blocks_with_states_on_device(opt, model))
@@ -445,14 +449,65 @@ def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
         if planned:
-            assert smart.report()["resident_state_blocks"] == 2
+            assert smart.resident_states == []
             smart.remove()
         return losses, [p.detach().clone() for p in model.parameters()], seen
 
     ref = run(fresh(), False)
     got = run(fresh(), True)
     same_steps(got, ref)
-    assert got[2][1:8] == [[]] * 7 and got[2][8:] == [[0, 1]] * 2, got[2]
+    # Kept from step 8; after the shape change the kept blocks' states leave in their step.
+    assert got[2][1:8] == [[]] * 7 and got[2][8:11] == [[0, 1]] * 3, got[2]
+    assert got[2][12:] == [[]], got[2]
+
+
+def test_step_mode_checkpoints_and_closure_steps_see_every_state():
+    """Step mode between steps: optimizer.state_dict() brings the states back (a checkpoint
+    saves and loads), a step given a closure runs on every state, and in both cases the
+    states leave again before the next forward's first block; the steps stay exact."""
+    import io
+
+    def run(model, planned):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        smart = (swap.apply(model, optimizer=opt, preference="memory", states_in_step=True)
+                 if planned else None)
+        losses, seen, saved = [], [], None
+        for step in range(6):
+            ids = torch.randint(0, VOCAB, (2, 16)).to(DEVICE)
+
+            def closure():
+                opt.zero_grad(set_to_none=True)
+                loss = model(ids)
+                loss.backward()
+                return loss
+
+            if step == 3:  # a whole step, given its closure
+                loss = opt.step(closure)
+            else:
+                loss = model(ids)
+                loss.backward()
+                if planned:
+                    seen.append(blocks_with_states_on_device(opt, model))
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if step == 2:
+                buf = io.BytesIO()
+                torch.save(opt.state_dict(), buf)
+                buf.seek(0)
+                saved = torch.load(buf)
+        if planned:
+            smart.remove()
+        return losses, [p.detach().clone() for p in model.parameters()], seen, saved
+
+    ref = run(fresh(), False)
+    got = run(fresh(), True)
+    same_steps(got, ref)
+    assert got[2] == [[]] * 5, got[2]
+    for key, state in ref[3]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got[3]["state"][key][name], value), (key, name)
 
 
 def test_block_by_block_optimizer_step_follows_a_learning_rate_schedule():

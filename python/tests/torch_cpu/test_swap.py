@@ -331,6 +331,18 @@ def blocks_with_states_on_device(opt, model):
         for t in swap.states.state_tensors(opt, model.layers[b].parameters()))]
 
 
+def train_step(model, opt, ids, seen=None):
+    """One step on `ids`; appends the blocks whose states are on the device after the backward
+    to `seen`, if given. Returns the loss."""
+    loss = model(ids)
+    loss.backward()
+    if seen is not None:
+        seen.append(blocks_with_states_on_device(opt, model))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def same_steps(got, ref):
     """Two runs' (losses, parameters, ...) agree bit for bit."""
     assert got[0] == ref[0]
@@ -441,13 +453,8 @@ def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
                 assert smart.report()["resident_state_blocks"] == 2
             # New shapes from step 10: back to warm-up, where every block's states move again.
             shape = (2, 16) if step < 10 else (3, 8)
-            loss = model(torch.randint(0, VOCAB, shape).to(DEVICE))
-            loss.backward()
-            if planned:
-                seen.append(blocks_with_states_on_device(opt, model))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            ids = torch.randint(0, VOCAB, shape).to(DEVICE)
+            losses.append(train_step(model, opt, ids, seen if planned else None))
         if planned:
             assert smart.resident_states == []
             smart.remove()
@@ -483,15 +490,10 @@ def test_step_mode_checkpoints_and_closure_steps_see_every_state():
                 return loss
 
             if step == 3:  # a whole step, given its closure
-                loss = opt.step(closure)
+                losses.append(opt.step(closure).item())
+                opt.zero_grad(set_to_none=True)
             else:
-                loss = model(ids)
-                loss.backward()
-                if planned:
-                    seen.append(blocks_with_states_on_device(opt, model))
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+                losses.append(train_step(model, opt, ids, seen if planned else None))
             if step == 2:
                 buf = io.BytesIO()
                 torch.save(opt.state_dict(), buf)

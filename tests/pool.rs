@@ -109,6 +109,47 @@ fn freed_memory_is_reused_on_the_same_stream() {
     p.free(d).unwrap();
 }
 
+/// A freed block is kept whole for the next request of its size (the fast path), yet counts
+/// as free at once, and comes back to the free lists, merged with its neighbours, before the
+/// pool would grow for a request it could serve.
+#[test]
+fn freed_blocks_count_as_free_and_merge_before_the_pool_grows() {
+    let device = common::device();
+    let p = pool(&device);
+    let whole = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
+    p.free(whole).unwrap();
+    let reserved = p.stats().reserved_bytes.all.current;
+    let [a, b, c] = [0; 3].map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap());
+    assert_eq!((b - a, c - b), (4 * MIB as u64, 4 * MIB as u64));
+    p.free(a).unwrap();
+    p.free(b).unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.allocated_bytes.all.current, 4 * MIB as i64);
+    assert_eq!(stats.active.all.current, 1);
+    assert_eq!(p.free(a).unwrap_err().kind(), ErrorKind::DoubleFree);
+    let layout = block_layout(&p);
+    assert!(
+        layout
+            .iter()
+            .flatten()
+            .any(|&(addr, size, use_)| addr == a && size == 8 * MIB && use_ == BlockUse::Free),
+        "a and b merged into one free block: {layout:?}"
+    );
+    // Freed again and asked for as one: the two blocks merge rather than the pool growing.
+    let b2 = p.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    let a2 = p.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    p.free(a2).unwrap();
+    p.free(b2).unwrap();
+    let both = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(both, a.min(b));
+    assert_eq!(p.stats().reserved_bytes.all.current, reserved);
+    p.check_invariants().unwrap();
+    p.free(both).unwrap();
+    p.free(c).unwrap();
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+}
+
 /// Takes `ballast` bytes (kept live), then fills a 64 MiB budget above that with blocks of
 /// `block` bytes, frees every other one, and asks for one block four times larger than any
 /// free one. Returns the pool's result and the peak reserved bytes above the ballast.

@@ -40,9 +40,14 @@ impl Inner {
         let rounded = sizes::round(size)?;
         self.admit(device, size, rounded)?;
         self.request = size;
-        let ptr = match pool {
-            PoolKind::Small => self.malloc_small(device, rounded, stream, tag),
-            PoolKind::Large => self.malloc_large(device, rounded, stream, tag),
+        let parked = match tag {
+            SHARED => self.unpark(rounded, pool, stream),
+            _ => None,
+        };
+        let ptr = match (parked, pool) {
+            (Some(ptr), _) => Ok(Some(ptr)),
+            (None, PoolKind::Small) => self.malloc_small(device, rounded, stream, tag),
+            (None, PoolKind::Large) => self.malloc_large(device, rounded, stream, tag),
         };
         self.request = 0;
         let Some(ptr) = ptr? else {
@@ -161,6 +166,20 @@ impl Inner {
         stream: Stream,
         pool: PoolKind,
     ) {
+        self.book(ptr, target, size, stream, pool);
+        self.sync_split_stats();
+    }
+
+    /// [`Inner::register`] of memory whose blocks did not change (a parked block taken back),
+    /// so the split statistics stand.
+    pub(super) fn book(
+        &mut self,
+        ptr: DevicePtr,
+        target: Target,
+        size: usize,
+        stream: Stream,
+        pool: PoolKind,
+    ) {
         self.live.insert(
             ptr,
             Live {
@@ -178,7 +197,6 @@ impl Inner {
         stats.allocated_bytes.increase(pool, size as u64);
         stats.active.increase(pool, 1);
         stats.active_bytes.increase(pool, size as u64);
-        self.sync_split_stats();
         self.observe(super::AllocationEvent::Allocated { ptr, bytes: size });
     }
 
@@ -237,6 +255,34 @@ impl Inner {
         chunk_bytes(block.addr) > chunk_bytes(block.addr + size as u64)
     }
 
+    /// The best-fitting free block for a request. When there is none, parked blocks go back to
+    /// the free lists (merged, they may fit) and the search is made again; so they do when
+    /// a small block found would be split and parked blocks of sizes between might fit better.
+    /// The large pool does not do the latter: on the recorded traces it left more memory
+    /// reserved (mix: utilization 0.986 against 0.994).
+    fn best_fit(
+        &mut self,
+        tag: Tag,
+        pool: PoolKind,
+        stream: Stream,
+        size: usize,
+    ) -> Option<BlockId> {
+        let found = self.map.best_fit(tag, pool, stream, size);
+        let retry = match found {
+            // Parked blocks between the request and the small block found might fit better.
+            Some(id) if pool == PoolKind::Small => {
+                let found = self.map.blocks[id].size;
+                found > size && self.unpark_between(size, found - 1)
+            }
+            Some(_) => false,
+            None => self.unpark_all(),
+        };
+        if !retry {
+            return found;
+        }
+        self.map.best_fit(tag, pool, stream, size)
+    }
+
     fn malloc_small(
         &mut self,
         device: &dyn crate::device::Device,
@@ -245,7 +291,7 @@ impl Inner {
         tag: Tag,
     ) -> Result<Option<DevicePtr>> {
         for attempt in 0..3 {
-            if let Some(id) = self.map.best_fit(tag, PoolKind::Small, stream, size) {
+            if let Some(id) = self.best_fit(tag, PoolKind::Small, stream, size) {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Small)));
             }
             let segment_size = sizes::small_segment(size, self.granularity)?;
@@ -284,7 +330,7 @@ impl Inner {
         // A private pool maps nothing twice: its graph replays use fixed addresses.
         let stitch = self.config.stitch && tag == SHARED;
         for attempt in 0..3 {
-            if let Some(id) = self.map.best_fit(tag, PoolKind::Large, stream, size) {
+            if let Some(id) = self.best_fit(tag, PoolKind::Large, stream, size) {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
             }
             if stitch {

@@ -24,7 +24,7 @@ pub type Entry = (usize, DevicePtr, usize);
 
 /// Which of up to 4096 lists are not empty.
 #[derive(Debug, Clone)]
-struct NonEmpty {
+pub(super) struct NonEmpty {
     /// Bit `i % 64` of word `i / 64`: list `i` is not empty.
     words: [u64; 64],
     /// Bit `w`: word `w` is not zero.
@@ -41,14 +41,14 @@ impl Default for NonEmpty {
 }
 
 impl NonEmpty {
-    const CAPACITY: usize = 64 * 64;
+    pub(super) const CAPACITY: usize = 64 * 64;
 
-    fn set(&mut self, i: usize) {
+    pub(super) fn set(&mut self, i: usize) {
         self.words[i / 64] |= 1 << (i % 64);
         self.summary |= 1 << (i / 64);
     }
 
-    fn clear(&mut self, i: usize) {
+    pub(super) fn clear(&mut self, i: usize) {
         self.words[i / 64] &= !(1 << (i % 64));
         if self.words[i / 64] == 0 {
             self.summary &= !(1 << (i / 64));
@@ -56,7 +56,7 @@ impl NonEmpty {
     }
 
     /// The first set bit at or after `i`.
-    fn first_from(&self, i: usize) -> Option<usize> {
+    pub(super) fn first_from(&self, i: usize) -> Option<usize> {
         let word = i / 64;
         if word >= 64 {
             return None;
@@ -199,7 +199,7 @@ impl SizeBins {
 const SUB_BITS: u32 = 4;
 
 /// The class of a block of `size` bytes: exact below `16 * UNIT`, then 16 per power of two.
-fn class_of(size: usize) -> usize {
+pub(super) fn class_of(size: usize) -> usize {
     let units = (size / UNIT).max(1);
     let top = usize::BITS - 1 - units.leading_zeros();
     if top < SUB_BITS {

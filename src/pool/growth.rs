@@ -26,6 +26,10 @@ impl Inner {
             return Ok(());
         };
         let over = |inner: &Self| inner.capped_bytes().saturating_add(bytes) > soft;
+        if over(self) {
+            // Parked blocks hold memory that may make a segment idle.
+            self.unpark_all();
+        }
         if over(self) && self.routing == 0 && self.swaps_leaving() {
             // Memory on its way out comes back to the device first: wait for those copies.
             self.finish_swap_outs(device, true)?;
@@ -293,6 +297,7 @@ impl Inner {
 
     /// Frees all cached memory: idle stitched ranges and idle segments.
     pub(super) fn release_cached(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        self.unpark_all();
         if self.routing > 0 {
             // A capture may be underway: waiting for the device would end it.
             return Ok(());
@@ -312,6 +317,7 @@ impl Inner {
     pub(super) fn teardown(&mut self, device: &dyn crate::device::Device) -> Result<()> {
         // Nothing can capture once the pool is gone: private pools end here, and the frees
         // held back for them complete after the device wait that precedes every release.
+        self.unpark_all();
         self.close_private();
         self.settle_regions(device);
         self.settle_guards();

@@ -1,8 +1,9 @@
 //! The caching allocator of one device.
 //!
 //! Every request is rounded to 512 bytes and carved out of a segment's blocks at that unit, so
-//! no request pays for the mapping granularity. Order of attempts for a large request: best-fit
-//! free block of the stream (split if larger) -> a cached stitched block within `reuse_limit`
+//! no request pays for the mapping granularity. Order of attempts for a large request: a block
+//! of exactly its size freed on the stream and kept whole (`parked`) -> best-fit free block of
+//! the stream (split if larger) -> a cached stitched block within `reuse_limit`
 //! -> stitch free blocks of the stream, creating only the missing bytes (defrag level 0) ->
 //! create new physical memory (whole granules; the rest of the last stays free) -> take back
 //! other streams' free memory and retry -> free cached memory and retry -> out of memory.
@@ -20,6 +21,7 @@
 //! or released before the streams that may touch it are synchronised.
 //!
 //! The engine is split by concern: `sizes` (size classes), `alloc` (the order of attempts),
+//! `parked` (the fast path: freed blocks kept for the next request of their size),
 //! `streams` (frees and stream-ordered reuse), `private` (graph pools and capture safety),
 //! `growth` (creating, mapping and releasing physical memory), `unlocked` (new segments and
 //! stitches made outside the lock), `stitching` (the pool's side of stitching) and `inspect`
@@ -43,6 +45,7 @@ mod keymap;
 mod observe;
 pub use observe::{AllocationEvent, AllocationObserver, SwapPlacement};
 mod outside;
+mod parked;
 mod private;
 mod sizes;
 mod sleep;
@@ -160,6 +163,8 @@ struct Inner {
     /// Bytes asked for by the request `malloc` is serving (0 otherwise): `register` books them
     /// with the new allocation, sparing a second lookup of it.
     request: usize,
+    /// Freed blocks kept for the next request of their size on their stream (see `parked`).
+    parked: parked::Parked,
 }
 
 /// Fills the device-wide dedup statistics from `sharing`'s index: a file, read without the
@@ -198,6 +203,15 @@ pub struct AllocationInfo {
 }
 
 impl Pool {
+    /// The pool's state with its parked blocks back in the free lists (see `parked`): what
+    /// every operation but malloc, free and record_stream works on, so that statistics,
+    /// snapshots and address-exact requests see freed memory as free.
+    fn settled(&self) -> std::sync::MutexGuard<'_, Inner> {
+        let mut inner = lock(&self.inner);
+        inner.unpark_all();
+        inner
+    }
+
     /// A pool on `device` with `config` (validated).
     pub fn new(device: SharedDevice, config: Config) -> Result<Pool> {
         config.validate()?;
@@ -254,6 +268,7 @@ impl Pool {
                 shared: KeyMap::default(),
                 shared_bytes: 0,
                 request: 0,
+                parked: parked::Parked::default(),
             }),
         };
         if let Some(name) = default_region {
@@ -366,7 +381,8 @@ impl Pool {
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
-        lock(&self.inner).malloc_at_in(&*self.device, addr, size, stream, private)
+        self.settled()
+            .malloc_at_in(&*self.device, addr, size, stream, private)
     }
 
     /// Makes the calling thread allocate from region `name` (made on first use) until the
@@ -396,7 +412,7 @@ impl Pool {
         if mode == SleepMode::Keep {
             self.ensure_sleep_engine()?;
         }
-        lock(&self.inner).sleep(&*self.device, name, mode)
+        self.settled().sleep(&*self.device, name, mode)
     }
 
     /// Starts the copy engine of sleep and wake once, without holding the pool's lock while
@@ -448,7 +464,7 @@ impl Pool {
     /// mode); returns once the copies are done. On an error the segments not yet restored
     /// stay asleep with their bytes: call again to finish.
     pub fn wake(&self, name: &str) -> Result<()> {
-        lock(&self.inner).wake(&*self.device, name)
+        self.settled().wake(&*self.device, name)
     }
 
     /// Marks `[ptr, ptr+len)`, inside one live allocation, read-only from now on, and shares
@@ -465,7 +481,7 @@ impl Pool {
     /// cannot be shared (stitched, swappable, guarded or private-pool allocations) are kept
     /// as they are; one outside any allocation fails the call before anything changes.
     pub fn share_read_only_many(&self, ranges: &[(DevicePtr, usize)]) -> Result<ShareReport> {
-        lock(&self.inner).share_read_only(&*self.device, ranges)
+        self.settled().share_read_only(&*self.device, ranges)
     }
 
     /// The counters of the copy engine sleep and wake go through, where the pool has one
@@ -677,7 +693,7 @@ impl Pool {
 
     /// The statistics: the pool's own counters, with dedup's read from its index.
     pub fn stats(&self) -> MemoryStats {
-        let inner = lock(&self.inner);
+        let inner = self.settled();
         let mut stats = inner.stats;
         let sharing = inner.dedup_stats(&mut stats);
         drop(inner);
@@ -686,7 +702,7 @@ impl Pool {
     }
 
     pub fn reset_peak_stats(&self) {
-        lock(&self.inner).stats.reset_peak();
+        self.settled().stats.reset_peak();
     }
 
     pub fn reset_accumulated_stats(&self) {
@@ -705,7 +721,7 @@ impl Pool {
 
     /// A picture of segments, blocks and stitched ranges.
     pub fn snapshot(&self) -> snapshot::Snapshot {
-        let inner = lock(&self.inner);
+        let inner = self.settled();
         let mut snapshot = inner.snapshot();
         let sharing = inner.dedup_stats(&mut snapshot.stats);
         drop(inner);
@@ -715,7 +731,7 @@ impl Pool {
 
     /// Checks internal invariants (tests).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        lock(&self.inner).check_invariants()
+        self.settled().check_invariants()
     }
 }
 

@@ -27,7 +27,10 @@ impl Inner {
     ) -> Result<()> {
         let live = match self.live.get_mut(&ptr) {
             Some(live) => live,
-            None => return Err(self.classify_unknown(ptr)),
+            None => {
+                self.unpark_all();
+                return Err(self.classify_unknown(ptr));
+            }
         };
         if !known {
             return Err(Error::invalid_argument(format!(
@@ -44,6 +47,8 @@ impl Inner {
     /// Takes the live allocation at `ptr` off the books: what every free does first.
     pub(super) fn unregister(&mut self, ptr: DevicePtr) -> Result<Live> {
         let Some(live) = self.live.remove(&ptr) else {
+            // A parked block is freed memory: classified as such once back in the free lists.
+            self.unpark_all();
             return Err(self.classify_unknown(ptr));
         };
         let stats = &mut self.stats;
@@ -75,8 +80,10 @@ impl Inner {
         }
         let live = self.unregister(ptr)?;
         if live.extra_streams.is_empty() {
-            let stream = live.stream;
-            self.finish_free(live, Some(stream));
+            if !self.park(&live) {
+                let stream = live.stream;
+                self.finish_free(live, Some(stream));
+            }
             return Ok(());
         }
         if self.routing > 0 {
@@ -209,6 +216,7 @@ impl Inner {
         device: &dyn crate::device::Device,
         stream: Stream,
     ) -> Result<()> {
+        self.unpark_all();
         if self.routing > 0 {
             return Ok(());
         }
@@ -223,6 +231,7 @@ impl Inner {
     /// Waits for all work on the device, then makes all free memory unowned and completes all
     /// pending frees. A device-wide wait also covers streams the caller has destroyed since.
     pub(super) fn synchronize_all(&mut self, device: &dyn crate::device::Device) -> Result<()> {
+        self.unpark_all();
         device.synchronize_device()?;
         self.stats.num_sync_all_streams += 1;
         for stream in self.map.owning_streams() {

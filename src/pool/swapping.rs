@@ -74,6 +74,8 @@ impl Inner {
     ) -> Result<DevicePtr> {
         check_size(size)?;
         let rounded = align_up(size, self.granularity)?;
+        // Parked blocks keep their segments from looking idle.
+        self.unpark_all();
         // A whole idle segment of exactly this size (a swappable allocation freed earlier, as
         // a training loop's next iteration makes again) is taken as it is: no new memory. Not
         // one a cached stitched range maps: swapping out would release physical memory that

@@ -1,0 +1,295 @@
+//! Freed blocks kept whole for the next request of their exact size on their stream: the
+//! allocator's fast path. Training and serving loops ask for the same sizes step after step
+//! (50-94% of the recorded traces' requests meet a parked block of their rounded size on their
+//! stream), so a free that parks its block and a malloc that takes it back skip the best-fit
+//! search, the split and the merge with neighbours that the free lists cost.
+//!
+//! A parked block stays allocated in the block map, owned by its stream, as it was while live;
+//! only the statistics count it free. Parked blocks go back to the free lists, merged with
+//! their neighbours, before anything else looks at free memory: a request that finds no free
+//! block, a stitch, a release of cached memory, and every pool operation other than malloc,
+//! free and record_stream (see `Pool::settled`). So nothing is created, stitched or released
+//! while parked memory could serve a request instead. A small request that the free lists can
+//! serve only by splitting a larger block first brings back the parked blocks of sizes between
+//! the two, which might fit better (see `Inner::best_fit`).
+//!
+//! The cost is in layout, not in correctness: a block found while others are parked may not
+//! be the one the merged free lists would have given. Replaying the recorded traces, peak
+//! reserved memory rose by 0.0-0.6% (utilization 0.975-0.994 against 0.979-0.999 without
+//! parking), and the allocator's CPU time per malloc and free fell by about a third.
+
+use super::bins::{class_of, NonEmpty};
+use super::blocks::{BlockId, PoolKind};
+use super::{Inner, Live, Target, SHARED};
+use crate::device::{DevicePtr, Stream};
+
+/// A parked block.
+#[derive(Debug, Clone, Copy)]
+struct ParkedBlock {
+    id: BlockId,
+    addr: DevicePtr,
+    size: usize,
+    stream: Stream,
+    pool: PoolKind,
+    /// When it was parked, counted in parks.
+    parked_at: u64,
+}
+
+/// Parks after which a block not taken back returns to the free lists: a size that stops
+/// recurring (a KV cache that has grown past it) does not keep its blocks apart for long.
+const WINDOW: usize = 4096;
+
+/// The parked blocks by size class (see the module documentation).
+#[derive(Debug, Default)]
+pub(super) struct Parked {
+    classes: Vec<Vec<ParkedBlock>>,
+    non_empty: NonEmpty,
+    count: usize,
+    /// Parks so far.
+    parks: u64,
+}
+
+impl Parked {
+    pub(super) fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Takes block `at` out of class `class`.
+    fn remove(&mut self, class: usize, at: usize) -> ParkedBlock {
+        let list = &mut self.classes[class];
+        let block = list.swap_remove(at);
+        if list.is_empty() {
+            self.non_empty.clear(class);
+        }
+        self.count -= 1;
+        block
+    }
+
+    /// Parks `block`. Every [`WINDOW`] parks, returns the blocks parked more than that many
+    /// parks ago and not taken back since, which the caller frees.
+    fn push(&mut self, mut block: ParkedBlock) -> Vec<ParkedBlock> {
+        let class = class_of(block.size);
+        if self.classes.len() <= class {
+            self.classes.resize_with(class + 1, Vec::new);
+        }
+        block.parked_at = self.parks;
+        self.parks += 1;
+        self.classes[class].push(block);
+        self.non_empty.set(class);
+        self.count += 1;
+        if self.parks % WINDOW as u64 != 0 {
+            return Vec::new();
+        }
+        let oldest = self.parks.saturating_sub(WINDOW as u64);
+        let mut old = Vec::new();
+        let mut next = self.non_empty.first_from(0);
+        while let Some(class) = next {
+            let list = &mut self.classes[class];
+            let before = list.len();
+            old.extend(list.iter().filter(|b| b.parked_at < oldest).copied());
+            list.retain(|b| b.parked_at >= oldest);
+            self.count -= before - list.len();
+            if list.is_empty() {
+                self.non_empty.clear(class);
+            }
+            next = self.non_empty.first_from(class + 1);
+        }
+        old
+    }
+
+    /// The block parked last for `size` bytes of `pool` on `stream`, if any.
+    fn pop(&mut self, size: usize, pool: PoolKind, stream: Stream) -> Option<ParkedBlock> {
+        let class = class_of(size);
+        let at = self
+            .classes
+            .get(class)?
+            .iter()
+            .rposition(|b| b.size == size && b.stream == stream && b.pool == pool)?;
+        Some(self.remove(class, at))
+    }
+
+    /// The parked blocks of sizes from `low` to `high` bytes (and others of the classes those
+    /// span); None stays parked.
+    fn take_between(&mut self, low: usize, high: usize) -> Vec<ParkedBlock> {
+        let mut taken = Vec::new();
+        let last = class_of(high);
+        let mut next = self.non_empty.first_from(class_of(low));
+        while let Some(class) = next.filter(|&c| c <= last) {
+            self.count -= self.classes[class].len();
+            taken.append(&mut self.classes[class]);
+            self.non_empty.clear(class);
+            next = self.non_empty.first_from(class + 1);
+        }
+        taken
+    }
+
+    /// Every parked block; none stays parked.
+    fn take_all(&mut self) -> Vec<ParkedBlock> {
+        self.take_between(0, usize::MAX)
+    }
+}
+
+impl Inner {
+    /// Parks the block of `live`, just taken off the books, when it may be: a plain block of
+    /// the shared pool. Returns false (nothing done) for any other.
+    pub(super) fn park(&mut self, live: &Live) -> bool {
+        let Target::Block(id) = live.target else {
+            return false;
+        };
+        let block = &self.map.blocks[id];
+        let segment = &self.map.segments[block.segment];
+        if segment.tag != SHARED || segment.pool != live.pool || !live.extra_streams.is_empty() {
+            return false;
+        }
+        let parked = ParkedBlock {
+            id,
+            addr: block.addr,
+            size: live.size,
+            stream: live.stream,
+            pool: live.pool,
+            parked_at: 0,
+        };
+        let old = self.parked.push(parked);
+        self.release_parked(old);
+        self.stats.active.decrease(live.pool, 1);
+        self.stats
+            .active_bytes
+            .decrease(live.pool, live.size as u64);
+        true
+    }
+
+    /// Serves a request of `size` bytes (rounded) of `pool` on `stream` from a parked block,
+    /// booked as a new allocation.
+    pub(super) fn unpark(
+        &mut self,
+        size: usize,
+        pool: PoolKind,
+        stream: Stream,
+    ) -> Option<DevicePtr> {
+        let block = self.parked.pop(size, pool, stream)?;
+        self.book(block.addr, Target::Block(block.id), size, stream, pool);
+        Some(block.addr)
+    }
+
+    /// Returns the parked blocks of sizes from `low` to `high` bytes to the free lists; returns
+    /// whether there were any.
+    pub(super) fn unpark_between(&mut self, low: usize, high: usize) -> bool {
+        if self.parked.is_empty() {
+            return false;
+        }
+        let taken = self.parked.take_between(low, high);
+        self.release_parked(taken)
+    }
+
+    /// Returns every parked block to the free lists, merged with its free neighbours and owned
+    /// by its stream, as a plain free would have. Returns whether there were any.
+    pub(super) fn unpark_all(&mut self) -> bool {
+        if self.parked.is_empty() {
+            return false;
+        }
+        let taken = self.parked.take_all();
+        self.release_parked(taken)
+    }
+
+    fn release_parked(&mut self, blocks: Vec<ParkedBlock>) -> bool {
+        if blocks.is_empty() {
+            return false;
+        }
+        for block in blocks {
+            self.map.release(block.id, Some(block.stream));
+        }
+        self.sync_split_stats();
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn block(id: BlockId, size: usize, stream: u64) -> ParkedBlock {
+        ParkedBlock {
+            id,
+            addr: id as DevicePtr * 4096,
+            size,
+            stream: Stream(stream),
+            pool: PoolKind::Large,
+            parked_at: 0,
+        }
+    }
+
+    #[test]
+    fn a_block_comes_back_for_its_size_pool_and_stream_only() {
+        let mut parked = Parked::default();
+        assert!(parked.push(block(1, 3 * MIB, 0)).is_empty());
+        assert!(parked.push(block(2, 3 * MIB + 512, 0)).is_empty());
+        assert!(parked.pop(3 * MIB, PoolKind::Large, Stream(1)).is_none());
+        assert!(parked.pop(3 * MIB, PoolKind::Small, Stream(0)).is_none());
+        assert!(parked
+            .pop(3 * MIB + 1024, PoolKind::Large, Stream(0))
+            .is_none());
+        assert_eq!(
+            parked
+                .pop(3 * MIB, PoolKind::Large, Stream(0))
+                .map(|b| b.id),
+            Some(1)
+        );
+        assert!(parked.pop(3 * MIB, PoolKind::Large, Stream(0)).is_none());
+        assert!(!parked.is_empty());
+        assert_eq!(parked.take_all().len(), 1);
+        assert!(parked.is_empty());
+    }
+
+    #[test]
+    fn the_newest_block_of_a_size_comes_back_first() {
+        let mut parked = Parked::default();
+        for id in 1..=3 {
+            parked.push(block(id, MIB, 0));
+        }
+        let order: Vec<BlockId> = (0..3)
+            .filter_map(|_| parked.pop(MIB, PoolKind::Large, Stream(0)))
+            .map(|b| b.id)
+            .collect();
+        assert_eq!(order, [3, 2, 1]);
+    }
+
+    #[test]
+    fn taking_a_size_range_leaves_the_other_classes() {
+        let mut parked = Parked::default();
+        for (id, size) in [(1, 512), (2, 4 * MIB), (3, 5 * MIB), (4, 64 * MIB)] {
+            parked.push(block(id, size, 0));
+        }
+        let mut taken: Vec<BlockId> = parked
+            .take_between(4 * MIB, 6 * MIB)
+            .iter()
+            .map(|b| b.id)
+            .collect();
+        taken.sort_unstable();
+        assert_eq!(taken, [2, 3]);
+        assert!(parked.pop(512, PoolKind::Large, Stream(0)).is_some());
+        assert!(parked.pop(64 * MIB, PoolKind::Large, Stream(0)).is_some());
+        assert!(parked.is_empty());
+    }
+
+    #[test]
+    fn blocks_not_taken_back_within_the_window_leave() {
+        let mut parked = Parked::default();
+        parked.push(block(1, MIB, 0));
+        let mut left = Vec::new();
+        for n in 0..2 * WINDOW {
+            let id = 2 + n;
+            left.extend(parked.push(block(id, 2 * MIB, 0)));
+            // Every other block is taken back at once, as a training loop would.
+            if n % 2 == 0 {
+                parked.pop(2 * MIB, PoolKind::Large, Stream(0));
+            }
+        }
+        assert!(left.iter().any(|b| b.id == 1), "the oldest block left");
+        assert!(left
+            .iter()
+            .all(|b| b.size == MIB || b.parked_at + (WINDOW as u64) < parked.parks));
+        assert_eq!(parked.count + left.len() + WINDOW, 1 + 2 * WINDOW);
+    }
+}

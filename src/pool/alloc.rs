@@ -166,20 +166,6 @@ impl Inner {
         stream: Stream,
         pool: PoolKind,
     ) {
-        self.book(ptr, target, size, stream, pool);
-        self.sync_split_stats();
-    }
-
-    /// [`Inner::register`] of memory whose blocks did not change (a parked block taken back),
-    /// so the split statistics stand.
-    pub(super) fn book(
-        &mut self,
-        ptr: DevicePtr,
-        target: Target,
-        size: usize,
-        stream: Stream,
-        pool: PoolKind,
-    ) {
         self.live.insert(
             ptr,
             Live {
@@ -197,6 +183,7 @@ impl Inner {
         stats.allocated_bytes.increase(pool, size as u64);
         stats.active.increase(pool, 1);
         stats.active_bytes.increase(pool, size as u64);
+        self.sync_split_stats();
         self.observe(super::AllocationEvent::Allocated { ptr, bytes: size });
     }
 

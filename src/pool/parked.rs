@@ -169,7 +169,7 @@ impl Inner {
         stream: Stream,
     ) -> Option<DevicePtr> {
         let block = self.parked.pop(size, pool, stream)?;
-        self.book(block.addr, Target::Block(block.id), size, stream, pool);
+        self.register(block.addr, Target::Block(block.id), size, stream, pool);
         Some(block.addr)
     }
 

@@ -297,7 +297,6 @@ impl Inner {
 
     /// Frees all cached memory: idle stitched ranges and idle segments.
     pub(super) fn release_cached(&mut self, device: &dyn crate::device::Device) -> Result<()> {
-        self.unpark_all();
         if self.routing > 0 {
             // A capture may be underway: waiting for the device would end it.
             return Ok(());
@@ -317,7 +316,6 @@ impl Inner {
     pub(super) fn teardown(&mut self, device: &dyn crate::device::Device) -> Result<()> {
         // Nothing can capture once the pool is gone: private pools end here, and the frees
         // held back for them complete after the device wait that precedes every release.
-        self.unpark_all();
         self.close_private();
         self.settle_regions(device);
         self.settle_guards();

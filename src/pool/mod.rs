@@ -203,9 +203,9 @@ pub struct AllocationInfo {
 }
 
 impl Pool {
-    /// The pool's state with its parked blocks back in the free lists (see `parked`): what
-    /// every operation but malloc, free and record_stream works on, so that statistics,
-    /// snapshots and address-exact requests see freed memory as free.
+    /// The pool's state with its parked blocks back in the free lists (see `parked`), for the
+    /// operations that read the whole block map or the statistics: statistics, snapshots,
+    /// invariants, address-exact requests and read-only sharing see freed memory as free.
     fn settled(&self) -> std::sync::MutexGuard<'_, Inner> {
         let mut inner = lock(&self.inner);
         inner.unpark_all();
@@ -412,7 +412,7 @@ impl Pool {
         if mode == SleepMode::Keep {
             self.ensure_sleep_engine()?;
         }
-        self.settled().sleep(&*self.device, name, mode)
+        lock(&self.inner).sleep(&*self.device, name, mode)
     }
 
     /// Starts the copy engine of sleep and wake once, without holding the pool's lock while
@@ -464,7 +464,7 @@ impl Pool {
     /// mode); returns once the copies are done. On an error the segments not yet restored
     /// stay asleep with their bytes: call again to finish.
     pub fn wake(&self, name: &str) -> Result<()> {
-        self.settled().wake(&*self.device, name)
+        lock(&self.inner).wake(&*self.device, name)
     }
 
     /// Marks `[ptr, ptr+len)`, inside one live allocation, read-only from now on, and shares

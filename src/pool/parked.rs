@@ -6,10 +6,12 @@
 //!
 //! A parked block stays allocated in the block map, owned by its stream, as it was while live;
 //! only the statistics count it free. Parked blocks go back to the free lists, merged with
-//! their neighbours, before anything else looks at free memory: a request that finds no free
-//! block, a stitch, a release of cached memory, and every pool operation other than malloc,
-//! free and record_stream (see `Pool::settled`). So nothing is created, stitched or released
-//! while parked memory could serve a request instead. A small request that the free lists can
+//! their neighbours, before anything looks at free memory as a whole: a request that finds no
+//! free block (so before any stitch or growth), a device-wide wait (before cached memory is
+//! released, other streams' memory taken back or a region put to sleep), growth past the soft
+//! limit, a swappable allocation's search for an idle segment, and the pool operations that
+//! read the whole block map or the statistics (`Pool::settled`). So nothing is created,
+//! stitched or released while parked memory could serve a request instead. A small request that the free lists can
 //! serve only by splitting a larger block first brings back the parked blocks of sizes between
 //! the two, which might fit better (see `Inner::best_fit`).
 //!
@@ -27,7 +29,6 @@ use crate::device::{DevicePtr, Stream};
 #[derive(Debug, Clone, Copy)]
 struct ParkedBlock {
     id: BlockId,
-    addr: DevicePtr,
     size: usize,
     stream: Stream,
     pool: PoolKind,
@@ -130,20 +131,20 @@ impl Parked {
 }
 
 impl Inner {
-    /// Parks the block of `live`, just taken off the books, when it may be: a plain block of
-    /// the shared pool. Returns false (nothing done) for any other.
+    /// Parks the block of `live`, just taken off the books and used on no stream but its own,
+    /// when it may be: a plain block of the shared pool. Returns false (nothing done) for any
+    /// other.
     pub(super) fn park(&mut self, live: &Live) -> bool {
         let Target::Block(id) = live.target else {
             return false;
         };
         let block = &self.map.blocks[id];
         let segment = &self.map.segments[block.segment];
-        if segment.tag != SHARED || segment.pool != live.pool || !live.extra_streams.is_empty() {
+        if segment.tag != SHARED || segment.pool != live.pool {
             return false;
         }
         let parked = ParkedBlock {
             id,
-            addr: block.addr,
             size: live.size,
             stream: live.stream,
             pool: live.pool,
@@ -168,9 +169,10 @@ impl Inner {
         pool: PoolKind,
         stream: Stream,
     ) -> Option<DevicePtr> {
-        let block = self.parked.pop(size, pool, stream)?;
-        self.register(block.addr, Target::Block(block.id), size, stream, pool);
-        Some(block.addr)
+        let id = self.parked.pop(size, pool, stream)?.id;
+        let addr = self.map.blocks[id].addr;
+        self.register(addr, Target::Block(id), size, stream, pool);
+        Some(addr)
     }
 
     /// Returns the parked blocks of sizes from `low` to `high` bytes to the free lists; returns
@@ -214,12 +216,31 @@ mod tests {
     fn block(id: BlockId, size: usize, stream: u64) -> ParkedBlock {
         ParkedBlock {
             id,
-            addr: id as DevicePtr * 4096,
             size,
             stream: Stream(stream),
             pool: PoolKind::Large,
             parked_at: 0,
         }
+    }
+
+    /// Through the pool: a free parks, a malloc of the same size takes the block back, and the
+    /// statistics, which settle the pool, put parked blocks back in the free lists.
+    #[test]
+    fn the_pool_parks_frees_and_settles_for_its_statistics() {
+        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
+        let pool = crate::Pool::new(device, crate::Config::default()).unwrap();
+        let parked = |pool: &crate::Pool| crate::sync::lock(&pool.inner).parked.count;
+        let a = pool.malloc(3 * MIB, Stream::DEFAULT).unwrap();
+        let small = pool.malloc(4096, Stream::DEFAULT).unwrap();
+        pool.free(a).unwrap();
+        pool.free(small).unwrap();
+        assert_eq!(parked(&pool), 2);
+        assert_eq!(pool.malloc(3 * MIB, Stream::DEFAULT).unwrap(), a);
+        assert_eq!(parked(&pool), 1);
+        assert_eq!(pool.stats().allocated_bytes.all.current, 3 * MIB as i64);
+        assert_eq!(parked(&pool), 0);
+        pool.free(a).unwrap();
+        pool.check_invariants().unwrap();
     }
 
     #[test]

@@ -228,8 +228,9 @@ impl Inner {
         Ok(())
     }
 
-    /// Waits for all work on the device, then makes all free memory unowned and completes all
-    /// pending frees. A device-wide wait also covers streams the caller has destroyed since.
+    /// Waits for all work on the device, then makes all free memory unowned (parked blocks back
+    /// in the free lists first) and completes all pending frees. A device-wide wait also
+    /// covers streams the caller has destroyed since.
     pub(super) fn synchronize_all(&mut self, device: &dyn crate::device::Device) -> Result<()> {
         self.unpark_all();
         device.synchronize_device()?;

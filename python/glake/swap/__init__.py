@@ -278,7 +278,12 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
     def _run_block(self, b, original, args, kwargs):
         profiling = self.phase == "profile" and self.marks is not None
         self.swapper.release(b)
-        if self.state_release:
+        if self.states.in_step:
+            if b == 0:
+                # No state is needed before the next step: whatever went out (a whole step's,
+                # a checkpoint's, states made before adoption) is freed before the first block.
+                self.states.release(list(self.states.out))
+        elif self.state_release:
             self.states.release([g for g, r in self.state_release.items() if r <= b])
         if profiling:
             alloc, _ = self._memory()

@@ -170,18 +170,20 @@ class StateSwapper:
 
     def before_step(self, split=False):
         """The optimizer step is about to run: every group back, and waited for (in step
-        mode a `split` step brings each back in its block's part instead)."""
+        mode a `split` step brings each back in its block's part instead). In step mode the
+        waits are not timed: the profiled optimizer step holds those copies, not the plan's
+        waits."""
         if not (self.in_step and split):
-            self._bring_all_back()
+            self._bring_all_back(timed=not self.in_step)
 
-    def _bring_all_back(self):
+    def _bring_all_back(self, timed=True):
         for b in list(self.out):
             self.prefetch(b)
-        self._wait_back()
+        self._wait_back(timed)
 
-    def _wait_back(self):
+    def _wait_back(self, timed=True):
         for ready in self.back.values():
-            self.swapper.wait_for(ready)
+            self.swapper.wait_for(ready, timed)
         self.back.clear()
 
     def restore(self):
@@ -218,6 +220,13 @@ class OptimizerStatesMixin:
                 register_optimizer_step_post_hook(_weakly(self._after_step))]
             if optimizer is not None:
                 self._adopt_optimizer(optimizer)
+                if self.states.in_step:
+                    # States made before (an optimizer that has stepped already) leave now,
+                    # freed before the first block's forward: otherwise they would all stay
+                    # through the next forward and backward, the peak this mode avoids. (An
+                    # optimizer adopted by the hooks is about to step: its states go out
+                    # after that step.)
+                    self.states.after_step()
 
     def _unhook_optimizers(self):
         for hook in self._optimizer_hooks:
@@ -312,11 +321,7 @@ class OptimizerStatesMixin:
         self.optimizer = optimizer
         self._decide_states_in_step()
         if self.states.in_step and not self.states.groups:
-            # States made before (an optimizer that has stepped already) leave now, freed
-            # before the first block's forward: otherwise they would all stay through the
-            # next forward and backward, the peak this mode exists to avoid.
-            self._stop_moving_states()
-            self.states.after_step()
+            self._stop_moving_states()  # states made before (it has stepped already) move
         parts = [{id(p) for p in block.parameters()} for block in self.blocks]
         in_blocks = set().union(*parts)
         whole = optimizer.step
@@ -360,7 +365,7 @@ class OptimizerStatesMixin:
                         b + 1 if b + 1 < len(parts) else None)
             finally:
                 self._splitting = False
-            self._after_step(optimizer, (), {}, split=True)
+            self._after_step(optimizer, (), {})
             return None
 
         def state_dict():
@@ -398,21 +403,18 @@ class OptimizerStatesMixin:
         if optimizer is self.optimizer:
             self.states.before_step(split)
 
-    def _after_step(self, optimizer, args, kwargs, split=False):
+    def _after_step(self, optimizer, args, kwargs):
         if self._splitting:
             return
         if optimizer is self.optimizer and self.enabled:
             if self.phase in ("warmup", "profile") and not self.states.groups:
                 self._stop_moving_states()  # the states exist now (made by the first step)
+            # In step mode a whole step (given a closure) had every state back: they go out
+            # now and are freed before the next forward's first block (`_run_block`).
             self.states.after_step()
-            if self.states.in_step and not split:
-                # A whole step (given a closure) had every state back: freed before the
-                # next forward's first block, as the split step would have left them.
-                self.state_release = {b: 0 for b in self.states.groups}
 
     def _states_back_until_next_forward(self):
         """Step mode: every moved state on the device now, sent out again at once and freed
-        before the next forward's first block."""
+        before the next forward's first block (`_run_block`)."""
         self.states.before_step()
         self.states.after_step()
-        self.state_release = {b: 0 for b in self.states.groups}

@@ -343,12 +343,6 @@ def train_step(model, opt, ids, seen=None):
     return loss.item()
 
 
-def same_steps(got, ref):
-    """Two runs' (losses, parameters, ...) agree bit for bit."""
-    assert got[0] == ref[0]
-    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
-
-
 def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stays_exact():
     """Step mode (parameters, gradients and states do not fit the target together): AdamW's
     states of every block stay off the device through forward and backward, come back one
@@ -414,7 +408,7 @@ def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stay
 
     ref = resumed(fresh(), False)
     got = resumed(fresh(), True)
-    same_steps(got, ref)
+    same(got[:2], ref[:2])
     assert got[2] == [[]] * 3, got[2]
     # The automatic choice: a target the whole set fits in keeps the backward's prefetch.
     other = fresh()
@@ -462,16 +456,17 @@ def test_step_mode_keeps_the_states_that_fit_under_the_goal_on_the_device():
 
     ref = run(fresh(), False)
     got = run(fresh(), True)
-    same_steps(got, ref)
+    same(got[:2], ref[:2])
     # Kept from step 8; after the shape change the kept blocks' states leave in their step.
-    assert got[2][1:8] == [[]] * 7 and got[2][8:11] == [[0, 1]] * 3, got[2]
-    assert got[2][12:] == [[]], got[2]
+    assert got[2] == [[]] * 8 + [[0, 1]] * 3 + [[]] * 2, got[2]
 
 
 def test_step_mode_checkpoints_and_closure_steps_see_every_state():
     """Step mode between steps: optimizer.state_dict() brings the states back (a checkpoint
     saves and loads), a step given a closure runs on every state, and in both cases the
-    states leave again before the next forward's first block; the steps stay exact."""
+    states leave again before the next forward's first block, also when the step after them
+    adopts a new plan (the checkpoint below comes just before the search starts); the steps
+    stay exact."""
     import io
 
     def run(model, planned):
@@ -480,7 +475,7 @@ def test_step_mode_checkpoints_and_closure_steps_see_every_state():
         smart = (swap.apply(model, optimizer=opt, preference="memory", states_in_step=True)
                  if planned else None)
         losses, seen, saved = [], [], None
-        for step in range(6):
+        for step in range(7):
             ids = torch.randint(0, VOCAB, (2, 16)).to(DEVICE)
 
             def closure():
@@ -489,7 +484,7 @@ def test_step_mode_checkpoints_and_closure_steps_see_every_state():
                 loss.backward()
                 return loss
 
-            if step == 3:  # a whole step, given its closure
+            if step == 5:  # a whole step, given its closure
                 losses.append(opt.step(closure).item())
                 opt.zero_grad(set_to_none=True)
             else:
@@ -505,8 +500,8 @@ def test_step_mode_checkpoints_and_closure_steps_see_every_state():
 
     ref = run(fresh(), False)
     got = run(fresh(), True)
-    same_steps(got, ref)
-    assert got[2] == [[]] * 5, got[2]
+    same(got[:2], ref[:2])
+    assert got[2] == [[]] * 6, got[2]
     for key, state in ref[3]["state"].items():
         for name, value in state.items():
             assert torch.equal(got[3]["state"][key][name], value), (key, name)

@@ -41,7 +41,7 @@ impl Inner {
         self.admit(device, size, rounded)?;
         self.request = size;
         let parked = match tag {
-            SHARED => self.unpark(rounded, pool, stream),
+            SHARED => self.unpark(rounded, size, pool, stream),
             _ => None,
         };
         let ptr = match (parked, pool) {
@@ -166,24 +166,38 @@ impl Inner {
         stream: Stream,
         pool: PoolKind,
     ) {
+        self.book_allocation(ptr, target, size, self.request, stream, pool);
+        self.sync_split_stats();
+    }
+
+    /// The books of a new allocation of `size` bytes (`requested` asked for), for a block
+    /// map that is in step with the split statistics.
+    pub(super) fn book_allocation(
+        &mut self,
+        ptr: DevicePtr,
+        target: Target,
+        size: usize,
+        requested: usize,
+        stream: Stream,
+        pool: PoolKind,
+    ) {
         self.live.insert(
             ptr,
             Live {
                 target,
                 size,
-                requested: self.request,
+                requested,
                 stream,
                 pool,
                 extra_streams: Vec::new(),
             },
         );
         let stats = &mut self.stats;
-        stats.requested_bytes.increase(pool, self.request as u64);
+        stats.requested_bytes.increase(pool, requested as u64);
         stats.allocation.increase(pool, 1);
         stats.allocated_bytes.increase(pool, size as u64);
         stats.active.increase(pool, 1);
         stats.active_bytes.increase(pool, size as u64);
-        self.sync_split_stats();
         self.observe(super::AllocationEvent::Allocated { ptr, bytes: size });
     }
 

@@ -302,6 +302,11 @@ impl Pool {
     ) -> Result<DevicePtr> {
         let device = &*self.device;
         let mut inner = lock(&self.inner);
+        if private.is_none() {
+            if let Some(ptr) = inner.malloc_parked(size, stream) {
+                return Ok(ptr);
+            }
+        }
         inner.planning = true;
         let result = inner.malloc_in(device, size, stream, private);
         inner.planning = false;

@@ -133,9 +133,14 @@ thread_local! {
     static THREAD_REGIONS: RefCell<Vec<(u64, Tag)>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Whether any thread has a region open (of any pool).
+pub(super) fn any_region_open() -> bool {
+    OPEN_REGIONS.load(Ordering::Relaxed) != 0
+}
+
 /// The region this thread allocates in from pool `pool_id`, if any.
 pub(super) fn current_region(pool_id: u64) -> Option<Tag> {
-    if OPEN_REGIONS.load(Ordering::Relaxed) == 0 {
+    if !any_region_open() {
         return None;
     }
     THREAD_REGIONS.with(|r| {

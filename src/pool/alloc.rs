@@ -40,8 +40,9 @@ impl Inner {
         let rounded = sizes::round(size)?;
         self.admit(device, size, rounded)?;
         self.request = size;
+        // A plain request has just missed the parked blocks in `Pool::malloc_in`'s fast path.
         let parked = match tag {
-            SHARED => self.unpark(rounded, size, pool, stream),
+            SHARED if !self.takes_plain_requests() => self.unpark(rounded, size, pool, stream),
             _ => None,
         };
         let ptr = match (parked, pool) {
@@ -166,12 +167,20 @@ impl Inner {
         stream: Stream,
         pool: PoolKind,
     ) {
-        self.book_allocation(ptr, target, size, self.request, stream, pool);
+        let parkable = match target {
+            Target::Block(id) => {
+                let segment = &self.map.segments[self.map.blocks[id].segment];
+                segment.tag == SHARED && segment.pool == pool
+            }
+            Target::Stitched(_) => false,
+        };
+        self.book_allocation(ptr, target, size, self.request, stream, pool, parkable);
         self.sync_split_stats();
     }
 
     /// The books of a new allocation of `size` bytes (`requested` asked for), for a block
     /// map that is in step with the split statistics.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn book_allocation(
         &mut self,
         ptr: DevicePtr,
@@ -180,6 +189,7 @@ impl Inner {
         requested: usize,
         stream: Stream,
         pool: PoolKind,
+        parkable: bool,
     ) {
         self.live.insert(
             ptr,
@@ -190,6 +200,7 @@ impl Inner {
                 stream,
                 pool,
                 extra_streams: Vec::new(),
+                parkable,
             },
         );
         let stats = &mut self.stats;

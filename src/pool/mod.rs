@@ -92,6 +92,10 @@ struct Live {
     stream: Stream,
     pool: PoolKind,
     extra_streams: Vec<Stream>,
+    /// A plain block of a shared-pool segment of its own pool: parked when freed on its
+    /// stream alone (see `parked`). Decided when booked, while its block is at hand, so that
+    /// the free reads neither the block nor its segment.
+    parkable: bool,
 }
 
 /// The allocator's state, behind the pool's lock. Its methods live in the files of this

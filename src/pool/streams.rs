@@ -80,7 +80,7 @@ impl Inner {
         }
         let live = self.unregister(ptr)?;
         if live.extra_streams.is_empty() {
-            if !self.park(&live) {
+            if !self.park(ptr, &live) {
                 let stream = live.stream;
                 self.finish_free(live, Some(stream));
             }

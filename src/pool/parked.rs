@@ -11,9 +11,14 @@
 //! released, other streams' memory taken back or a region put to sleep), growth past the soft
 //! limit, a swappable allocation's search for an idle segment, and the pool operations that
 //! read the whole block map or the statistics (`Pool::settled`). So nothing is created,
-//! stitched or released while parked memory could serve a request instead. A small request that the free lists can
-//! serve only by splitting a larger block first brings back the parked blocks of sizes between
-//! the two, which might fit better (see `Inner::best_fit`).
+//! stitched or released while parked memory could serve a request instead. A small request
+//! that the free lists can serve only by splitting a larger block first brings back the parked
+//! blocks of sizes between the two, which might fit better (see `Inner::best_fit`).
+//!
+//! A plain request (the shared pool, no sleep region, swap placement, guard pages or capture
+//! routing, no frees waiting on events) looks for its parked block as soon as the pool's lock
+//! is taken, before any of a full malloc's dispatch ([`Inner::malloc_parked`]); whether a
+//! block may be parked is decided when it is booked, so that neither path reads the block map.
 //!
 //! The cost is in layout, not in correctness: a block found while others are parked may not
 //! be the one the merged free lists would have given. Replaying the recorded traces, peak
@@ -141,9 +146,9 @@ impl Parked {
 }
 
 impl Inner {
-    /// Parks the block of `live` (at `ptr`), just taken off the books and used on no stream but its own,
-    /// when it may be: a plain block of the shared pool. Returns false (nothing done) for any
-    /// other.
+    /// Parks the block of `live` (at `ptr`), just taken off the books and used on no stream
+    /// but its own, when it may be: a plain block of the shared pool. Returns false (nothing
+    /// done) for any other.
     pub(super) fn park(&mut self, ptr: DevicePtr, live: &Live) -> bool {
         let Target::Block(id) = live.target else {
             return false;

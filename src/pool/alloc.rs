@@ -167,13 +167,7 @@ impl Inner {
         stream: Stream,
         pool: PoolKind,
     ) {
-        let parkable = match target {
-            Target::Block(id) => {
-                let segment = &self.map.segments[self.map.blocks[id].segment];
-                segment.tag == SHARED && segment.pool == pool
-            }
-            Target::Stitched(_) => false,
-        };
+        let parkable = self.may_park(target, pool);
         self.book_allocation(ptr, target, size, self.request, stream, pool, parkable);
         self.sync_split_stats();
     }

@@ -761,17 +761,18 @@ impl BlockMap {
     }
 
     /// Moves every segment of pool `from` to pool `to` (a private pool that ends gives its
-    /// memory to the shared pool).
-    pub fn retag(&mut self, from: Tag, to: Tag) {
+    /// memory to the shared pool); returns the segments moved.
+    pub fn retag(&mut self, from: Tag, to: Tag) -> Vec<SegmentId> {
         let moved: Vec<SegmentId> = self
             .segments
             .iter()
             .filter(|(_, s)| s.tag == from)
             .map(|(id, _)| id)
             .collect();
-        for segment in moved {
+        for &segment in &moved {
             self.retag_segment(segment, to);
         }
+        moved
     }
 
     /// Moves segment `segment` to pool `to`, its free blocks to that pool's free sets.

@@ -504,6 +504,7 @@ impl Inner {
         segment.set_chunks(chunks);
         // No request may be served from this segment's free memory again.
         self.map.retag_segment(run.segment, READ_ONLY);
+        self.recheck_parkable(run.segment);
         self.stats.num_device_free += old.len() as i64;
         // Imported handles count too: releasing them later counts a free.
         self.stats.num_device_alloc += 1;

@@ -27,7 +27,7 @@
 
 use super::alloc::check_size;
 use super::bins::{class_of, NonEmpty};
-use super::blocks::{BlockId, PoolKind};
+use super::blocks::{BlockId, BlockState, PoolKind, SegmentId, Tag, SHARED};
 use super::{sizes, Inner, Live, Target};
 use crate::device::{DevicePtr, Stream};
 
@@ -197,6 +197,49 @@ impl Inner {
             && self.default_region.is_none()
             && self.pending.is_empty()
             && !super::sleep::any_region_open()
+    }
+
+    /// Moves every segment of pool `from` to pool `to`, as [`BlockMap::retag`] does, with
+    /// their live blocks parked or not on their free as their new pool says.
+    ///
+    /// [`BlockMap::retag`]: super::blocks::BlockMap::retag
+    pub(super) fn retag(&mut self, from: Tag, to: Tag) {
+        for segment in self.map.retag(from, to) {
+            self.recheck_parkable(segment);
+        }
+    }
+
+    /// Decides again, for the live blocks of `segment`, whether each is parked when freed:
+    /// after the segment changed pool (a private pool's memory joins the shared pool, memory
+    /// shared read-only leaves it), the decision made when they were booked no longer holds.
+    pub(super) fn recheck_parkable(&mut self, segment: SegmentId) {
+        let blocks: Vec<BlockId> = self
+            .map
+            .segment_blocks(segment)
+            .filter(|&b| self.map.blocks[b].state == BlockState::Allocated)
+            .collect();
+        for block in blocks {
+            let addr = self.map.blocks[block].addr;
+            let Some(&Live { target, pool, .. }) = self.live.get(&addr) else {
+                continue;
+            };
+            let parkable = self.may_park(target, pool);
+            if let Some(live) = self.live.get_mut(&addr) {
+                live.parkable = parkable;
+            }
+        }
+    }
+
+    /// Whether a live allocation of `target` in `pool` is parked when freed on its stream
+    /// alone: a plain block of a shared-pool segment of that pool.
+    pub(super) fn may_park(&self, target: Target, pool: PoolKind) -> bool {
+        match target {
+            Target::Block(id) => {
+                let segment = &self.map.segments[self.map.blocks[id].segment];
+                segment.tag == SHARED && segment.pool == pool
+            }
+            Target::Stitched(_) => false,
+        }
     }
 
     /// Serves a request of `size` bytes (rounded; `requested` asked for) of `pool` on `stream`

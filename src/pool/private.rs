@@ -182,7 +182,7 @@ impl Inner {
         if pool.uses == 0 {
             let (tag, routings) = (pool.tag, pool.routings);
             self.private.remove(&id);
-            self.map.retag(tag, SHARED);
+            self.retag(tag, SHARED);
             self.sync_split_stats();
             if routings > 0 {
                 return self.end_routings(device, routings);
@@ -212,7 +212,7 @@ impl Inner {
         self.routing = 0;
         let tags: Vec<Tag> = self.private.drain().map(|(_, p)| p.tag).collect();
         for tag in tags {
-            self.map.retag(tag, SHARED);
+            self.retag(tag, SHARED);
         }
     }
 }

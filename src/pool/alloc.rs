@@ -38,11 +38,14 @@ impl Inner {
         check_size(size)?;
         let pool = sizes::pool_of(size, self.config.small_limit);
         let rounded = sizes::round(size)?;
+        // A plain request has just missed the parked blocks in `Pool::malloc_in`'s fast path
+        // (asked before `admit` finishes frees that waited on events, as the fast path saw it;
+        // after a relock for driver work, blocks parked meanwhile by other threads are left).
+        let missed_parked = self.takes_plain_requests();
         self.admit(device, size, rounded)?;
         self.request = size;
-        // A plain request has just missed the parked blocks in `Pool::malloc_in`'s fast path.
         let parked = match tag {
-            SHARED if !self.takes_plain_requests() => self.unpark(rounded, size, pool, stream),
+            SHARED if !missed_parked => self.unpark(rounded, size, pool, stream),
             _ => None,
         };
         let ptr = match (parked, pool) {

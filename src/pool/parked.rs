@@ -360,6 +360,28 @@ mod tests {
         pool.check_invariants().unwrap();
     }
 
+    /// A request that finds frees waiting on events skips the fast path, and the full malloc,
+    /// once it has finished them, still takes the parked block of its size.
+    #[test]
+    fn a_request_after_frees_waiting_on_events_still_takes_its_parked_block() {
+        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
+        let pool = crate::Pool::new(device.clone(), crate::Config::default()).unwrap();
+        let side = device.create_stream().unwrap();
+        let a = pool.malloc(5 * MIB, Stream::DEFAULT).unwrap();
+        pool.record_stream(a, side).unwrap();
+        let b = pool.malloc(3 * MIB, Stream::DEFAULT).unwrap();
+        pool.free(a).unwrap();
+        pool.free(b).unwrap();
+        assert_eq!(crate::sync::lock(&pool.inner).pending.len(), 1);
+        device.synchronize_stream(side).unwrap();
+        assert_eq!(pool.malloc(3 * MIB, Stream::DEFAULT).unwrap(), b);
+        assert!(crate::sync::lock(&pool.inner).pending.is_empty());
+        pool.free(b).unwrap();
+        pool.check_invariants().unwrap();
+        drop(pool);
+        device.destroy_stream(side).unwrap();
+    }
+
     #[test]
     fn a_block_comes_back_for_its_size_pool_and_stream_only() {
         let mut parked = Parked::default();

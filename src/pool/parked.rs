@@ -27,7 +27,7 @@
 
 use super::alloc::check_size;
 use super::bins::{class_of, NonEmpty};
-use super::blocks::{BlockId, BlockState, PoolKind, SegmentId, Tag, SHARED};
+use super::blocks::{BlockId, BlockState, PoolKind, Segment, SegmentId, Tag, SHARED};
 use super::{sizes, Inner, Live, Target};
 use crate::device::{DevicePtr, Stream};
 
@@ -145,6 +145,12 @@ impl Parked {
     }
 }
 
+/// Whether blocks of `segment` booked in `pool` are parked when freed: the shared pool's
+/// segments of that pool.
+fn parks_in(segment: &Segment, pool: PoolKind) -> bool {
+    segment.tag == SHARED && segment.pool == pool
+}
+
 impl Inner {
     /// Parks the block of `live` (at `ptr`), just taken off the books and used on no stream
     /// but its own, when it may be: a plain block of the shared pool. Returns false (nothing
@@ -213,31 +219,28 @@ impl Inner {
     /// after the segment changed pool (a private pool's memory joins the shared pool, memory
     /// shared read-only leaves it), the decision made when they were booked no longer holds.
     pub(super) fn recheck_parkable(&mut self, segment: SegmentId) {
-        let blocks: Vec<BlockId> = self
+        let Some(s) = self.map.segments.get(segment) else {
+            return;
+        };
+        let addrs: Vec<DevicePtr> = self
             .map
             .segment_blocks(segment)
-            .filter(|&b| self.map.blocks[b].state == BlockState::Allocated)
+            .map(|b| &self.map.blocks[b])
+            .filter(|b| b.state == BlockState::Allocated)
+            .map(|b| b.addr)
             .collect();
-        for block in blocks {
-            let addr = self.map.blocks[block].addr;
-            let Some(&Live { target, pool, .. }) = self.live.get(&addr) else {
-                continue;
-            };
-            let parkable = self.may_park(target, pool);
+        for addr in addrs {
             if let Some(live) = self.live.get_mut(&addr) {
-                live.parkable = parkable;
+                live.parkable = matches!(live.target, Target::Block(_)) && parks_in(s, live.pool);
             }
         }
     }
 
     /// Whether a live allocation of `target` in `pool` is parked when freed on its stream
-    /// alone: a plain block of a shared-pool segment of that pool.
+    /// alone: a plain block of a segment that [`parks_in`] says yes for.
     pub(super) fn may_park(&self, target: Target, pool: PoolKind) -> bool {
         match target {
-            Target::Block(id) => {
-                let segment = &self.map.segments[self.map.blocks[id].segment];
-                segment.tag == SHARED && segment.pool == pool
-            }
+            Target::Block(id) => parks_in(&self.map.segments[self.map.blocks[id].segment], pool),
             Target::Stitched(_) => false,
         }
     }

@@ -71,3 +71,22 @@ def test_a_stable_step_that_waits_longer_than_its_trial_asks_for_less_bandwidth(
     assert search.stable_drift(t, slower, 50 * GB) == pytest.approx(100 / 125)
     assert search.stable_drift(None, slower, 50 * GB) is None  # recomputing: nothing to move
     assert search.stable_drift(trial([200], swapped=0), slower, 50 * GB) is None
+
+
+def test_whole_blocks_are_kept_by_time_saved_per_byte_while_they_fit():
+    saving = [10.0, 30.0, 20.0, 0.0]
+    sizes = [100, 100, 400, 10]
+    budget = 250
+    asked = []
+
+    def fits(kept):
+        asked.append(kept)
+        return sum(sizes[b] for b in kept) <= budget
+
+    # Block 1 saves most per byte, then 0; block 2 would overrun the budget; block 3 saves
+    # nothing and is never asked about.
+    assert search.blocks_to_keep(saving, sizes, fits) == [0, 1]
+    assert asked == [[1], [0, 1], [0, 1, 2]]
+    # A block that does not fit does not end the search: a smaller one after it may.
+    assert search.blocks_to_keep([5.0, 50.0, 1.0], [100, 1000, 10], lambda k: 1 not in k) == [0, 2]
+    assert search.blocks_to_keep(saving, sizes, lambda k: False) == []

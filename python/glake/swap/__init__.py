@@ -41,7 +41,8 @@ from torch.utils.checkpoint import checkpoint
 from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper
 from .profiling import Marks, ProfilingMixin
-from .search import Measurement, Trial, bandwidth_correction, fastest, stable_drift
+from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
+                     stable_drift)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -179,6 +180,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.trials = []            # search.Trial per plan tried in this search
         self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
         self.recompute_ms = None    # measured step with every block recomputed (warm-up)
+        self.block_fwd_ms = None    # each block's forward in that step (what its recompute costs)
+        self._block_stamps = {}     # block -> (start, end) stamps of that step's forwards
         self.warm_peak = None       # peak allocated bytes over warm-up (CUDA)
         self.resident_states = []   # step mode: blocks whose states stay on the device
         self.reprofiled = False     # profiled again since the last warm-up
@@ -261,6 +264,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.decisions, self.marks, self.expected = None, None, {}
         self.measured, self.correction, self.corrections = [], 0, 0
         self.trials, self.recompute_ms, self.chosen = [], None, None
+        self.block_fwd_ms, self._block_stamps = None, {}
         self.swapper.forget()
         self._stop_moving_states()
 
@@ -300,6 +304,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             decisions = {}
         elif self.decisions is not None and b in self.decisions:
             decisions = self.decisions[b]
+        timed = self.phase == "warmup" and self.iteration == _WARMUP_STEPS
+        if timed:
+            stamp = self._stamp()
         if decisions is None:
             out = original(*args, **kwargs)
         elif not decisions and not profiling:
@@ -319,6 +326,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                         replay)
             out = checkpoint(original, *args, use_reentrant=False, context_fn=contexts,
                              **kwargs)
+        if timed:
+            self._block_stamps[b] = (stamp, self._stamp())
         if profiling:
             self.marks.fwd[b] = (start, self._event())
             self.marks.issue_ms = (time.perf_counter() - issued) * 1e3
@@ -353,6 +362,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             self.bandwidth = self._measure_bandwidth()
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        stamps, self._block_stamps = self._block_stamps, {}
+        if len(stamps) == len(self.blocks):
+            self.block_fwd_ms = [self._elapsed_ms(*stamps[b]) for b in range(len(stamps))]
         self.profile, self.meaning = self._build_profile()
         self.marks = None
         self.target_bytes = self._resolve_target()
@@ -462,6 +474,47 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 schedule[b] = first_after(b + 1, queue_end)
         return schedule, state_release
 
+    def _try_whole_blocks(self, replace=False):
+        """Starts trying the whole-block plan (search.blocks_to_keep) for the goal, in place of
+        the trial under way with `replace`. Its step is predicted from warm-up's measured step
+        less the recomputes it skips, its peak by the planner's simulation. False when there is
+        nothing to try: no goal or warm-up timing, no block fits, or a trial had the plan."""
+        goal = self._goal()
+        if goal is None or self.recompute_ms is None or self.block_fwd_ms is None:
+            return False
+        base = self._full_recompute_choices()
+        d2h, h2d = self.bandwidth
+        block_bytes = [0] * len(self.blocks)
+        for t, meaning in zip(self.profile.tensors, self.meaning):
+            if meaning is not None and meaning[0] != "state":
+                block_bytes[meaning[0]] += t.bytes
+
+        def keeping(kept):
+            kept = set(kept)
+            return [(planner.KEEP, 0, 0) if m is not None and m[0] in kept else c
+                    for c, m in zip(base, self.meaning)]
+
+        def simulate(kept):
+            return planner.simulate(self.profile, keeping(kept), d2h, h2d,
+                                    self.settings.prefetch + 1)
+
+        kept = blocks_to_keep(self.block_fwd_ms, block_bytes,
+                              lambda k: simulate(k).peak_bytes <= goal)
+        choices = keeping(kept)
+        if not kept or any(t.choices == choices for t in self.trials):
+            return False
+        if replace and self.trials:
+            self.trials.pop()
+        self._adopt(choices, 1.0)
+        step_ms = self.recompute_ms - sum(self.block_fwd_ms[b] for b in kept)
+        self.prediction = dataclasses.replace(simulate(kept), step_ns=int(step_ms * 1e6))
+        self.history.append(dict(self._summary(), kept_blocks=kept))
+        log.info("glake.swap: trying whole blocks: %d of %d run as written, the rest "
+                 "recomputed (predicted %.1f ms)", len(kept), len(self.blocks), step_ms)
+        self.trials.append(Trial(self.history[-1], choices, self.decisions, self.prediction,
+                                 1.0, whole_blocks=True))
+        return True
+
     def _full_recompute_choices(self):
         """Every block recomputed, and (under the "memory" preference) every optimizer state
         moved: the least memory the executor can run in."""
@@ -556,7 +609,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             self.corrections += 1
             log.info("glake.swap: step peaked at %d bytes allocated, %d over the plan's goal: "
                      "planning again", m.allocated, over)
-            self._replan(replace=True)
+            if not trial.whole_blocks:
+                self._replan(replace=True)
+            elif not self._try_whole_blocks(replace=True):
+                self._finish_search()
             return
         if trial.seen > 1:
             trial.steps.append(m)
@@ -583,6 +639,12 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             if all(t.choices != self.trials[-1].choices for t in self.trials[:-1]):
                 return
             self.trials.pop()
+        if not any(t.whole_blocks for t in self.trials) and self._try_whole_blocks():
+            return
+        self._finish_search()
+
+    def _finish_search(self):
+        """Keeps the fastest plan measured, or full recomputation when it ran faster."""
         best = fastest(self.trials, self.recompute_ms)
         self.chosen = best
         if best is None:
@@ -615,8 +677,23 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "recompute_ms": self.recompute_ms,
                 "measured": [vars(m) for m in self.measured],
                 "resident_state_blocks": len(self.resident_states),
+                "profile_ms": self._profile_totals(),
+                "warmup_forward_ms": (sum(self.block_fwd_ms) if self.block_fwd_ms else None),
                 "swapped_out_bytes": self.swapper.bytes_out,
                 "swapped_in_bytes": self.swapper.bytes_in}
+
+    def _profile_totals(self):
+        """The profiled step as the planner saw it: milliseconds of the blocks' forwards, what
+        runs between the last forward and the first backward (the head), the backwards, and
+        what follows them (the optimizer step)."""
+        if self.profile is None:
+            return None
+        names = {planner.FORWARD: "forward", planner.OTHER: "head",
+                 planner.BACKWARD: "backward", planner.OPTIMIZER: "optimizer"}
+        totals = dict.fromkeys(names.values(), 0.0)
+        for ns, phase in self.profile.ops:
+            totals[names[phase]] += ns / 1e6
+        return totals
 
 
 def apply(model, blocks=None, optimizer=None, **settings):

@@ -35,6 +35,7 @@ class Trial:
     bandwidth_scale: float
     seen: int = 0
     steps: list = field(default_factory=list)
+    whole_blocks: bool = False  # a plan of whole blocks kept or recomputed (blocks_to_keep)
 
     @property
     def step_ms(self):
@@ -49,7 +50,7 @@ class Trial:
                 "predicted_wait_ms": self.prediction.exposed_wait_ns / 1e6,
                 "swapped_bytes": self.summary["swapped_bytes"],
                 "recomputed_bytes": self.summary["recomputed_bytes"],
-                "bandwidth_scale": self.bandwidth_scale,
+                "bandwidth_scale": self.bandwidth_scale, "whole_blocks": self.whole_blocks,
                 "measured_step_ms": self.step_ms, "measured_wait_ms": self.wait_ms,
                 "cpu_ms": (statistics.median(m.cpu_ms for m in self.steps)
                            if self.steps else None)}
@@ -90,3 +91,20 @@ def fastest(trials, recompute_ms):
     if recompute_ms is not None and recompute_ms < best.step_ms:
         return None
     return best
+
+
+def blocks_to_keep(saving_ms, block_bytes, fits):
+    """The blocks a whole-block plan runs as written, every other block recomputed by PyTorch's
+    checkpoint with no dispatch mode: where the step is paced by the host (a model that syncs
+    on data-dependent routing), an op-level plan's per-op dispatch costs more than it saves,
+    and keeping whole blocks is what beats full recomputation. Blocks are taken by step time
+    saved (`saving_ms`: each block's forward, which its recompute repeats) per byte it keeps
+    (`block_bytes`), each one added while `fits(kept)` says the plan's peak stays under the
+    goal. Returns the kept blocks in order."""
+    order = sorted(range(len(saving_ms)),
+                   key=lambda b: (-saving_ms[b] / max(block_bytes[b], 1), b))
+    kept = []
+    for b in order:
+        if saving_ms[b] > 0 and fits(sorted(kept + [b])):
+            kept.append(b)
+    return sorted(kept)

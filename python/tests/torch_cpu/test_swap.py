@@ -126,6 +126,44 @@ def test_planned_run_is_bit_identical_and_moves_bytes():
         assert smart.swapper.bytes_out == plan["swapped_bytes"] * 5, report  # steps 4 to 8
 
 
+def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exactly():
+    reference = train(fresh(), 8)
+    probe = fresh()
+    first = swap.apply(probe)
+    train(probe, 4)
+    baseline = first.prediction.baseline_peak_bytes
+    full = swap.planner.simulate(first.profile, first._full_recompute_choices(), 1e10, 1e10,
+                                 2).peak_bytes
+    target = full + (baseline - full) // 2
+    first.remove()
+    del first, probe
+    gc.collect()
+    model = fresh()
+    smart = swap.apply(model, target=target, margin=0)
+    planned = smart._plan
+
+    def plan_then_whole_blocks():
+        # The search tries whole blocks once the planner's trials are measured; steps are not
+        # timed on the CPU, so warm-up's step is set here and the trial started at once.
+        planned()
+        smart.recompute_ms = 2 * sum(smart.block_fwd_ms)
+        assert smart._try_whole_blocks()
+    smart._plan = plan_then_whole_blocks
+    same(train(model, 8), reference)
+    assert len(smart.block_fwd_ms) == LAYERS and all(ms > 0 for ms in smart.block_fwd_ms)
+    trial = smart.trials[-1]
+    kept = trial.summary["kept_blocks"]
+    assert trial.whole_blocks and 0 < len(kept) < LAYERS, trial.summary
+    # Kept blocks run as written (no entry); the others under PyTorch's checkpoint alone.
+    assert smart.decisions == {b: {} for b in range(LAYERS) if b not in kept}
+    assert smart.prediction.peak_bytes <= target
+    assert smart.prediction.step_ns == pytest.approx(
+        (smart.recompute_ms - sum(smart.block_fwd_ms[b] for b in kept)) * 1e6, abs=1)
+    assert not smart._try_whole_blocks(), "the same plan is not tried twice"
+    totals = smart.report()["profile_ms"]
+    assert totals["forward"] > 0 and totals["backward"] > 0, totals
+
+
 def test_every_executor_path_keeps_the_step_exact():
     reference = train(fresh(), 6)
     model = fresh()

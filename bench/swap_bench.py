@@ -435,9 +435,9 @@ def main():
                 continue
             for method in args.methods.split(","):
                 rows += spawn(method, name, args, peak)
-            if args.jsonl:
-                with open(args.jsonl, "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in rows)
+                if args.jsonl:  # after each method: a call cut short keeps what it measured
+                    with open(args.jsonl, "w") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in rows)
     text = markdown(rows)
     print(text)
     if args.markdown:

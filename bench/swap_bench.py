@@ -239,7 +239,7 @@ def child(args):
                            predicted_step_ms=plan.get("predicted_step_ms"),
                            predicted_peak=plan.get("predicted_peak_bytes"))
         except torch.OutOfMemoryError as e:
-            row.update(oom=True, error=str(e).splitlines()[0][:200])
+            row.update(oom=True, error=str(e).splitlines()[0][:800])
             if smart is not None:  # where SmartSwap was when the step ran out
                 report = smart.report()
                 row.update(phase=report["phase"], iteration=report["iteration"],

@@ -151,6 +151,9 @@ pub struct Block {
     pub next: Option<BlockId>,
     pub state: BlockState,
     pub owner: Owner,
+    /// Allocated in the map but parked (see `parked.rs`): a neighbour's free takes it back
+    /// to the free lists so that the two merge.
+    pub parked: bool,
     /// Where the block sits in its free bins while free (small pool).
     free_slot: Slot,
     /// The free set (index into `BlockMap::free`) the block sits in while free, or last sat
@@ -420,6 +423,7 @@ impl BlockMap {
             next: None,
             state: BlockState::Free,
             owner: None,
+            parked: false,
             free_slot: 0,
             free_set: 0,
         });
@@ -595,6 +599,7 @@ impl BlockMap {
             next,
             state,
             owner,
+            parked: false,
             free_slot: 0,
             free_set,
         });

@@ -361,7 +361,7 @@ impl Inner {
     /// Returns blocks taken for a stitch that did not happen to the free sets of `stream`.
     fn give_back(&mut self, ids: &[BlockId], stream: Stream) {
         for &id in ids {
-            self.map.release(id, Some(stream));
+            self.release_block(id, Some(stream));
         }
         self.sync_split_stats();
     }

@@ -167,11 +167,11 @@ impl Inner {
     pub(super) fn finish_free(&mut self, live: Live, owner: Option<Stream>) {
         match live.target {
             Target::Block(id) => {
-                self.map.release(id, owner);
+                self.release_block(id, owner);
             }
             Target::Stitched(id) => {
                 for b in self.stitch_blocks.blocks.remove(&id).unwrap_or_default() {
-                    self.map.release(b, owner);
+                    self.release_block(b, owner);
                 }
                 self.stitch.park(id);
             }

@@ -62,15 +62,14 @@ class StateSwapper:
         return self.swapper.cuda
 
     def plan(self, groups):
-        """Moves the states in `groups` ({block: [state tensors]}) from the next step on. In
-        step mode a group that stays planned stays where it is (off the device): bringing
-        every state back at once is the peak that mode exists to avoid."""
-        if self.in_step:
-            for b in [b for b in self.out if b not in groups]:
+        """Moves the states in `groups` ({block: [state tensors]}) from the next step on. A
+        group that stays planned stays where it is: off the device, it comes back when the new
+        plan says (bringing every state back at once, at the start of a step whose plan counts
+        them out, ran the first step of a new plan out of memory). The others come back now."""
+        for b in list(self.out):
+            if [id(t) for t in groups.get(b, ())] != [id(t) for t in self.groups[b]]:
                 self.prefetch(b)
-            self._wait_back()
-        else:
-            self.restore()
+        self._wait_back()
         self.groups = groups
 
     def after_step(self):

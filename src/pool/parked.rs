@@ -15,7 +15,8 @@
 //! that the free lists can serve only by splitting a larger block first brings back the parked
 //! blocks of sizes between the two, which might fit better (see `Inner::best_fit`). A freed
 //! block takes its parked neighbours back to the free lists and merges with them
-//! (`Inner::release_block`), and a large block next to free or parked memory is not parked.
+//! (`Inner::release_block`), and a block of 64 MiB or more next to free or parked memory is
+//! not parked (`MERGE_FIRST`).
 //!
 //! A plain request (the shared pool, no sleep region, swap placement, guard pages or capture
 //! routing, no frees waiting on events) looks for its parked block as soon as the pool's lock
@@ -25,8 +26,8 @@
 //! The cost is in layout, not in correctness: a block found while others are parked may not
 //! be the one the merged free lists would have given. Without the neighbour and size-between
 //! rules above, peak reserved memory rose by up to 0.4% on the recorded traces and by 10% on
-//! a trace of SmartSwap under a memory cap (which then ran out of memory); with them it stays
-//! within 0.03% of no parking on all of them.
+//! a trace of SmartSwap under a memory cap (which then ran out of memory); with them it is at
+//! most 0.04% above that, and on the SmartSwap trace no more than without parking.
 
 use super::alloc::check_size;
 use super::bins::{class_of, NonEmpty};
@@ -51,6 +52,14 @@ struct ParkedBlock {
 /// Parks after which a block not taken back returns to the free lists: a size that stops
 /// recurring (a KV cache that has grown past it) does not keep its blocks apart for long.
 const WINDOW: usize = 4096;
+
+/// Blocks of this size and more are not parked next to free or parked memory: parked, they
+/// would keep the two apart, and a request the merged block would have served takes other
+/// memory (a trace of SmartSwap's swapped activations under a cap reserved 10% more that way,
+/// and ran out of memory). Smaller blocks are parked anyway: they are the many requests per
+/// step whose calls parking saves, and on the recorded traces merging them first as well
+/// reserved no less but doubled the median malloc and free.
+const MERGE_FIRST: usize = 64 << 20;
 
 /// The parked blocks by size class (see the module documentation).
 #[derive(Debug, Default)]
@@ -172,13 +181,10 @@ impl Inner {
         if !live.parkable {
             return false;
         }
-        // A large block next to free or parked memory is freed as usual, merging with it:
-        // parked, it would keep the two apart, and a request the merged block would have
-        // served takes other memory instead (a trace of SmartSwap's swapped activations
-        // reserved 10% more that way). Small blocks live in 2 MiB segments, where that costs
-        // little and parking saves the most calls.
+        // A block of MERGE_FIRST bytes or more next to free or parked memory is freed as
+        // usual, merging with it (see MERGE_FIRST).
         let block = &self.map.blocks[id];
-        if live.pool == PoolKind::Large
+        if live.size >= MERGE_FIRST
             && [block.prev, block.next].into_iter().flatten().any(|n| {
                 let neighbour = &self.map.blocks[n];
                 neighbour.parked || neighbour.state == BlockState::Free
@@ -431,24 +437,25 @@ mod tests {
         device.destroy_stream(side).unwrap();
     }
 
-    /// A freed large block merges with its parked neighbour (and is not parked itself), so a
-    /// request of their merged size takes that memory instead of splitting another block.
+    /// A freed block of MERGE_FIRST bytes or more merges with its parked neighbour (and is not
+    /// parked itself), so a request of their merged size takes that memory instead of
+    /// splitting another block.
     #[test]
     fn a_freed_block_merges_with_its_parked_neighbour() {
         let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
         let pool = crate::Pool::new(device, crate::Config::default()).unwrap();
         let s = Stream::DEFAULT;
-        let elsewhere = pool.malloc(20 * MIB, s).unwrap();
-        let whole = pool.malloc(48 * MIB, s).unwrap();
+        let elsewhere = pool.malloc(160 * MIB, s).unwrap();
+        let whole = pool.malloc(384 * MIB, s).unwrap();
         pool.free(whole).unwrap();
-        let [a, b, c, d] = [8, 8, 8, 24].map(|m| pool.malloc(m * MIB, s).unwrap());
-        assert_eq!((a, b), (whole, whole + 8 * MIB as u64));
+        let [a, b, c, d] = [64, 64, 64, 192].map(|m| pool.malloc(m * MIB, s).unwrap());
+        assert_eq!((a, b), (whole, whole + 64 * MIB as u64));
         pool.free(elsewhere).unwrap();
-        pool.stats(); // settles: `elsewhere` is a free block of 20 MiB
+        pool.stats(); // settles: `elsewhere` is a free block of 160 MiB
         pool.free(a).unwrap(); // parked: its neighbour is live
         pool.free(b).unwrap(); // next to a parked block: both go back, merged
         assert_eq!(crate::sync::lock(&pool.inner).parked.count, 0);
-        assert_eq!(pool.malloc(16 * MIB, s).unwrap(), a);
+        assert_eq!(pool.malloc(128 * MIB, s).unwrap(), a);
         for ptr in [a, c, d] {
             pool.free(ptr).unwrap();
         }

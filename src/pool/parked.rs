@@ -350,6 +350,11 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
+    fn host_pool() -> crate::Pool {
+        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
+        crate::Pool::new(device, crate::Config::default()).unwrap()
+    }
+
     fn block(id: BlockId, size: usize, stream: u64) -> ParkedBlock {
         ParkedBlock {
             id,
@@ -365,8 +370,7 @@ mod tests {
     /// statistics, which settle the pool, put parked blocks back in the free lists.
     #[test]
     fn the_pool_parks_frees_and_settles_for_its_statistics() {
-        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
-        let pool = crate::Pool::new(device, crate::Config::default()).unwrap();
+        let pool = host_pool();
         let parked = |pool: &crate::Pool| crate::sync::lock(&pool.inner).parked.count;
         let a = pool.malloc(4 * MIB, Stream::DEFAULT).unwrap();
         let small = pool.malloc(4096, Stream::DEFAULT).unwrap();
@@ -385,8 +389,7 @@ mod tests {
     /// region, or one a swap placement wants swappable, takes no parked block.
     #[test]
     fn region_and_swappable_requests_take_no_parked_block() {
-        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
-        let pool = crate::Pool::new(device, crate::Config::default()).unwrap();
+        let pool = host_pool();
         let a = pool.malloc(3 * MIB, Stream::DEFAULT).unwrap();
         pool.free(a).unwrap();
         pool.begin_region("weights").unwrap();
@@ -442,8 +445,7 @@ mod tests {
     /// splitting another block.
     #[test]
     fn a_freed_block_merges_with_its_parked_neighbour() {
-        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
-        let pool = crate::Pool::new(device, crate::Config::default()).unwrap();
+        let pool = host_pool();
         let s = Stream::DEFAULT;
         let elsewhere = pool.malloc(160 * MIB, s).unwrap();
         let whole = pool.malloc(384 * MIB, s).unwrap();
@@ -466,8 +468,7 @@ mod tests {
     /// sizes between, and takes the tighter one.
     #[test]
     fn a_large_request_takes_a_tighter_parked_block_before_splitting_a_free_one() {
-        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
-        let pool = crate::Pool::new(device, crate::Config::default()).unwrap();
+        let pool = host_pool();
         let s = Stream::DEFAULT;
         let loose = pool.malloc(20 * MIB, s).unwrap();
         let whole = pool.malloc(24 * MIB, s).unwrap();

@@ -94,19 +94,18 @@ def same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(ga, gb))
 
 
-def test_planned_run_is_bit_identical_and_moves_bytes():
-    reference = train(fresh(), 8)
+def halfway_target():
+    """A target halfway between the peak of recomputing every block and the unplanned peak, from
+    a probe run with no target: a plan must move outputs to meet it, and one can (below the
+    first, nothing could)."""
     probe = fresh()
     first = swap.apply(probe)
     train(probe, 4)
     baseline = first.prediction.baseline_peak_bytes
     assert first.report()["plan"]["counts"]["keep"] > 0 and not first.decisions
-    # Halfway between the peak of recomputing every block and the unplanned peak: the planner
-    # must move outputs, and says it meets the target (below the first, nothing could).
     full = swap.planner.simulate(first.profile, first._full_recompute_choices(), 1e10, 1e10,
                                  2).peak_bytes
     assert full < baseline
-    target = full + (baseline - full) // 2
     # The planned run must not carry the probe's model in its base bytes: the probe's blocks
     # and its SmartSwap refer to each other, so only remove() or a collection frees them.
     first.remove()
@@ -114,6 +113,12 @@ def test_planned_run_is_bit_identical_and_moves_bytes():
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+    return full + (baseline - full) // 2
+
+
+def test_planned_run_is_bit_identical_and_moves_bytes():
+    reference = train(fresh(), 8)
+    target = halfway_target()
     model = fresh()
     smart = swap.apply(model, target=target, margin=0)
     same(train(model, 8), reference)
@@ -128,16 +133,7 @@ def test_planned_run_is_bit_identical_and_moves_bytes():
 
 def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exactly():
     reference = train(fresh(), 8)
-    probe = fresh()
-    first = swap.apply(probe)
-    train(probe, 4)
-    baseline = first.prediction.baseline_peak_bytes
-    full = swap.planner.simulate(first.profile, first._full_recompute_choices(), 1e10, 1e10,
-                                 2).peak_bytes
-    target = full + (baseline - full) // 2
-    first.remove()
-    del first, probe
-    gc.collect()
+    target = halfway_target()
     model = fresh()
     smart = swap.apply(model, target=target, margin=0)
     planned = smart._plan

@@ -11,9 +11,9 @@
 //! released, other streams' memory taken back or a region put to sleep), growth past the soft
 //! limit, a swappable allocation's search for an idle segment, and the pool operations that
 //! read the whole block map or the statistics (`Pool::settled`). So nothing is created,
-//! stitched or released while parked memory could serve a request instead. A small request
-//! that the free lists can serve only by splitting a larger block first brings back the parked
-//! blocks of sizes between the two, which might fit better (see `Inner::best_fit`). A freed
+//! stitched or released while parked memory could serve a request instead. A request that the
+//! free lists can serve only by splitting a larger block first brings back the parked blocks
+//! of sizes between the two, which might fit better (see `Inner::best_fit`). A freed
 //! block takes its parked neighbours back to the free lists and merges with them
 //! (`Inner::release_block`), and a block of 64 MiB or more next to free or parked memory is
 //! not parked (`MERGE_FIRST`).

@@ -39,7 +39,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import planner
-from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper
+from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
                      stable_drift)
@@ -181,7 +181,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
         self.recompute_ms = None    # measured step with every block recomputed (warm-up)
         self.block_fwd_ms = None    # each block's forward in that step (what its recompute costs)
-        self._block_stamps = {}     # block -> (start, end) stamps of that step's forwards
+        self._block_timers = {}     # block -> Timer of its forward in that step
         self.warm_peak = None       # peak allocated bytes over warm-up (CUDA)
         self.resident_states = []   # step mode: blocks whose states stay on the device
         self.reprofiled = False     # profiled again since the last warm-up
@@ -264,7 +264,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.decisions, self.marks, self.expected = None, None, {}
         self.measured, self.correction, self.corrections = [], 0, 0
         self.trials, self.recompute_ms, self.chosen = [], None, None
-        self.block_fwd_ms, self._block_stamps = None, {}
+        self.block_fwd_ms, self._block_timers = None, {}
         self.swapper.forget()
         self._stop_moving_states()
 
@@ -304,9 +304,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             decisions = {}
         elif self.decisions is not None and b in self.decisions:
             decisions = self.decisions[b]
-        timed = self.phase == "warmup" and self.iteration == _WARMUP_STEPS
-        if timed:
-            stamp = self._stamp()
+        timer = (Timer(self.cuda) if self.phase == "warmup" and self.iteration == _WARMUP_STEPS
+                 else None)
         if decisions is None:
             out = original(*args, **kwargs)
         elif not decisions and not profiling:
@@ -326,8 +325,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                         replay)
             out = checkpoint(original, *args, use_reentrant=False, context_fn=contexts,
                              **kwargs)
-        if timed:
-            self._block_stamps[b] = (stamp, self._stamp())
+        if timer is not None:
+            timer.stop()
+            self._block_timers[b] = timer
         if profiling:
             self.marks.fwd[b] = (start, self._event())
             self.marks.issue_ms = (time.perf_counter() - issued) * 1e3
@@ -362,9 +362,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             self.bandwidth = self._measure_bandwidth()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        stamps, self._block_stamps = self._block_stamps, {}
-        if len(stamps) == len(self.blocks):
-            self.block_fwd_ms = [self._elapsed_ms(*stamps[b]) for b in range(len(stamps))]
+        timers, self._block_timers = self._block_timers, {}
+        if len(timers) == len(self.blocks):
+            self.block_fwd_ms = [timers[b].ns() / 1e6 for b in range(len(timers))]
         self.profile, self.meaning = self._build_profile()
         self.marks = None
         self.target_bytes = self._resolve_target()

@@ -54,7 +54,7 @@ def _storages(tree):
     return out
 
 
-class _Timer:
+class Timer:
     """Device time of what runs between its creation and `stop()`: a pair of CUDA events (read
     once the device has passed them), or the host clock on CPU."""
 
@@ -356,7 +356,7 @@ class RecordingMode(_CountingMode):
         if self.records is None:
             out = func(*args, **kwargs)
         else:
-            timer = _Timer(self.swapper.cuda)
+            timer = Timer(self.swapper.cuda)
             out = func(*args, **kwargs)
             timer.stop()
             self._record(func, args, kwargs, out, timer)

@@ -3,7 +3,6 @@
 bandwidth, and the block-level iteration the planner reads. A mixin of SmartSwap: it uses the
 instance's blocks, marks, swapper and settings."""
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,14 +34,6 @@ class ProfilingMixin:
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
-
-    def _stamp(self):
-        """A point in the step: a recorded event on CUDA, the host clock (ns) on CPU."""
-        return self._event() if self.cuda else time.perf_counter_ns()
-
-    def _elapsed_ms(self, start, end):
-        """Milliseconds between two `_stamp`s (events: once the device has passed `end`)."""
-        return start.elapsed_time(end) if self.cuda else (end - start) / 1e6
 
     def _memory(self):
         """Allocated and peak allocated bytes for the profile's marks; when optimizer states

@@ -19,7 +19,16 @@ import torch
 
 import workloads
 
-ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free")
+ACTIONS = (
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    # Segments that grow or shrink at their end (expandable segments; glake's grown segments).
+    "segment_map",
+    "segment_unmap",
+)
 
 
 def start():

@@ -1,9 +1,10 @@
 //! Fault injection: every driver call the pool makes is failed in turn, one run per call.
 //!
-//! A fixed, deterministic workload (small and large allocations, frees that fragment, a stitch,
-//! reuse of a cached stitched block, a stitch with new memory that triggers automatic collection
-//! of cached stitched blocks, `record_stream` on a second stream, peer access, a tight memory cap
-//! that forces the free-and-retry path, an out-of-memory request, `empty_cache`, and the final
+//! A fixed, deterministic workload (a segment grown at its end, small and large allocations,
+//! frees that fragment, a stitch, reuse of a cached stitched block, a stitch with new memory
+//! that triggers automatic collection of cached stitched blocks, `record_stream` on a second
+//! stream, peer access, a tight memory cap that forces the free-and-retry path, an
+//! out-of-memory request, `empty_cache` (which also trims the grown end), and the final
 //! tear-down) runs on a [`FaultDevice`] over a host device. A clean run first counts the calls of
 //! each kind; then for each kind and each n up to that count, a fresh run fails the n-th call.
 //!
@@ -104,6 +105,8 @@ struct Run {
     steps: Vec<StepRecord>,
     /// The step during which the injected failure fired.
     fault_step: Option<usize>,
+    /// The second request of "grow a segment's end" lay right after the first.
+    grew_in_place: bool,
 }
 
 impl Run {
@@ -136,6 +139,7 @@ impl Run {
             errors: Vec::new(),
             steps: Vec::new(),
             fault_step: None,
+            grew_in_place: false,
         }
     }
 
@@ -300,6 +304,15 @@ impl Run {
                 Err(err) => r.errors.push(format!("Pool::new: {err}")),
             }
         });
+        // A segment whose last granule is mostly free grows at its end for the next request;
+        // the grown part, freed later, is taken off again by `empty_cache`.
+        let mut grown = None;
+        self.step("grow a segment's end", |r| {
+            let first = r.malloc(5 * MIB + MIB / 2, s0);
+            grown = r.malloc(4 * MIB + MIB / 4, s0);
+            r.grew_in_place =
+                matches!((first, grown), (Some(a), Some(b)) if b == a + (5 * MIB + MIB / 2) as u64);
+        });
         let mut small = Vec::new();
         self.step("small allocations", |r| {
             for size in [100, 512, 3000, 70_000, MIB, 200, 4096] {
@@ -362,6 +375,7 @@ impl Run {
                     r.free(ptr);
                 }
             }
+            r.free(grown);
         });
         self.step("retry under a tight cap", |r| {
             let Some(pool) = &r.pool else { return };
@@ -484,6 +498,7 @@ fn clean_run_statistics_show_each_path() {
         stats.num_alloc_retries
     );
     assert_eq!(stats.num_ooms, 1);
+    assert!(run.grew_in_place, "no segment grew at its end");
     assert!(stats.num_sync_all_streams >= 1);
     assert!(stats.num_device_free >= 1);
 }

@@ -1193,3 +1193,92 @@ fn access_granted_during_a_stitch_reaches_its_memory() {
         }
     }
 }
+
+/// A large request that would leave most of its segment's last granule free makes the next
+/// request that needs memory grow that segment: it starts in the rest, right after the
+/// first, and only the granules it lacks are created. `empty_cache` takes the grown part off
+/// again once it is free, and every byte of the first allocation stays.
+#[test]
+fn a_segment_grows_at_its_end_into_the_rest_of_its_last_granule() {
+    let device = common::device();
+    let p = pool(&device);
+    let first_size = 5 * MIB + MIB / 2;
+    let first = p.malloc(first_size, Stream::DEFAULT).unwrap();
+    common::write_pattern(&device, first, first_size, 1);
+    // A segment of its own would be 6 MiB; the 1/2 MiB rest covers enough to need only 4.
+    let second_size = 4 * MIB + MIB / 4;
+    let second = p.malloc(second_size, Stream::DEFAULT).unwrap();
+    assert_eq!(
+        second,
+        first + first_size as u64,
+        "not right after the first"
+    );
+    common::write_pattern(&device, second, second_size, 2);
+    let large: Vec<_> = p
+        .snapshot()
+        .segments
+        .into_iter()
+        .filter(|s| s.pool == glake::pool::blocks::PoolKind::Large)
+        .collect();
+    assert_eq!(large.len(), 1, "one segment");
+    assert_eq!(large[0].total_size, 10 * MIB);
+    assert_eq!(p.stats().reserved_bytes.all.current, 10 * MIB as i64);
+    common::check(&p);
+    assert!(common::has_pattern(&device, second, second_size, 2));
+
+    p.free(second).unwrap();
+    p.empty_cache().unwrap();
+    assert_eq!(
+        p.stats().reserved_bytes.all.current,
+        6 * MIB as i64,
+        "trimmed"
+    );
+    assert!(common::has_pattern(&device, first, first_size, 1));
+    common::check(&p);
+    // Grown again after the trim, at the same place.
+    let again = p.malloc(second_size, Stream::DEFAULT).unwrap();
+    assert_eq!(again, second);
+    p.free(again).unwrap();
+    p.free(first).unwrap();
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+}
+
+/// A rest larger than `small_limit` can serve a large request of its own, so no segment
+/// grows into it.
+#[test]
+fn a_rest_a_large_request_can_use_is_left_to_one() {
+    let device = common::device();
+    let p = pool(&device);
+    let first = p.malloc(4 * MIB + MIB / 2, Stream::DEFAULT).unwrap();
+    let second = p.malloc(2 * MIB + MIB / 4, Stream::DEFAULT).unwrap();
+    assert_ne!(second, first + (4 * MIB + MIB / 2) as u64);
+    assert_eq!(p.stats().reserved_bytes.all.current, 10 * MIB as i64);
+    // The 1.5 MiB rest serves a request that fits it.
+    let third = p.malloc(MIB + MIB / 2, Stream::DEFAULT).unwrap();
+    assert_eq!(third, first + (4 * MIB + MIB / 2) as u64);
+    for ptr in [first, second, third] {
+        p.free(ptr).unwrap();
+    }
+    common::check(&p);
+}
+
+/// A malloc that grows a segment's end maps the new memory without the pool's lock.
+#[test]
+fn a_segment_grows_without_holding_up_other_threads() {
+    let prepare = |pool: &Pool| {
+        free_segments(pool, &[4 * MIB]);
+        pool.malloc(5 * MIB + MIB / 2, Stream::DEFAULT)
+            .expect("malloc");
+    };
+    let pool =
+        mapping_does_not_hold_up_others(stitch_off(), prepare, 4 * MIB + MIB / 4, 3 * MIB, |_| {});
+    let sizes: Vec<usize> = pool
+        .snapshot()
+        .segments
+        .iter()
+        .map(|s| s.total_size)
+        .collect();
+    assert!(sizes.contains(&(10 * MIB)), "no segment grew: {sizes:?}");
+    assert_eq!(pool.stats().reserved_bytes.all.current, 14 * MIB as i64);
+}

@@ -55,7 +55,7 @@ impl Inner {
         size: usize,
         tag: Tag,
     ) -> Result<Option<BlockId>> {
-        self.grow_guarded(device, pool, size, tag, 0)
+        self.grow_guarded(device, pool, size, tag, self.headroom_for(pool, tag))
     }
 
     /// A segment of its own for one allocation of `size` bytes (`rounded`, a multiple of the
@@ -111,21 +111,20 @@ impl Inner {
         )))
     }
 
-    /// The chunk lengths of a new segment of `size` bytes for `tag`: a region's segments are
-    /// never stitched, so the fewest handles (which map fastest); others as
-    /// [`blocks::chunk_limit`] says for the pool's size.
+    /// The chunk lengths of a new segment of `size` bytes for `tag`: a region's as
+    /// [`blocks::region_chunks`] says; others as [`blocks::chunk_limit`] says for the pool's
+    /// size.
     pub(super) fn segment_chunks(&self, size: usize, tag: Tag) -> Vec<usize> {
-        let limit = if blocks::is_region(tag) {
-            self.config.max_chunk.max(self.granularity)
-        } else {
-            blocks::chunk_limit(
-                self.reserved(),
-                size,
-                self.granularity,
-                self.config.max_chunk,
-                self.config.chunk_divisor,
-            )
-        };
+        if blocks::is_region(tag) {
+            return blocks::region_chunks(size);
+        }
+        let limit = blocks::chunk_limit(
+            self.reserved(),
+            size,
+            self.granularity,
+            self.config.max_chunk,
+            self.config.chunk_divisor,
+        );
         blocks::chunk_sizes(size, self.granularity, limit)
     }
 
@@ -217,7 +216,7 @@ impl Inner {
         self.forget_shared(removed.chunks());
         self.sync_split_stats();
         let zombie = Zombie {
-            reservation: Some((removed.va, removed.size + removed.guard)),
+            reservation: Some((removed.va, removed.size + removed.headroom)),
             ..Zombie::mapped(removed.va, removed.chunks())
         };
         self.bury(device, zombie);
@@ -309,6 +308,7 @@ impl Inner {
         for segment in self.map.idle_segments() {
             self.release_segment(device, segment)?;
         }
+        self.trim_segments(device);
         self.retry_zombies(device)
     }
 

@@ -826,18 +826,14 @@ impl Inner {
         Ok(())
     }
 
-    /// New physical memory for a sleeping segment, mapped at its range with the pool's access:
-    /// never stitched, so any layout serves, and the fewest handles map fastest.
+    /// New physical memory for a sleeping segment, mapped at its range with the pool's access,
+    /// laid out as a region's new segments are.
     fn map_for_wake(
         &mut self,
         device: &dyn crate::device::Device,
         sleeper: &Sleeper,
     ) -> Result<Vec<blocks::Chunk>> {
-        let layout = blocks::chunk_sizes(
-            sleeper.size,
-            self.granularity,
-            self.config.max_chunk.max(self.granularity),
-        );
+        let layout = blocks::region_chunks(sleeper.size);
         self.map_new_memory(device, sleeper.va, sleeper.size, &layout)
     }
 

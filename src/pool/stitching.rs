@@ -79,9 +79,9 @@ impl StitchJob {
             },
             Err((err, zombie)) => {
                 leftovers.extend(zombie);
-                if let Some((va, chunks)) = segment {
+                if let (Some((va, chunks)), Some(plan)) = (segment, &self.shortfall) {
                     let mut undo = Zombie {
-                        reservation: Some((va, chunks.iter().map(|c| c.len).sum())),
+                        reservation: Some(plan.reservation(va)),
                         ..Zombie::mapped(va, &chunks)
                     };
                     if undo.finish(device).is_err() {
@@ -295,12 +295,11 @@ impl Inner {
                 reservation: Some((va, mapped)),
             };
             self.discard(device, stitched);
-            if let Some((segment_va, chunks)) = &segment {
-                let size = chunks.iter().map(|c| c.len).sum();
+            if let (Some((segment_va, chunks)), Some(plan)) = (&segment, &shortfall) {
                 self.discard(
                     device,
                     Zombie {
-                        reservation: Some((*segment_va, size)),
+                        reservation: Some(plan.reservation(*segment_va)),
                         ..Zombie::mapped(*segment_va, chunks)
                     },
                 );
@@ -317,7 +316,7 @@ impl Inner {
                 chunks,
                 PoolKind::Large,
                 SHARED,
-                0,
+                plan.headroom(),
             );
             self.map.take_front(id, shortfall_bytes, stream);
             ids.push(id);

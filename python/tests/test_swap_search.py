@@ -90,3 +90,13 @@ def test_whole_blocks_are_kept_by_time_saved_per_byte_while_they_fit():
     # A block that does not fit does not end the search: a smaller one after it may.
     assert search.blocks_to_keep([5.0, 50.0, 1.0], [100, 1000, 10], lambda k: 1 not in k) == [0, 2]
     assert search.blocks_to_keep(saving, sizes, lambda k: False) == []
+
+
+def test_a_plan_not_tried_is_worth_a_trial_only_when_predicted_faster_than_any_measured():
+    waiting = trial([])
+    waiting.prediction.step_ns = int(90e6)
+    assert search.worth_trying(waiting, [], None), "nothing measured yet"
+    assert search.worth_trying(waiting, [trial([100, 101])], 120.0)
+    assert not search.worth_trying(waiting, [trial([85, 88])], 120.0), "a trial ran faster"
+    assert not search.worth_trying(waiting, [trial([100])], 89.0), "recomputing ran faster"
+    assert search.worth_trying(waiting, [trial([])], None), "unmeasured trials count for nothing"

@@ -357,7 +357,7 @@ impl Inner {
                 if attempt == 0 && self.plan_extension(ext) {
                     return Ok(None);
                 }
-                if let Some(id) = self.extend(device, ext)? {
+                if let Some(id) = self.extend(device, ext.bytes, size, stream, tag)? {
                     return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
                 }
             }

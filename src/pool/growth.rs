@@ -55,7 +55,7 @@ impl Inner {
         size: usize,
         tag: Tag,
     ) -> Result<Option<BlockId>> {
-        self.grow_guarded(device, pool, size, tag, self.headroom_for(pool, tag))
+        self.grow_guarded(device, pool, size, tag, self.headroom_for(pool, tag, size))
     }
 
     /// A segment of its own for one allocation of `size` bytes (`rounded`, a multiple of the

@@ -61,7 +61,7 @@ impl GrowthPlan {
             pool,
             tag,
             size,
-            headroom: inner.headroom_for(pool, tag),
+            headroom: inner.headroom_for(pool, tag, size),
             chunk_sizes: inner.segment_chunks(size, tag),
             access: inner.access.clone(),
             granularity: inner.granularity,

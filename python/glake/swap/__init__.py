@@ -42,7 +42,7 @@ from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
-                     stable_drift)
+                     stable_drift, worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -178,6 +178,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.bandwidth = None
         self.measured = []          # search.Measurement of stable steps
         self.trials = []            # search.Trial per plan tried in this search
+        self.deferred = None        # the planner's trial, waiting on a faster-predicted one
         self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
         self.recompute_ms = None    # measured step with every block recomputed (warm-up)
         self.block_fwd_ms = None    # each block's forward in that step (what its recompute costs)
@@ -256,7 +257,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.phase, self.decisions, self.bandwidth = "warmup", None, None
         self._stop_moving_states()
         self.trials, self.correction, self.corrections = [], 0, 0
-        self.chosen = None
+        self.chosen, self.deferred = None, None
 
     def _restart(self):
         self.phase, self.iteration = "warmup", 0
@@ -264,6 +265,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.decisions, self.marks, self.expected = None, None, {}
         self.measured, self.correction, self.corrections = [], 0, 0
         self.trials, self.recompute_ms, self.chosen = [], None, None
+        self.deferred = None
         self.block_fwd_ms, self._block_timers = None, {}
         self.swapper.forget()
         self._stop_moving_states()
@@ -369,6 +371,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.marks = None
         self.target_bytes = self._resolve_target()
         self._replan()
+        self._whole_blocks_first()
         self.phase = "search"
 
     def _replan(self, replace=False):
@@ -474,14 +477,42 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 schedule[b] = first_after(b + 1, queue_end)
         return schedule, state_release
 
-    def _try_whole_blocks(self, replace=False):
-        """Starts trying the whole-block plan (search.blocks_to_keep) for the goal, in place of
-        the trial under way with `replace`. Its step is predicted from warm-up's measured step
-        less the recomputes it skips, its peak by the planner's simulation. False when there is
-        nothing to try: no goal or warm-up timing, no block fits, or a trial had the plan."""
+    def _whole_blocks_first(self):
+        """Starts the whole-block plan's trial before the planner's when it is predicted
+        faster: the planner's plan then waits, and is tried only if it is still predicted
+        faster than every step measured by then (search.worth_trying). A plan's first step is
+        where the allocator meets its layout; under a tight cap, trying the likelier winner
+        first spares the search a step that may not fit."""
+        per_op = self.trials[-1] if self.trials else None
+        whole = self._whole_block_plan()
+        if per_op is None or whole is None or whole[2].step_ns >= per_op.prediction.step_ns:
+            return
+        log.info("glake.swap: the whole-block plan is predicted faster (%.1f ms against "
+                 "%.1f): tried first", whole[2].step_ns / 1e6, per_op.prediction.step_ns / 1e6)
+        self.deferred = per_op
+        self._start_whole_blocks(*whole, replace=True)
+
+    def _resume_deferred(self):
+        """Tries the planner's deferred plan (planned again: the goal or the bandwidth may
+        have been corrected since) if it is still worth a trial; True when it started."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is None:
+            return False
+        if not worth_trying(deferred, self.trials, self.recompute_ms):
+            log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: a "
+                     "measured step is as fast", deferred.prediction.step_ns / 1e6)
+            return False
+        self._replan()
+        return True
+
+    def _whole_block_plan(self):
+        """The whole-block plan (search.blocks_to_keep) for the goal, as (kept blocks, choices,
+        prediction): its step predicted from warm-up's measured step less the recomputes it
+        skips, its peak by the planner's simulation. None when there is nothing to try: no
+        goal or warm-up timing, no block fits, or a trial had the plan."""
         goal = self._goal()
         if goal is None or self.recompute_ms is None or self.block_fwd_ms is None:
-            return False
+            return None
         base = self._full_recompute_choices()
         d2h, h2d = self.bandwidth
         block_bytes = [0] * len(self.blocks)
@@ -502,17 +533,31 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                               lambda k: simulate(k).peak_bytes <= goal)
         choices = keeping(kept)
         if not kept or any(t.choices == choices for t in self.trials):
-            return False
+            return None
+        step_ms = self.recompute_ms - sum(self.block_fwd_ms[b] for b in kept)
+        return kept, choices, dataclasses.replace(simulate(kept), step_ns=int(step_ms * 1e6))
+
+    def _start_whole_blocks(self, kept, choices, prediction, replace=False):
+        """Starts the trial of a whole-block plan, in place of the trial under way with
+        `replace`."""
         if replace and self.trials:
             self.trials.pop()
         self._adopt(choices, 1.0)
-        step_ms = self.recompute_ms - sum(self.block_fwd_ms[b] for b in kept)
-        self.prediction = dataclasses.replace(simulate(kept), step_ns=int(step_ms * 1e6))
+        self.prediction = prediction
         self.history.append(dict(self._summary(), kept_blocks=kept))
         log.info("glake.swap: trying whole blocks: %d of %d run as written, the rest "
-                 "recomputed (predicted %.1f ms)", len(kept), len(self.blocks), step_ms)
+                 "recomputed (predicted %.1f ms)", len(kept), len(self.blocks),
+                 prediction.step_ns / 1e6)
         self.trials.append(Trial(self.history[-1], choices, self.decisions, self.prediction,
                                  1.0, whole_blocks=True))
+
+    def _try_whole_blocks(self, replace=False):
+        """Starts trying the whole-block plan for the goal (see _whole_block_plan), in place
+        of the trial under way with `replace`; False when there is none to try."""
+        plan = self._whole_block_plan()
+        if plan is None:
+            return False
+        self._start_whole_blocks(*plan, replace=replace)
         return True
 
     def _full_recompute_choices(self):
@@ -612,12 +657,17 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             if not trial.whole_blocks:
                 self._replan(replace=True)
             elif not self._try_whole_blocks(replace=True):
-                self._finish_search()
+                if self.deferred is not None:
+                    self.deferred = None
+                    self._replan()  # the planner's plan, for the corrected goal
+                else:
+                    self._finish_search()
             return
         if trial.seen > 1:
             trial.steps.append(m)
             miss = abs(m.step_ms - trial.summary["predicted_step_ms"]) / m.step_ms
-            if len(self.trials) == 1 and len(trial.steps) == 1 and miss > _PROFILE_MISS:
+            first = len(self.trials) == 1 and len(trial.steps) == 1 and not trial.whole_blocks
+            if first and miss > _PROFILE_MISS:
                 if not self.reprofiled:
                     log.warning("glake.swap: the plan's step measured %.1f ms against %.1f "
                                 "predicted: profiling again", m.step_ms,
@@ -631,6 +681,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         """Plans again with the bandwidth the trial's waits imply, or, when its copies kept to
         the prediction or the search is over, keeps the fastest plan measured."""
         log.info("glake.swap: trial %d: %s", len(self.trials), trial.describe())
+        if trial.whole_blocks and self.deferred is not None:
+            if not self._resume_deferred():
+                self._finish_search()
+            return
         factor = bandwidth_correction(trial, self.bandwidth[1])
         if (factor is not None and len(self.trials) < _MAX_TRIALS
                 and self.target_bytes is not None):

@@ -93,6 +93,15 @@ def fastest(trials, recompute_ms):
     return best
 
 
+def worth_trying(trial, trials, recompute_ms):
+    """Whether a plan not yet tried is worth a trial: its predicted step is shorter than every
+    measured one (each trial's, and full recomputation's at `recompute_ms`)."""
+    measured = [t.step_ms for t in trials if t.steps]
+    if recompute_ms is not None:
+        measured.append(recompute_ms)
+    return trial.prediction.step_ns / 1e6 < min(measured, default=float("inf"))
+
+
 def blocks_to_keep(saving_ms, block_bytes, fits):
     """The blocks a whole-block plan runs as written, every other block recomputed by PyTorch's
     checkpoint with no dispatch mode: where the step is paced by the host (a model that syncs

@@ -141,12 +141,17 @@ def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exac
     started = {}
 
     def plan_then_whole_blocks():
-        # The search tries whole blocks once the planner's trials are measured; the trial is
-        # started at once here, with warm-up's step set (steps are not timed on the CPU; on
-        # CUDA the search goes on from it, so what it started is kept here).
+        # The search tries whole blocks once the planner's trials are measured, or first when
+        # they are predicted faster; the trial is started at once here, with warm-up's step
+        # set (steps are not timed on the CPU; on CUDA the search goes on from it, so what it
+        # started is kept here).
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()  # the forwards' timing events are done
+        smart.recompute_ms = 2 * sum(smart._block_timers[b].ns() / 1e6
+                                     for b in range(LAYERS))
         planned()
-        smart.recompute_ms = 2 * sum(smart.block_fwd_ms)
-        assert smart._try_whole_blocks()
+        if not any(t.whole_blocks for t in smart.trials):
+            assert smart._try_whole_blocks()
         assert not smart._try_whole_blocks(), "the same plan is not tried twice"
         started.update(trial=smart.trials[-1], decisions=smart.decisions,
                        prediction=smart.prediction, recompute_ms=smart.recompute_ms)
@@ -163,6 +168,35 @@ def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exac
         (started["recompute_ms"] - sum(smart.block_fwd_ms[b] for b in kept)) * 1e6, abs=1)
     totals = smart.report()["profile_ms"]
     assert totals["forward"] > 0 and totals["backward"] > 0, totals
+
+
+def test_a_whole_block_plan_predicted_faster_is_tried_first_and_the_planners_only_if_worth_it():
+    target = halfway_target()
+    outcomes = []
+    for measured_faster in (True, False):
+        model = fresh()
+        smart = swap.apply(model, target=target, margin=0)
+        planned = smart._plan
+
+        def plan_with_cheap_recompute():
+            # Warm-up's step as if it had taken no time: the whole-block plan's prediction
+            # (that step less the kept blocks' forwards) beats the planner's.
+            smart.recompute_ms = 0.0
+            planned()
+        smart._plan = plan_with_cheap_recompute
+        train(model, 4)
+        assert smart.trials and smart.trials[0].whole_blocks, smart.report()
+        assert len(smart.trials) == 1 and smart.deferred is not None
+        # The whole-block trial measured: the planner's plan is tried only if predicted faster.
+        whole = smart.trials[0]
+        predicted = smart.deferred.prediction.step_ns / 1e6
+        step = predicted * (0.5 if measured_faster else 2.0)
+        whole.steps = [swap.search.Measurement(step, 0.0, step, 0, 0)]
+        smart.recompute_ms = 10 * predicted
+        smart._trial_done(whole)
+        outcomes.append((smart.phase, [t.whole_blocks for t in smart.trials]))
+        smart.remove()
+    assert outcomes == [("stable", [True]), ("search", [True, False])], outcomes
 
 
 def test_every_executor_path_keeps_the_step_exact():

@@ -7,7 +7,9 @@
 //! granules than a segment of its own: the request then covers the rest, as it would in one
 //! growing range (PyTorch's expandable segments). Like a new segment, the driver work is done
 //! outside the lock in planning mode; the segment is marked meanwhile so that nothing else
-//! grows, trims or releases it. `empty_cache` takes whole free chunks off segments' ends again.
+//! grows, trims or releases it. `empty_cache` takes whole free chunks off segments' ends again;
+//! the out-of-memory path does not (it releases idle segments, as PyTorch's allocator does,
+//! and a request can stitch those chunks instead).
 
 use super::blocks::{self, BlockId, Chunk, PoolKind, SegmentId, Tag, SHARED};
 use super::events::{self, SegmentEvent, SegmentEventKind};

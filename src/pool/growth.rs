@@ -308,7 +308,6 @@ impl Inner {
         for segment in self.map.idle_segments() {
             self.release_segment(device, segment)?;
         }
-        self.trim_segments(device);
         self.retry_zombies(device)
     }
 

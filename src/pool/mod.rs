@@ -654,7 +654,10 @@ impl Pool {
     /// Returns unused physical memory to the driver, after waiting for the streams that may
     /// still use it. Memory that queued work may touch is never released.
     pub fn empty_cache(&self) -> Result<()> {
-        lock(&self.inner).release_cached(&*self.device)
+        let mut inner = lock(&self.inner);
+        inner.release_cached(&*self.device)?;
+        inner.trim_segments(&*self.device);
+        Ok(())
     }
 
     /// Caps the physical memory this pool creates at `fraction` of the device's memory (the

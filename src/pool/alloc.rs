@@ -353,14 +353,6 @@ impl Inner {
                     }
                 }
             }
-            if let Some(ext) = self.find_extension(size, stream, tag) {
-                if attempt == 0 && self.plan_extension(ext) {
-                    return Ok(None);
-                }
-                if let Some(id) = self.extend(device, ext.bytes, size, stream, tag)? {
-                    return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
-                }
-            }
             let segment_size = sizes::large_segment(size, self.granularity)?;
             if attempt == 0
                 && tag == SHARED

@@ -147,12 +147,8 @@ pub struct Segment {
     pub pool: PoolKind,
     pub tag: Tag,
     pub first: BlockId,
-    /// Bytes reserved after the segment and not mapped, freed with it: guard-page mode's guard,
-    /// or the shared large pool's room to extend the segment into (see `growth.rs`).
-    pub headroom: usize,
-    /// Memory is being mapped at its end outside the pool's lock: neither grown again,
-    /// trimmed nor released until that is booked.
-    pub extending: bool,
+    /// Bytes reserved after the segment and never mapped (guard-page mode), freed with it.
+    pub guard: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -426,8 +422,7 @@ impl BlockMap {
             pool,
             tag,
             first: usize::MAX,
-            headroom: 0,
-            extending: false,
+            guard: 0,
         });
         let block = self.blocks.insert(Block {
             addr: va,
@@ -500,7 +495,7 @@ impl BlockMap {
             })
             .filter(|(_, s)| {
                 let b = &self.blocks[s.first];
-                b.state == BlockState::Free && b.next.is_none() && !s.extending
+                b.state == BlockState::Free && b.next.is_none()
             })
             .map(|(id, _)| id)
             .collect()
@@ -807,110 +802,6 @@ impl BlockMap {
         for b in free {
             self.link_free(b);
         }
-    }
-
-    /// Free blocks of `tag`'s large pool usable on `stream` that end their segment, as
-    /// (size, id): where new memory mapped after the segment would join a free block.
-    pub fn free_tails(
-        &self,
-        tag: Tag,
-        stream: Stream,
-    ) -> impl Iterator<Item = (usize, BlockId)> + '_ {
-        self.free
-            .iter()
-            .filter(move |(key, _)| serves(key, tag, PoolKind::Large, stream))
-            .flat_map(|(_, index)| index.entries())
-            .filter(|&(_, _, id)| self.blocks[id].next.is_none())
-            .map(|(size, _, id)| (size, id))
-    }
-
-    /// Appends `chunks` (offsets from the segment's start, right after its end) to segment
-    /// `segment`, taking their bytes from its headroom; they join its last block when that
-    /// block is free, else form a new free block with no owner. Returns the free block that
-    /// ends the segment.
-    pub fn extend_segment(&mut self, segment: SegmentId, chunks: Vec<Chunk>) -> BlockId {
-        let added: usize = chunks.iter().map(|c| c.len).sum();
-        let last = self.last_block(segment);
-        let joins = self.blocks[last].state == BlockState::Free;
-        if joins {
-            // Out of the free sets while sizes change: its split accounting follows them.
-            self.unlink_free(last);
-        }
-        let s = &mut self.segments[segment];
-        let end = s.va + s.size as u64;
-        debug_assert!(chunks.first().is_none_or(|c| c.offset == s.size));
-        debug_assert!(added <= s.headroom);
-        let mut all = std::mem::take(&mut s.chunks);
-        all.extend(chunks);
-        s.size += added;
-        s.headroom -= added;
-        s.set_chunks(all);
-        let tail = if joins {
-            self.blocks[last].size += added;
-            last
-        } else {
-            let tail = self.blocks.insert(Block {
-                addr: end,
-                size: added,
-                segment,
-                prev: Some(last),
-                next: None,
-                state: BlockState::Free,
-                owner: None,
-                parked: false,
-                free_slot: 0,
-                free_set: 0,
-            });
-            self.blocks[last].next = Some(tail);
-            tail
-        };
-        self.link_free(tail);
-        tail
-    }
-
-    /// Takes the whole chunks that lie inside the free last block of segment `segment` (not
-    /// its only block) off the segment's end, back into its headroom; returns them, to be
-    /// unmapped and released. None when there are none.
-    pub fn trim_segment(&mut self, segment: SegmentId) -> Option<Vec<Chunk>> {
-        let last = self.last_block(segment);
-        let b = &self.blocks[last];
-        if b.state != BlockState::Free || b.prev.is_none() {
-            return None;
-        }
-        let s = &self.segments[segment];
-        let (start, len) = s.whole_chunks(b.addr, b.size)?;
-        if start + len as u64 != s.va + s.size as u64 {
-            return None;
-        }
-        let cut = len;
-        self.unlink_free(last);
-        let s = &mut self.segments[segment];
-        let keep = s.chunks.len() - s.chunks_covering(start, len).len();
-        let mut all = std::mem::take(&mut s.chunks);
-        let trimmed = all.split_off(keep);
-        s.size -= cut;
-        s.headroom += cut;
-        s.set_chunks(all);
-        if self.blocks[last].size == cut {
-            let prev = self.blocks[last].prev;
-            self.blocks.remove(last);
-            if let Some(p) = prev {
-                self.blocks[p].next = None;
-            }
-        } else {
-            self.blocks[last].size -= cut;
-            self.link_free(last);
-        }
-        Some(trimmed)
-    }
-
-    /// The block that ends segment `segment`.
-    fn last_block(&self, segment: SegmentId) -> BlockId {
-        let mut id = self.segments[segment].first;
-        while let Some(next) = self.blocks[id].next {
-            id = next;
-        }
-        id
     }
 
     /// Number of free blocks (all pools and owners).

@@ -23,10 +23,6 @@ pub enum SegmentEventKind {
     Alloc,
     /// Released to the driver.
     Free,
-    /// Physical memory created and mapped at the end of an existing segment, which grows.
-    Map,
-    /// Physical memory at the end of a segment unmapped and released; the segment shrinks.
-    Unmap,
 }
 
 /// One segment created or released.
@@ -134,38 +130,6 @@ mod tests {
         assert_eq!(events[0].pool, Some((3, 4)));
         pool.free(q).expect("free");
         pool.release_private((3, 4)).expect("release");
-        pool.empty_cache().expect("empty_cache");
-        take();
-
-        // A segment grown at its end, then trimmed back: a map and an unmap after its end.
-        let first = pool
-            .malloc(5 * MIB + MIB / 2, Stream::DEFAULT)
-            .expect("malloc");
-        let second = pool
-            .malloc(4 * MIB + MIB / 4, Stream::DEFAULT)
-            .expect("malloc");
-        let grown = SegmentEvent {
-            kind: SegmentEventKind::Map,
-            device: 0,
-            address: first + 6 * MIB as u64,
-            size: 4 * MIB,
-            pool: None,
-        };
-        let events = take();
-        assert_eq!(events.len(), 2, "{events:?}");
-        assert_eq!(
-            (events[0].kind, events[0].size),
-            (SegmentEventKind::Alloc, 6 * MIB)
-        );
-        assert_eq!(events[1], grown);
-        pool.free(second).expect("free");
-        pool.empty_cache().expect("empty_cache");
-        let trimmed = SegmentEvent {
-            kind: SegmentEventKind::Unmap,
-            ..grown
-        };
-        assert_eq!(take(), vec![trimmed]);
-        pool.free(first).expect("free");
         set_recording(false);
         pool.empty_cache().expect("empty_cache");
         assert!(take().is_empty());

@@ -55,7 +55,7 @@ impl Inner {
         size: usize,
         tag: Tag,
     ) -> Result<Option<BlockId>> {
-        self.grow_guarded(device, pool, size, tag, self.headroom_for(pool, tag, size))
+        self.grow_guarded(device, pool, size, tag, 0)
     }
 
     /// A segment of its own for one allocation of `size` bytes (`rounded`, a multiple of the
@@ -216,7 +216,7 @@ impl Inner {
         self.forget_shared(removed.chunks());
         self.sync_split_stats();
         let zombie = Zombie {
-            reservation: Some((removed.va, removed.size + removed.headroom)),
+            reservation: Some((removed.va, removed.size + removed.guard)),
             ..Zombie::mapped(removed.va, removed.chunks())
         };
         self.bury(device, zombie);

@@ -5,9 +5,7 @@
 //! of exactly its size freed on the stream and kept whole (`parked`) -> best-fit free block of
 //! the stream (split if larger) -> a cached stitched block within `reuse_limit`
 //! -> stitch free blocks of the stream, creating only the missing bytes (defrag level 0) ->
-//! grow a segment that ends in a rest under `small_limit` into its headroom, when that needs
-//! fewer granules (`extend`) -> create new physical memory (whole granules; the rest of the
-//! last stays free) -> take back
+//! create new physical memory (whole granules; the rest of the last stays free) -> take back
 //! other streams' free memory and retry -> free cached memory and retry -> out of memory.
 //! Small requests (up to `small_limit`) come from 2 MiB segments and are never stitched.
 //!
@@ -25,8 +23,8 @@
 //! The engine is split by concern: `sizes` (size classes), `alloc` (the order of attempts),
 //! `parked` (the fast path: freed blocks kept for the next request of their size),
 //! `streams` (frees and stream-ordered reuse), `private` (graph pools and capture safety),
-//! `growth` (creating, mapping and releasing physical memory), `extend` (segments grown at
-//! their end), `unlocked` (new segments, extensions and stitches made outside the lock), `stitching` (the pool's side of stitching) and `inspect`
+//! `growth` (creating, mapping and releasing physical memory), `unlocked` (new segments and
+//! stitches made outside the lock), `stitching` (the pool's side of stitching) and `inspect`
 //! (pointer lookups, errors, snapshots, invariants), with the bookkeeping in [`blocks`] and its
 //! free-block indexes in `bins`, the memory cap in [`cap`], snapshots in [`snapshot`] and the
 //! record of segments created and released in [`events`].
@@ -39,7 +37,6 @@ pub mod snapshot;
 mod alloc;
 mod bins;
 mod dedup;
-mod extend;
 pub use dedup::ShareReport;
 mod growth;
 mod guard;
@@ -350,12 +347,6 @@ impl Pool {
                 inner.adopt(device, plan, made)?;
                 inner.malloc_in(device, size, stream, private)
             }
-            unlocked::Planned::Extend(plan) => {
-                let made = plan.make(device);
-                let mut inner = lock(&self.inner);
-                inner.adopt_extension(device, plan, made)?;
-                inner.malloc_in(device, size, stream, private)
-            }
             unlocked::Planned::Stitch(job) => {
                 let made = job.make(device);
                 let mut inner = lock(&self.inner);
@@ -654,10 +645,7 @@ impl Pool {
     /// Returns unused physical memory to the driver, after waiting for the streams that may
     /// still use it. Memory that queued work may touch is never released.
     pub fn empty_cache(&self) -> Result<()> {
-        let mut inner = lock(&self.inner);
-        inner.release_cached(&*self.device)?;
-        inner.trim_segments(&*self.device);
-        Ok(())
+        lock(&self.inner).release_cached(&*self.device)
     }
 
     /// Caps the physical memory this pool creates at `fraction` of the device's memory (the

@@ -425,8 +425,7 @@ mod tests {
         let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
         let pool = crate::Pool::new(device.clone(), crate::Config::default()).unwrap();
         let side = device.create_stream().unwrap();
-        // Whole granules: `b` gets a segment of its own rather than growing this one.
-        let a = pool.malloc(6 * MIB, Stream::DEFAULT).unwrap();
+        let a = pool.malloc(5 * MIB, Stream::DEFAULT).unwrap();
         pool.record_stream(a, side).unwrap();
         let b = pool.malloc(3 * MIB, Stream::DEFAULT).unwrap();
         pool.free(a).unwrap();

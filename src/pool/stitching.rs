@@ -79,9 +79,9 @@ impl StitchJob {
             },
             Err((err, zombie)) => {
                 leftovers.extend(zombie);
-                if let (Some((va, chunks)), Some(plan)) = (segment, &self.shortfall) {
+                if let Some((va, chunks)) = segment {
                     let mut undo = Zombie {
-                        reservation: Some(plan.reservation(va)),
+                        reservation: Some((va, chunks.iter().map(|c| c.len).sum())),
                         ..Zombie::mapped(va, &chunks)
                     };
                     if undo.finish(device).is_err() {
@@ -295,11 +295,12 @@ impl Inner {
                 reservation: Some((va, mapped)),
             };
             self.discard(device, stitched);
-            if let (Some((segment_va, chunks)), Some(plan)) = (&segment, &shortfall) {
+            if let Some((segment_va, chunks)) = &segment {
+                let size = chunks.iter().map(|c| c.len).sum();
                 self.discard(
                     device,
                     Zombie {
-                        reservation: Some(plan.reservation(*segment_va)),
+                        reservation: Some((*segment_va, size)),
                         ..Zombie::mapped(*segment_va, chunks)
                     },
                 );
@@ -316,7 +317,7 @@ impl Inner {
                 chunks,
                 PoolKind::Large,
                 SHARED,
-                plan.headroom(),
+                0,
             );
             self.map.take_front(id, shortfall_bytes, stream);
             ids.push(id);

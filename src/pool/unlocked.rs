@@ -21,8 +21,6 @@ pub(super) enum Planned {
     Segment(GrowthPlan),
     /// A stitch whose pieces are taken, to be mapped and registered.
     Stitch(super::stitching::StitchJob),
-    /// New memory to map at a segment's end, to allocate from once it is booked.
-    Extend(super::extend::ExtendPlan),
 }
 
 /// A segment to make outside the lock.
@@ -31,8 +29,6 @@ pub(super) struct GrowthPlan {
     pool: PoolKind,
     tag: Tag,
     size: usize,
-    /// Address space reserved after the segment (see `extend.rs`).
-    headroom: usize,
     chunk_sizes: Vec<usize>,
     access: Vec<i32>,
     granularity: usize,
@@ -61,7 +57,6 @@ impl GrowthPlan {
             pool,
             tag,
             size,
-            headroom: inner.headroom_for(pool, tag, size),
             chunk_sizes: inner.segment_chunks(size, tag),
             access: inner.access.clone(),
             granularity: inner.granularity,
@@ -70,15 +65,6 @@ impl GrowthPlan {
 
     pub(super) fn size(&self) -> usize {
         self.size
-    }
-
-    pub(super) fn headroom(&self) -> usize {
-        self.headroom
-    }
-
-    /// The whole range a segment made by this plan at `va` reserves.
-    pub(super) fn reservation(&self, va: DevicePtr) -> (DevicePtr, usize) {
-        (va, self.size + self.headroom)
     }
 
     /// Creates the chunks and maps them at a new range, without the pool's lock.
@@ -95,13 +81,7 @@ impl GrowthPlan {
             }
         };
         let layout = blocks::handle_layout(&chunks);
-        let result = match map_range(
-            device,
-            &layout,
-            self.headroom,
-            self.granularity,
-            &self.access,
-        ) {
+        let result = match map_range(device, &layout, 0, self.granularity, &self.access) {
             Ok(va) => Ok(Some((va, chunks))),
             Err((err, zombie)) => {
                 leftovers.extend(zombie);
@@ -182,21 +162,13 @@ impl Inner {
             // A peer was granted access meanwhile: the allocation makes its memory again under
             // the lock rather than book memory with the wrong access.
             let zombie = Zombie {
-                reservation: Some(plan.reservation(va)),
+                reservation: Some((va, plan.size)),
                 ..Zombie::mapped(va, &chunks)
             };
             self.discard(device, zombie);
             return Ok(());
         }
-        self.add_new_segment(
-            device,
-            va,
-            plan.size,
-            chunks,
-            plan.pool,
-            plan.tag,
-            plan.headroom,
-        );
+        self.add_new_segment(device, va, plan.size, chunks, plan.pool, plan.tag, 0);
         Ok(())
     }
 
@@ -211,8 +183,8 @@ impl Inner {
         }
     }
 
-    /// Puts a segment just made on the books (with `headroom` bytes reserved after it), with
-    /// its statistics and event; returns its free block.
+    /// Puts a segment just made on the books, with its statistics and event; returns its
+    /// free block.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add_new_segment(
         &mut self,
@@ -222,11 +194,11 @@ impl Inner {
         chunks: Vec<Chunk>,
         pool: PoolKind,
         tag: Tag,
-        headroom: usize,
+        guard: usize,
     ) -> blocks::BlockId {
         let count = chunks.len() as i64;
         let (segment, block) = self.map.add_segment(va, size, chunks, pool, tag);
-        self.map.segments[segment].headroom = headroom;
+        self.map.segments[segment].guard = guard;
         events::record(|| SegmentEvent {
             kind: SegmentEventKind::Alloc,
             device: device.ordinal(),

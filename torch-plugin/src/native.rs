@@ -33,8 +33,6 @@ pub const GMLAKE_N_BLOCK_FREE: i32 = 3;
 
 pub const GMLAKE_N_SEGMENT_ALLOC: i32 = 0;
 pub const GMLAKE_N_SEGMENT_FREE: i32 = 1;
-pub const GMLAKE_N_SEGMENT_MAP: i32 = 2;
-pub const GMLAKE_N_SEGMENT_UNMAP: i32 = 3;
 
 /// A private pool's id; {0, 0} is no pool.
 pub type gmlake_n_pool_id = MempoolId;
@@ -554,8 +552,6 @@ fn event_of(event: &SegmentEvent) -> gmlake_n_event {
         kind: match event.kind {
             SegmentEventKind::Alloc => GMLAKE_N_SEGMENT_ALLOC,
             SegmentEventKind::Free => GMLAKE_N_SEGMENT_FREE,
-            SegmentEventKind::Map => GMLAKE_N_SEGMENT_MAP,
-            SegmentEventKind::Unmap => GMLAKE_N_SEGMENT_UNMAP,
         },
         device: event.device,
         address: event.address,

@@ -1061,20 +1061,8 @@ class GlakeAllocator final : public CUDAAllocator {
     });
     TORCH_CHECK(!events.failed, "glake: out of host memory recording segment events");
     for (const auto& e : events.items) {
-      TraceEntry::Action action = TraceEntry::SEGMENT_ALLOC;
-      switch (e.kind) {
-        case GMLAKE_N_SEGMENT_FREE:
-          action = TraceEntry::SEGMENT_FREE;
-          break;
-        case GMLAKE_N_SEGMENT_MAP:
-          action = TraceEntry::SEGMENT_MAP;
-          break;
-        case GMLAKE_N_SEGMENT_UNMAP:
-          action = TraceEntry::SEGMENT_UNMAP;
-          break;
-        default:
-          break;
-      }
+      auto action =
+          e.kind == GMLAKE_N_SEGMENT_ALLOC ? TraceEntry::SEGMENT_ALLOC : TraceEntry::SEGMENT_FREE;
       record(action, static_cast<c10::DeviceIndex>(e.device), e.address, e.size, nullptr,
              from_c(e.pool), context);
     }

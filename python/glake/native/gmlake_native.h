@@ -29,8 +29,6 @@ extern "C" {
 /* Segment events. */
 #define GMLAKE_N_SEGMENT_ALLOC 0 /* physical memory created and mapped */
 #define GMLAKE_N_SEGMENT_FREE 1  /* released to the driver */
-#define GMLAKE_N_SEGMENT_MAP 2   /* memory mapped at a segment's end: the segment grows */
-#define GMLAKE_N_SEGMENT_UNMAP 3 /* memory at a segment's end released: the segment shrinks */
 
 typedef struct gmlake_n_pool_id {
   uint64_t first;

@@ -25,7 +25,7 @@ ACTIONS = (
     "free_completed",
     "segment_alloc",
     "segment_free",
-    # Segments that grow or shrink at their end (expandable segments; glake's grown segments).
+    # Segments that grow or shrink at their end (PyTorch's expandable segments).
     "segment_map",
     "segment_unmap",
 )

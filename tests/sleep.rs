@@ -73,6 +73,21 @@ fn sleep_gives_memory_back_and_wake_restores_bytes_at_the_same_addresses() {
     assert!(!info.asleep);
     assert!(info.allocated_bytes >= sizes.iter().sum::<usize>());
     let created = host.created_bytes();
+    // A region's segments are one physical handle each, before and after a wake: sleep and
+    // wake cost the driver per handle.
+    let one_handle_each = |pool: &Pool| {
+        let snap = pool.snapshot();
+        let mine: Vec<_> = snap
+            .segments
+            .iter()
+            .filter(|s| {
+                let end = s.address + s.total_size as u64;
+                weights.iter().any(|&(p, _)| p >= s.address && p < end)
+            })
+            .collect();
+        !mine.is_empty() && mine.iter().all(|s| s.chunk_sizes.len() == 1)
+    };
+    assert!(one_handle_each(&pool));
 
     for cycle in 0..100 {
         pool.sleep("weights", SleepMode::Keep).expect("sleep");
@@ -92,6 +107,9 @@ fn sleep_gives_memory_back_and_wake_restores_bytes_at_the_same_addresses() {
         pool.wake("weights").expect("wake");
         check(&pool);
         assert!(intact(&device, &weights, 1), "cycle {cycle}: bytes differ");
+        if cycle == 0 {
+            assert!(one_handle_each(&pool), "woken segments are one handle each");
+        }
         // All but the hole's cached segment, which sleep gave back for good.
         assert_eq!(
             pool.stats().reserved_bytes.all.current,

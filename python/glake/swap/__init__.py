@@ -485,12 +485,15 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         first spares the search a step that may not fit."""
         per_op = self.trials[-1] if self.trials else None
         whole = self._whole_block_plan()
-        if per_op is None or whole is None or whole[2].step_ns >= per_op.prediction.step_ns:
+        if per_op is None or whole is None:
+            return
+        kept, choices, prediction = whole
+        if prediction.step_ns >= per_op.prediction.step_ns:
             return
         log.info("glake.swap: the whole-block plan is predicted faster (%.1f ms against "
-                 "%.1f): tried first", whole[2].step_ns / 1e6, per_op.prediction.step_ns / 1e6)
+                 "%.1f): tried first", prediction.step_ns / 1e6, per_op.prediction.step_ns / 1e6)
         self.deferred = per_op
-        self._start_whole_blocks(*whole, replace=True)
+        self._start_whole_blocks(kept, choices, prediction, replace=True)
 
     def _resume_deferred(self):
         """Tries the planner's deferred plan (planned again: the goal or the bandwidth may

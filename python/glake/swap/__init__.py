@@ -10,8 +10,8 @@ planner decides from a profiled step.
 or `glake.torch.enable(swap={"target": 0.6})` (the first model run with gradients is planned),
 or GLAKE_SWAP_TARGET=0.6 in the environment of a program that calls glake.torch.enable().
 
-Phases, as in SmartSwap: warm-up (two steps with every block recomputed by PyTorch's own
-checkpoint, the second timed, then one profiled: each op's device time from events and output
+Phases, as in SmartSwap: warm-up (four steps with every block recomputed by PyTorch's own
+checkpoint, all but the first timed, then one profiled: each op's device time from events and output
 bytes, each block's forward and backward time, memory at the block boundaries), search
 (glake_swap_plan picks keep, swap or recompute for each heavy op output (matmuls, attention)
 and for each block's cheap outputs, to meet the target at the best predicted step; each plan
@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -47,8 +48,11 @@ from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
 _STABLE_EVERY = 20  # stable steps between two measured ones (measuring waits for the GPU)
-_WARMUP_STEPS = 2  # before the profiled step: first steps pay one-time costs (optimizer
-# states, library handles, the allocator's first growth) that would inflate the profile
+_WARMUP_STEPS = 4  # before the profiled step: the first pays one-time costs (optimizer
+# states, library handles, the allocator's first growth) that would inflate the profile; the
+# others are measured as full recomputation (their median: one step of a model paced by the
+# host, a MoE's routing, strayed 240-455 ms from the next steps' 270-310)
+_WARMUP_UNMEASURED = 1
 _MAX_CORRECTIONS = 3  # re-plans a search may ask for before it keeps the plan it has
 _PROFILE_MISS = 0.25  # a first plan measured this far off its prediction is profiled again
 _MAX_TRIALS = 3  # plans a search tries (each corrected by the last one's measured waits)
@@ -180,9 +184,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.trials = []            # search.Trial per plan tried in this search
         self.deferred = None        # the planner's trial, waiting on a faster-predicted one
         self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
-        self.recompute_ms = None    # measured step with every block recomputed (warm-up)
-        self.block_fwd_ms = None    # each block's forward in that step (what its recompute costs)
-        self._block_timers = {}     # block -> Timer of its forward in that step
+        self.recompute_ms = None    # step with every block recomputed (median of warm-up's)
+        self.block_fwd_ms = None    # each block's forward there (what its recompute costs)
+        self._warm_steps = []       # warm-up's measured steps, ms
+        self._block_timers = {}     # block -> [Timer] of its forwards in those steps
         self.warm_peak = None       # peak allocated bytes over warm-up (CUDA)
         self.resident_states = []   # step mode: blocks whose states stay on the device
         self.reprofiled = False     # profiled again since the last warm-up
@@ -229,7 +234,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         now = self._event()
         if self.step_start is not None and (
                 self.phase == "search"
-                or (self.phase == "warmup" and self.iteration == _WARMUP_STEPS)
+                or (self.phase == "warmup" and self._warm_measured(self.iteration))
                 or (self.phase == "stable" and self.iteration % _STABLE_EVERY == 0)):
             self._measure(now)
         if self.phase == "profile" and self.marks is not None:
@@ -250,6 +255,11 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if self.cuda and self.phase in ("search", "stable", "profile"):
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    @staticmethod
+    def _warm_measured(step):
+        """Whether warm-up's step number `step` (from 1) is measured as full recomputation."""
+        return _WARMUP_UNMEASURED < step <= _WARMUP_STEPS
+
     def _reprofile(self):
         """Back to the profiled step (from the next step on), once per warm-up: the profile
         was taken while something else held the device or the link."""
@@ -266,7 +276,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.measured, self.correction, self.corrections = [], 0, 0
         self.trials, self.recompute_ms, self.chosen = [], None, None
         self.deferred = None
-        self.block_fwd_ms, self._block_timers = None, {}
+        self.block_fwd_ms, self._block_timers, self._warm_steps = None, {}, []
         self.swapper.forget()
         self._stop_moving_states()
 
@@ -306,8 +316,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             decisions = {}
         elif self.decisions is not None and b in self.decisions:
             decisions = self.decisions[b]
-        timer = (Timer(self.cuda) if self.phase == "warmup" and self.iteration == _WARMUP_STEPS
-                 else None)
+        timer = (Timer(self.cuda) if self.phase == "warmup"
+                 and self._warm_measured(self.iteration) else None)
         if decisions is None:
             out = original(*args, **kwargs)
         elif not decisions and not profiling:
@@ -329,7 +339,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                              **kwargs)
         if timer is not None:
             timer.stop()
-            self._block_timers[b] = timer
+            self._block_timers.setdefault(b, []).append(timer)
         if profiling:
             self.marks.fwd[b] = (start, self._event())
             self.marks.issue_ms = (time.perf_counter() - issued) * 1e3
@@ -366,7 +376,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             torch.cuda.synchronize(self.device)
         timers, self._block_timers = self._block_timers, {}
         if len(timers) == len(self.blocks):
-            self.block_fwd_ms = [timers[b].ns() / 1e6 for b in range(len(timers))]
+            self.block_fwd_ms = [statistics.median(t.ns() / 1e6 for t in timers[b])
+                                 for b in range(len(timers))]
         self.profile, self.meaning = self._build_profile()
         self.marks = None
         self.target_bytes = self._resolve_target()
@@ -629,7 +640,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                         cpu_ms, torch.cuda.max_memory_reserved(self.device),
                         torch.cuda.max_memory_allocated(self.device))
         if self.phase == "warmup":
-            self.recompute_ms = m.step_ms
+            self._warm_steps.append(m.step_ms)
+            self.recompute_ms = statistics.median(self._warm_steps)
             return
         if self.phase == "stable":
             self.measured.append(m)
@@ -709,9 +721,15 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             self._adopt(choices, 1.0)
             self.decisions = {b: {} for b in range(len(self.blocks))}
             s = self.settings
-            self.prediction = (self._with_states_kept(choices, 1.0) if self.resident_states
-                               else planner.simulate(self.profile, choices, *self.bandwidth,
-                                                     s.prefetch + 1))
+            simulated = (self._with_states_kept(choices, 1.0) if self.resident_states
+                         else planner.simulate(self.profile, choices, *self.bandwidth,
+                                               s.prefetch + 1))
+            # Its step as whole-block plans predict theirs (none kept here): warm-up's measured
+            # one. The profile's op times, taken under the recording modes, can be far off it
+            # where the host paces the step.
+            self.prediction = (simulated if self.recompute_ms is None else
+                               dataclasses.replace(simulated,
+                                                   step_ns=int(self.recompute_ms * 1e6)))
             self.history.append(dict(self._summary(), chosen="recompute"))
             log.info("glake.swap: stable; recomputing every block (%.1f ms measured) beats "
                      "every plan tried", self.recompute_ms)

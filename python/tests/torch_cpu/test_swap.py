@@ -16,6 +16,7 @@ from glake.swap import planner  # noqa: E402
 from glake.swap.executor import KEEP, SWAP  # noqa: E402
 
 D, HEADS, LAYERS, VOCAB = 64, 4, 4, 97
+FIRST_PLANNED = swap._WARMUP_STEPS + 2  # warm-up, the profiled step, then the plan's first
 
 
 class Block(torch.nn.Module):
@@ -100,7 +101,7 @@ def halfway_target():
     first, nothing could)."""
     probe = fresh()
     first = swap.apply(probe)
-    train(probe, 4)
+    train(probe, FIRST_PLANNED)
     baseline = first.prediction.baseline_peak_bytes
     assert first.report()["plan"]["counts"]["keep"] > 0 and not first.decisions
     full = swap.planner.simulate(first.profile, first._full_recompute_choices(), 1e10, 1e10,
@@ -128,7 +129,8 @@ def test_planned_run_is_bit_identical_and_moves_bytes():
     assert plan["swapped_bytes"] + plan["recomputed_bytes"] > 0, report
     assert plan["predicted_peak_bytes"] <= target, report
     if DEVICE == "cpu":  # no measured feedback on the CPU: the first plan runs to the end
-        assert smart.swapper.bytes_out == plan["swapped_bytes"] * 5, report  # steps 4 to 8
+        # every step from the first planned one to the 8th
+        assert smart.swapper.bytes_out == plan["swapped_bytes"] * (9 - FIRST_PLANNED), report
 
 
 def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exactly():
@@ -147,7 +149,7 @@ def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exac
         # started is kept here).
         if DEVICE == "cuda":
             torch.cuda.synchronize()  # the forwards' timing events are done
-        smart.recompute_ms = 2 * sum(smart._block_timers[b].ns() / 1e6
+        smart.recompute_ms = 2 * sum(smart._block_timers[b][-1].ns() / 1e6
                                      for b in range(LAYERS))
         planned()
         if not any(t.whole_blocks for t in smart.trials):
@@ -170,6 +172,41 @@ def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exac
     assert totals["forward"] > 0 and totals["backward"] > 0, totals
 
 
+def test_full_recomputation_is_timed_over_every_warmup_step_but_the_first():
+    model = fresh()
+    smart = swap.apply(model, target=halfway_target(), margin=0)
+    planned = smart._plan
+    seen = {}
+
+    def plan_and_look():
+        seen.update(timers={b: len(t) for b, t in smart._block_timers.items()},
+                    steps=list(smart._warm_steps))
+        planned()
+    smart._plan = plan_and_look
+    train(model, FIRST_PLANNED)
+    measured = swap._WARMUP_STEPS - swap._WARMUP_UNMEASURED
+    assert measured >= 3
+    # Each block's forward is timed in each measured step, and its recompute cost is their median.
+    assert seen["timers"] == {b: measured for b in range(LAYERS)}, seen
+    assert len(smart.block_fwd_ms) == LAYERS and all(ms > 0 for ms in smart.block_fwd_ms)
+    if DEVICE == "cuda":  # steps are timed by events on the device only
+        assert len(seen["steps"]) == measured, seen
+        assert smart.recompute_ms == sorted(seen["steps"])[measured // 2]
+    else:
+        assert seen["steps"] == [] and smart.recompute_ms is None
+    # Kept when it measured faster than every trial: predicted as measured, peak as simulated.
+    for trial in smart.trials:
+        trial.steps = [swap.search.Measurement(1e3, 0.0, 1e3, 0, 0)]
+    smart.recompute_ms = 123.0
+    smart._finish_search()
+    assert smart.chosen is None and smart.history[-1]["chosen"] == "recompute"
+    assert smart.prediction.step_ns == 123_000_000
+    full = swap.planner.simulate(smart.profile, smart._full_recompute_choices(),
+                                 *smart.bandwidth, smart.settings.prefetch + 1)
+    assert smart.prediction.peak_bytes == full.peak_bytes
+    smart.remove()
+
+
 def test_a_whole_block_plan_predicted_faster_is_tried_first_and_the_planners_only_if_worth_it():
     target = halfway_target()
     outcomes = []
@@ -184,7 +221,7 @@ def test_a_whole_block_plan_predicted_faster_is_tried_first_and_the_planners_onl
             smart.recompute_ms = 0.0
             planned()
         smart._plan = plan_with_cheap_recompute
-        train(model, 4)
+        train(model, FIRST_PLANNED)
         assert smart.trials and smart.trials[0].whole_blocks, smart.report()
         assert len(smart.trials) == 1 and smart.deferred is not None
         # The whole-block trial measured: the planner's plan is tried only if predicted faster.
@@ -200,11 +237,11 @@ def test_a_whole_block_plan_predicted_faster_is_tried_first_and_the_planners_onl
 
 
 def test_every_executor_path_keeps_the_step_exact():
-    reference = train(fresh(), 6)
+    reference = train(fresh(), FIRST_PLANNED + 2)
     model = fresh()
     smart = swap.apply(model)
-    base = train(model, 4)  # warm-up, profile, and a step of the (empty) plan
-    assert base[0] == reference[0][:4]
+    base = train(model, FIRST_PLANNED)  # warm-up, profile, and a step of the (empty) plan
+    assert base[0] == reference[0][:FIRST_PLANNED]
     records = smart.expected
     assert set(records) == set(range(LAYERS))
     heavy = [i for i, f in enumerate(records[0])
@@ -216,17 +253,17 @@ def test_every_executor_path_keeps_the_step_exact():
     smart2 = swap.apply(model2)
     smart2.phase, smart2.expected = "stable", records
     smart2.decisions = {0: {i: SWAP for i in heavy}, 1: {i: KEEP for i in heavy}, 2: {}}
-    same(train(model2, 6), reference)
+    same(train(model2, FIRST_PLANNED + 2), reference)
     assert smart2.swapper.bytes_out > 0 and smart2.swapper.bytes_in == smart2.swapper.bytes_out
 
 
 def test_new_shapes_go_back_to_warmup_and_stay_exact(caplog):
-    shapes = ((2, 16),) * 4 + ((3, 8),) * 4
-    reference = train(fresh(), 8, shapes=shapes)
+    shapes = ((2, 16),) * FIRST_PLANNED + ((3, 8),) * FIRST_PLANNED
+    reference = train(fresh(), len(shapes), shapes=shapes)
     model = fresh()
     smart = swap.apply(model, target=1)
     with caplog.at_level("WARNING", logger="glake.swap"):
-        same(train(model, 8, shapes=shapes), reference)
+        same(train(model, len(shapes), shapes=shapes), reference)
     assert "back to warm-up" in caplog.text
     assert smart.report()["plan"] is not None
 

@@ -136,6 +136,9 @@ def child(args):
         glake.torch.enable()
     if method == "glake":
         import glake.swap
+    if args.logs:
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -243,7 +246,13 @@ def child(args):
             if smart is not None:  # where SmartSwap was when the step ran out
                 report = smart.report()
                 row.update(phase=report["phase"], iteration=report["iteration"],
-                           plan=report["plan"], trials=report["trials"])
+                           plan=report["plan"], trials=report["trials"],
+                           # still held by the failed step's frames (the exception's)
+                           allocated_at_oom=torch.cuda.memory_allocated(),
+                           state_bytes_on_device=sum(
+                               t.untyped_storage().nbytes()
+                               for g in smart.states.groups.values() for t in g),
+                           state_blocks_out=sorted(smart.states.out))
             opt.zero_grad(set_to_none=True)
         finally:
             if smart is not None:
@@ -301,8 +310,14 @@ def spawn(method, name, args, reference_peak=0):
            "--reference-peak", str(reference_peak), "--loss-steps", str(args.loss_steps)]
     if args.trace_dir:
         cmd += ["--trace-dir", args.trace_dir]
+    if args.logs:
+        cmd += ["--logs", args.logs]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if args.logs:
+        pathlib.Path(args.logs).mkdir(parents=True, exist_ok=True)
+        log = pathlib.Path(args.logs) / f"{name}-{method.replace('@', '-on-')}.log"
+        log.write_text(proc.stderr)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0:
         print(f"{method} on {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}",
@@ -416,6 +431,8 @@ def main():
     p.add_argument("--from-jsonl")
     p.add_argument("--trace-dir", help="write each capped run's last measured step's "
                    "profile (tables by device and host time) here")
+    p.add_argument("--logs", help="keep each method's log (SmartSwap's phases, plans and "
+                   "trials at INFO) in this folder")
     p.add_argument("--child-method")
     p.add_argument("--child-model")
     p.add_argument("--reference-peak", type=int, default=0)

@@ -164,6 +164,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.optimizer = None       # the optimizer stepping the blocks' parameters, once seen
         self.state_release = {}     # block -> block before whose forward its states are freed
         self._splitting = False     # inside the block-by-block optimizer step
+        self.in_optimizer_step = False  # between the optimizer's pre- and post-step hooks
         self._unwrap_optimizer = None
         self._hook_optimizers(optimizer)
         self.phase = "warmup"
@@ -421,7 +422,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             if meaning is not None and meaning[0] == "state" and action == planner.SWAP:
                 b = meaning[1]
                 groups[b] = state_tensors(self.optimizer, self.blocks[b].parameters())
-        self.states.plan(self._keep_states_that_fit(groups))
+        # Adopted before a step's first block: what the plan moves leaves during that step,
+        # unless the forward runs inside the optimizer step (a closure), which needs them.
+        self.states.plan(self._keep_states_that_fit(groups),
+                         leave_now=not self.in_optimizer_step)
         if self.resident_states:
             self.prediction = self._with_states_kept(choices, bandwidth_scale)
         self.swapper.release_at, self.state_release = self._release_schedule(

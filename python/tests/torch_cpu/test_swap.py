@@ -456,6 +456,48 @@ def train_step(model, opt, ids, seen=None):
     return loss.item()
 
 
+def test_states_a_plan_moves_leave_in_its_first_step_after_another_plan_brought_them_back():
+    """Under the "memory" preference the search adopts two plans before one step when the
+    whole-block plan is predicted faster than the planner's: states the planner's plan kept
+    (brought back from warm-up) leave again in that step's forward, where the whole-block plan
+    counts them out, and the step stays exact."""
+
+    def run(target=None, whole_first=False, seen=None):
+        model = fresh()
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        smart = swap.apply(model, optimizer=opt, target=target, preference="memory",
+                           margin=0, states_in_step=False)
+        if whole_first:
+            planned = smart._plan
+
+            def plan():
+                smart.recompute_ms = 0.0  # the whole-block plan predicted faster
+                planned()
+            smart._plan = plan
+        if seen is not None:  # after the last block's forward: the blocks with states on
+            model.layers[-1].register_forward_hook(lambda m, a, o: seen.append(
+                (smart.phase, blocks_with_states_on_device(opt, model))))
+        losses = [train_step(model, opt, torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+                  for _ in range(FIRST_PLANNED + 1)]
+        return smart, losses
+
+    torch.manual_seed(2)
+    probe, reference = run()
+    baseline = probe.prediction.baseline_peak_bytes
+    probe.remove()
+    seen = []
+    torch.manual_seed(2)
+    smart, losses = run(int(0.9 * baseline), whole_first=True, seen=seen)
+    assert losses == reference
+    assert smart.trials[0].whole_blocks and smart.deferred is not None, smart.report()
+    moved = set(smart.states.groups)
+    assert moved, smart.report()
+    phase, on_device = seen[FIRST_PLANNED - 1]
+    assert phase == "search" and not moved & set(on_device), (moved, seen)
+    smart.remove()
+
+
 def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stays_exact():
     """Step mode (parameters, gradients and states do not fit the target together): AdamW's
     states of every block stay off the device through forward and backward, come back one

@@ -43,7 +43,7 @@ from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
-                     stable_drift, worth_trying)
+                     recompute_step_ms, stable_drift, worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -187,7 +187,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
         self.recompute_ms = None    # step with every block recomputed (median of warm-up's)
         self.block_fwd_ms = None    # each block's forward there (what its recompute costs)
-        self._warm_steps = []       # warm-up's measured steps, ms
+        self._warm_steps = []       # warm-up's measured steps: (ms, whether the pool grew)
+        self._pool_mark = None      # the pool's growth count when the step began (CUDA)
         self._block_timers = {}     # block -> [Timer] of its forwards in those steps
         self.warm_peak = None       # peak allocated bytes over warm-up (CUDA)
         self.resident_states = []   # step mode: blocks whose states stay on the device
@@ -248,6 +249,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 self.warm_peak = torch.cuda.max_memory_allocated(self.device)
         elif self.phase == "warmup" and self.iteration == 0 and self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # warm-up's own peak, for states
+        if self.phase == "warmup" and self.cuda:
+            self._pool_mark = self._pool_growth()
         self.iteration += 1
         self.step_start, self.step_cpu = now, time.perf_counter()
         measured = self.phase == "search" or (self.phase == "stable"
@@ -635,6 +638,11 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "bandwidth_gbps": tuple(round(x * self.bandwidth_scale / 1e9, 1)
                                         for x in self.bandwidth)}
 
+    def _pool_growth(self):
+        """How often the allocator has mapped new memory (segments made, ranges stitched)."""
+        stats = torch.cuda.memory_stats(self.device)
+        return stats.get("num_device_alloc", 0) + stats.get("glake.stitches", 0)
+
     def _measure(self, now):
         """Takes the step that just ended: in warm-up, as the time of full recomputation; in
         search, as a measurement of the plan on trial; in stable, for the report."""
@@ -644,8 +652,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                         cpu_ms, torch.cuda.max_memory_reserved(self.device),
                         torch.cuda.max_memory_allocated(self.device))
         if self.phase == "warmup":
-            self._warm_steps.append(m.step_ms)
-            self.recompute_ms = statistics.median(self._warm_steps)
+            grew = self._pool_mark is not None and self._pool_growth() != self._pool_mark
+            self._warm_steps.append((m.step_ms, grew))
+            self.recompute_ms = recompute_step_ms(self._warm_steps)
             return
         if self.phase == "stable":
             self.measured.append(m)
@@ -754,6 +763,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "plan": self.history[-1] if self.history else None,
                 "trials": [t.describe() for t in self.trials],
                 "recompute_ms": self.recompute_ms,
+                "warmup_steps": list(self._warm_steps),
                 "measured": [vars(m) for m in self.measured],
                 "resident_state_blocks": len(self.resident_states),
                 "profile_ms": self._profile_totals(),

@@ -93,6 +93,15 @@ def fastest(trials, recompute_ms):
     return best
 
 
+def recompute_step_ms(steps):
+    """Full recomputation's step from warm-up's measured `steps` ((ms, whether the pool grew
+    in it)): the median of those in which the pool did not grow, else of all. A step that grew
+    the pool paid driver calls the later steps do not (under a cap the pool stops growing); on
+    the MoE benchmark such warm-up steps ran up to 100 ms over the steps after them."""
+    steady = [ms for ms, grew in steps if not grew]
+    return statistics.median(steady or [ms for ms, _ in steps])
+
+
 def worth_trying(trial, trials, recompute_ms):
     """Whether a plan not yet tried is worth a trial: its predicted step is shorter than every
     measured one (each trial's, and full recomputation's at `recompute_ms`)."""

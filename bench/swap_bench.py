@@ -236,6 +236,7 @@ def child(args):
                 plan = report["plan"] or {}
                 row.update(phase=report["phase"], plan=plan, trials=report["trials"],
                            recompute_ms=report["recompute_ms"],
+                           warmup_steps=report["warmup_steps"],
                            profile_ms=report["profile_ms"],
                            warmup_forward_ms=report["warmup_forward_ms"],
                            resident_state_blocks=report["resident_state_blocks"],

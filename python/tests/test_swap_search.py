@@ -101,11 +101,3 @@ def test_a_plan_not_tried_is_worth_a_trial_only_when_predicted_faster_than_any_m
     assert not search.worth_trying(waiting, [trial([100])], 89.0), "recomputing ran faster"
     assert search.worth_trying(waiting, [trial([])], None), "unmeasured trials count for nothing"
 
-
-def test_full_recomputation_is_timed_by_the_warmup_steps_that_did_not_grow_the_pool():
-    # The steps that grew the pool (driver calls the later steps do not make) are left out...
-    assert search.recompute_step_ms([(450.0, True), (300.0, False), (310.0, False),
-                                     (305.0, False)]) == 305.0
-    assert search.recompute_step_ms([(450.0, True), (300.0, False)]) == 300.0
-    # ...unless every step grew it.
-    assert search.recompute_step_ms([(450.0, True), (300.0, True), (330.0, True)]) == 330.0

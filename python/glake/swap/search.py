@@ -36,6 +36,7 @@ class Trial:
     seen: int = 0
     steps: list = field(default_factory=list)
     whole_blocks: bool = False  # a plan of whole blocks kept or recomputed (blocks_to_keep)
+    recompute: bool = False  # every block recomputed: warm-up's measurement, measured again
 
     @property
     def step_ms(self):
@@ -51,6 +52,7 @@ class Trial:
                 "swapped_bytes": self.summary["swapped_bytes"],
                 "recomputed_bytes": self.summary["recomputed_bytes"],
                 "bandwidth_scale": self.bandwidth_scale, "whole_blocks": self.whole_blocks,
+                "recompute": self.recompute,
                 "measured_step_ms": self.step_ms, "measured_wait_ms": self.wait_ms,
                 "cpu_ms": (statistics.median(m.cpu_ms for m in self.steps)
                            if self.steps else None)}
@@ -91,15 +93,6 @@ def fastest(trials, recompute_ms):
     if recompute_ms is not None and recompute_ms < best.step_ms:
         return None
     return best
-
-
-def recompute_step_ms(steps):
-    """Full recomputation's step from warm-up's measured `steps` ((ms, whether the pool grew
-    in it)): the median of those in which the pool did not grow, else of all. A step that grew
-    the pool paid driver calls the later steps do not (under a cap the pool stops growing); on
-    the MoE benchmark such warm-up steps ran up to 100 ms over the steps after them."""
-    steady = [ms for ms, grew in steps if not grew]
-    return statistics.median(steady or [ms for ms, _ in steps])
 
 
 def worth_trying(trial, trials, recompute_ms):

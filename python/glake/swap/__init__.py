@@ -11,13 +11,14 @@ or `glake.torch.enable(swap={"target": 0.6})` (the first model run with gradient
 or GLAKE_SWAP_TARGET=0.6 in the environment of a program that calls glake.torch.enable().
 
 Phases, as in SmartSwap: warm-up (four steps with every block recomputed by PyTorch's own
-checkpoint, all but the first timed, then one profiled: each op's device time from events and output
-bytes, each block's forward and backward time, memory at the block boundaries), search
+checkpoint, all but the first timed, then one profiled: each op's device time from events and
+output bytes, each block's forward and backward time, memory at the block boundaries), search
 (glake_swap_plan picks keep, swap or recompute for each heavy op output (matmuls, attention)
 and for each block's cheap outputs, to meet the target at the best predicted step; each plan
 is tried for a few steps: a step over the goal plans again for less, copies slower than
 predicted plan again with the bandwidth they showed, and the fastest plan measured, or full
-recomputation if it was faster, is kept), stable (every 20th step is measured; one that
+recomputation if it was faster, is kept; full recomputation that warm-up found faster is
+measured again as a trial first), stable (every 20th step is measured; one that
 waits for copies longer than its plan's trial did plans again at the bandwidth it showed and
 searches from there). New input shapes send it back to warm-up, with a log line saying so.
 

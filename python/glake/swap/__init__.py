@@ -725,7 +725,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         """Keeps the fastest plan measured, or full recomputation when it ran faster. Warm-up
         measured that; when its measurement beats every plan measured, it is first measured
         again as a trial of its own, in the conditions the plans met (on the MoE benchmark,
-        full recomputation kept on warm-up's measurement ran 5-35% slower than it in stable, in
+        full recomputation kept on warm-up's measurement ran 5-38% slower than it in stable, in
         every case, and slower than the plan it had displaced in most)."""
         again = next((t for t in self.trials if t.recompute), None)
         best = fastest(self.trials, None if again is not None else self.recompute_ms)

@@ -51,8 +51,8 @@ log = logging.getLogger("glake.swap")
 _STABLE_EVERY = 20  # stable steps between two measured ones (measuring waits for the GPU)
 _WARMUP_STEPS = 4  # before the profiled step: the first pays one-time costs (optimizer
 # states, library handles, the allocator's first growth) that would inflate the profile; the
-# others are measured as full recomputation (their median: one step of a model paced by the
-# host, a MoE's routing, strayed 240-455 ms from the next steps' 270-310)
+# others are measured as full recomputation (their median: on the host-paced MoE benchmark
+# one such step read 238-455 ms where the steps after it ran 245-390)
 _WARMUP_UNMEASURED = 1
 _MAX_CORRECTIONS = 3  # re-plans a search may ask for before it keeps the plan it has
 _PROFILE_MISS = 0.25  # a first plan measured this far off its prediction is profiled again

@@ -30,8 +30,8 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, -relay/-1link suffixes,
-# method@allocator
+METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, glake-stepbwd,
+# -relay/-1link suffixes, method@allocator
 MODELS = {
     # name: (width, layers, heads, ffn, experts, batch, sequence)
     "dense-1b": (2048, 22, 16, 5632, 0, 8, 2048),
@@ -129,8 +129,11 @@ def child(args):
         if method.endswith(suffix):
             os.environ["GLAKE_SWAP_RELAY"] = relay
             method = method[: -len(suffix)]
-    preference = "memory" if method == "glake-memory" else "performance"
-    method = "glake" if method == "glake-memory" else method
+    # "glake-stepbwd": the "memory" preference with each block's part of the optimizer step
+    # run in the backward (SmartSwap's step_in_backward setting).
+    preference = "memory" if method in ("glake-memory", "glake-stepbwd") else "performance"
+    step_in_backward = method == "glake-stepbwd"
+    method = "glake" if method in ("glake-memory", "glake-stepbwd") else method
     if (allocator or ("glake" if method == "glake" else "native")) == "glake":
         import glake.torch
         glake.torch.enable()
@@ -221,7 +224,8 @@ def child(args):
             if method == "glake":
                 use(None)
                 smart = glake.swap.apply(model, optimizer=opt, target=limit,
-                                         preference=preference)
+                                         preference=preference,
+                                         step_in_backward=step_in_backward)
             else:
                 use(method if method == "checkpoint" else None)
             label = f"{name}-{spec.replace('@', '-on-')}-{cap}"
@@ -240,6 +244,7 @@ def child(args):
                            profile_ms=report["profile_ms"],
                            warmup_forward_ms=report["warmup_forward_ms"],
                            resident_state_blocks=report["resident_state_blocks"],
+                           step_in_backward=report["step_in_backward"],
                            predicted_step_ms=plan.get("predicted_step_ms"),
                            predicted_peak=plan.get("predicted_peak_bytes"))
         except torch.OutOfMemoryError as e:
@@ -287,7 +292,8 @@ def child(args):
                 model = build(name, torch)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 smart = (glake.swap.apply(model, optimizer=opt, target=limit,
-                                          preference=preference)
+                                          preference=preference,
+                                          step_in_backward=step_in_backward)
                          if planned else None)
                 try:
                     row[key] = run(0, args.loss_steps)[1]

@@ -59,7 +59,8 @@ _PROFILE_MISS = 0.25  # a first plan measured this far off its prediction is pro
 _MAX_TRIALS = 3  # plans a search tries (each corrected by the last one's measured waits)
 _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
         "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",
-        "margin": "GLAKE_SWAP_MARGIN", "states_in_step": "GLAKE_SWAP_STATES_IN_STEP"}
+        "margin": "GLAKE_SWAP_MARGIN", "states_in_step": "GLAKE_SWAP_STATES_IN_STEP",
+        "step_in_backward": "GLAKE_SWAP_STEP_IN_BACKWARD"}
 
 
 @dataclass
@@ -74,7 +75,13 @@ class Settings:
     cannot see (allocator rounding, the copy engine's buffers). `search_steps`: measured steps
     per plan tried in the search. `states_in_step` (the "memory" preference): optimizer states
     come back only in the block-by-block optimizer step, never all at once (None: when the
-    parameters, gradients and states would not fit the target together)."""
+    parameters, gradients and states would not fit the target together). `step_in_backward`
+    (the "memory" preference): each block's part of the optimizer step runs in the backward
+    as soon as the block's gradients are complete, its states brought back just for it and
+    its gradients freed after it, so the states' copies overlap the backward and the model's
+    gradients are never all on the device; it turns itself on after a first step showing that
+    nothing changes the gradients between backward and step (it cannot see code that only
+    reads them: gradients of the blocks are None after the backward)."""
     target: float = None
     preference: str = "performance"
     swap_bucket_size: int = 0
@@ -82,6 +89,7 @@ class Settings:
     margin: float = 0.05
     search_steps: int = 3
     states_in_step: bool = None
+    step_in_backward: bool = False
 
     @classmethod
     def from_env(cls, **overrides):
@@ -98,8 +106,9 @@ class Settings:
         for key in ("swap_bucket_size", "prefetch", "search_steps"):
             if key in values:
                 values[key] = int(values[key])
-        if values.get("states_in_step") is not None:
-            values["states_in_step"] = bool(values["states_in_step"])
+        for key in ("states_in_step", "step_in_backward"):
+            if values.get(key) is not None:
+                values[key] = bool(values[key])
         s = cls(**values)
         if s.preference not in planner.PREFERENCES:
             raise ValueError(f"preference must be one of {sorted(planner.PREFERENCES)}")
@@ -361,7 +370,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         """The backward of block `b` starts: bring back what the next blocks swapped out."""
         for ahead in range(b, max(-1, b - self.settings.prefetch - 1), -1):
             self.swapper.prefetch(ahead)
-            self.states.backward_prefetch(ahead)
+            self.states.backward_prefetch(ahead, self.backward_step == "on")
         if self.phase == "profile" and self.marks is not None:
             alloc, peak = self._memory()
             self.marks.bwd[b] = (self._event(), alloc, peak)
@@ -786,6 +795,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "warmup_steps": list(self._warm_steps),
                 "measured": [vars(m) for m in self.measured],
                 "resident_state_blocks": len(self.resident_states),
+                "step_in_backward": self.backward_step,
                 "profile_ms": self._profile_totals(),
                 "warmup_forward_ms": (sum(self.block_fwd_ms) if self.block_fwd_ms else None),
                 "swapped_out_bytes": self.swapper.bytes_out,

@@ -27,6 +27,9 @@ log = logging.getLogger("glake.swap")
 # Share of the room under the goal that states kept on the device may take: warm-up's peak is
 # one step's, and the next may allocate a little differently.
 _STATE_ROOM = 0.8
+# Blocks ahead whose states come back while a block's part of the step runs in the backward
+# (and blocks behind whose copies out may still be under way before their memory is freed).
+_STATES_AHEAD = 2
 
 
 def state_tensors(optimizer, params):
@@ -54,6 +57,7 @@ class StateSwapper:
         self.out = {}      # block -> (copy-out done event) while on the way out or out
         self.back = {}     # block -> copy-in ready event while coming back
         self.released = set()
+        self.lagging = []  # blocks copied out in the backward, memory not yet freed
         self.bytes_out = 0
         self.in_step = False  # states come back in the optimizer step, not in the backward
 
@@ -110,11 +114,13 @@ class StateSwapper:
             done.record(self.swapper.d2h)
         self.out[b] = done
 
-    def step_block(self, b, run, tensors, next_block=None):
+    def step_block(self, b, run, tensors, next_block=None, release_now=True):
         """Step mode: runs `run` (block `b`'s part of the optimizer step) with its states on
         the device, the next block's already coming back, then sends them out again and
         frees them in stream order. `tensors()` gives the block's states once the part has
-        run (the first step makes them)."""
+        run (the first step makes them). Without `release_now` (a part run in the backward,
+        whose stream must not stand still for the copy out) the memory is freed later, by
+        `release_finished`."""
         self.prefetch(b)
         if next_block is not None:
             self.prefetch(next_block)
@@ -129,7 +135,21 @@ class StateSwapper:
             return
         self.groups[b] = made
         self._copy_out(b)
-        self.release([b], timed=False)
+        if release_now:
+            self.release([b], timed=False)
+        else:
+            self.lagging.append(b)
+
+    def release_finished(self, lag):
+        """Frees the groups copied out by parts run in the backward whose copies are done, and
+        the older ones beyond the last `lag` even if not (the stream then waits for them):
+        the link keeps pace with the backward, so the wait is rare and memory stays bounded."""
+        pending = [b for b in self.lagging if b in self.out and b not in self.released]
+        for i, b in enumerate(pending):
+            done = self.out[b]
+            if done is None or done.query() or i < len(pending) - lag:
+                self.release([b], timed=False)
+        self.lagging = [b for b in pending if b not in self.released]
 
     def release(self, blocks, timed=True):
         """Frees the device memory of the groups of `blocks` on their way out, once the
@@ -171,9 +191,10 @@ class StateSwapper:
                    t.untyped_storage().nbytes() == 0 else t.untyped_storage().nbytes()
                    for t in tensors)
 
-    def backward_prefetch(self, block):
-        """The backward reached `block`: its states start coming back (not in step mode)."""
-        if not self.in_step:
+    def backward_prefetch(self, block, in_backward_step=False):
+        """The backward reached `block`: its states start coming back (in step mode only when
+        the block's part of the step runs in the backward)."""
+        if not self.in_step or in_backward_step:
             self.prefetch(block)
 
     def before_step(self, split=False):
@@ -200,6 +221,18 @@ class StateSwapper:
         self.groups = {}
 
 
+def _weakly_param(method, b):
+    """A gradient hook calling `method(b, param)` while its object lives (see _weakly)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(param):
+        bound = ref()
+        if bound is not None:
+            bound(b, param)
+
+    return call
+
+
 def _weakly(method):
     """A global hook calling `method` while its object lives: PyTorch's global optimizer
     hooks would otherwise keep a dropped SmartSwap, and its model, alive for good."""
@@ -221,7 +254,11 @@ class OptimizerStatesMixin:
     def _hook_optimizers(self, optimizer):
         """Under the "memory" preference, watches every optimizer step (PyTorch's global
         hooks) and adopts `optimizer` at once when given."""
-        self._optimizer_hooks = []
+        self._optimizer_hooks, self._gradient_hooks = [], []
+        self.backward_step = "off"  # "watching" the first step, then "on" or "off"
+        self._watched = {}  # id(param) -> (param, grad pointer, grad version, backwards)
+        self.stepped_in_backward = set()  # blocks whose part ran in this step's backward
+        self._grads_wanted, self._grads_left = {}, {}
         if self.settings.preference == "memory":
             self._optimizer_hooks = [
                 register_optimizer_step_pre_hook(_weakly(self._before_step)),
@@ -237,9 +274,9 @@ class OptimizerStatesMixin:
                     self.states.after_step()
 
     def _unhook_optimizers(self):
-        for hook in self._optimizer_hooks:
+        for hook in self._optimizer_hooks + self._gradient_hooks:
             hook.remove()
-        self._optimizer_hooks = []
+        self._optimizer_hooks, self._gradient_hooks = [], []
         if self._unwrap_optimizer is not None:
             self._unwrap_optimizer()
             self._unwrap_optimizer = None
@@ -253,6 +290,9 @@ class OptimizerStatesMixin:
         over 90% of the target left after the margin, so that holding them all at the step,
         as the backward's prefetch does, would not fit)."""
         setting = self.settings.states_in_step
+        if self.settings.step_in_backward and self._moves_states():
+            self.states.in_step = True  # each block's states come back for its part alone
+            return
         if setting is not None or not self._moves_states():
             self.states.in_step = bool(setting) and self._moves_states()
             return
@@ -302,7 +342,7 @@ class OptimizerStatesMixin:
         left under the goal (a share of it: the next step may allocate a little differently)."""
         peak, goal = self.warm_peak, self._goal()
         kept = []
-        if self.states.in_step and peak and goal and goal > peak:
+        if self.backward_step == "off" and self.states.in_step and peak and goal and goal > peak:
             room = (goal - peak) * _STATE_ROOM
             for b in sorted(groups):
                 size = self.states.full_bytes(groups[b])
@@ -325,54 +365,44 @@ class OptimizerStatesMixin:
         """Makes `optimizer` the one whose states are planned, and runs its step block by
         block from now on: one call per block's parameters (and one for the rest), so the
         step's temporaries (a foreach AdamW makes several of its parameters' size) are one
-        block's, not the model's. A step given a closure runs whole."""
+        block's, not the model's. A step given a closure runs whole. With the
+        `step_in_backward` setting, a block's part runs in the backward instead, once the
+        first step has shown that nothing touches the gradients between backward and step."""
         self.optimizer = optimizer
         self._decide_states_in_step()
         if self.states.in_step and not self.states.groups:
             self._stop_moving_states()  # states made before (it has stepped already) move
-        parts = [{id(p) for p in block.parameters()} for block in self.blocks]
-        in_blocks = set().union(*parts)
+        self._block_params = [{id(p) for p in block.parameters()} for block in self.blocks]
+        in_blocks = set().union(*self._block_params)
         whole = optimizer.step
         whole_state_dict = optimizer.state_dict
+        self._whole_step = whole
 
         def step(closure=None):
             if closure is not None or not self.enabled:
                 return whole(closure)
             groups = optimizer.param_groups
             rest = {id(p) for g in groups for p in g["params"]} - in_blocks
+            self._check_gradients_untouched()
             self._before_step(optimizer, (), {}, split=True)
             self._splitting = True
-
-            def run_part(ids):
-                pairs = [(g, dict(g, params=[p for p in g["params"] if id(p) in ids]))
-                         for g in groups]
-                pairs = [(g, sub) for g, sub in pairs if sub["params"]]
-                if not pairs:
-                    return
-                optimizer.param_groups = [sub for _, sub in pairs]
-                try:
-                    whole()
-                finally:
-                    optimizer.param_groups = groups
-                    # A step that writes its group's settings writes them to the real group.
-                    for g, sub in pairs:
-                        for key, value in sub.items():
-                            if key != "params" and g.get(key) is not value:
-                                g[key] = value
-
             try:
-                run_part(rest)
-                for b, ids in enumerate(parts):
+                self._optimizer_part(rest)
+                for b, ids in enumerate(self._block_params):
+                    if b in self.stepped_in_backward:
+                        continue  # its part ran in the backward
                     if not self.states.in_step or b in self.resident_states:
-                        run_part(ids)
+                        self._optimizer_part(ids)
                         continue
                     block = self.blocks[b]
                     self.states.step_block(
-                        b, lambda ids=ids: run_part(ids),
+                        b, lambda ids=ids: self._optimizer_part(ids),
                         lambda block=block: state_tensors(optimizer, block.parameters()),
-                        b + 1 if b + 1 < len(parts) else None)
+                        b + 1 if b + 1 < len(self._block_params) else None)
             finally:
                 self._splitting = False
+                self.stepped_in_backward = set()
+                self._grads_left = dict(self._grads_wanted)
             self._after_step(optimizer, (), {})
             return None
 
@@ -400,6 +430,114 @@ class OptimizerStatesMixin:
         optimizer.step = step
         optimizer.state_dict = state_dict
         self._unwrap_optimizer = unwrap
+        self._hook_gradients()
+
+    def _optimizer_part(self, ids):
+        """Runs the optimizer's own step on the parameters whose ids are in `ids` alone (its
+        param groups narrowed to them for the call)."""
+        optimizer, groups = self.optimizer, self.optimizer.param_groups
+        pairs = [(g, dict(g, params=[p for p in g["params"] if id(p) in ids])) for g in groups]
+        pairs = [(g, sub) for g, sub in pairs if sub["params"]]
+        if not pairs:
+            return
+        optimizer.param_groups = [sub for _, sub in pairs]
+        try:
+            self._whole_step()
+        finally:
+            optimizer.param_groups = groups
+            # A step that writes its group's settings writes them to the real group.
+            for g, sub in pairs:
+                for key, value in sub.items():
+                    if key != "params" and g.get(key) is not value:
+                        g[key] = value
+
+    # -- the optimizer step in the backward ---------------------------------------------------
+
+    def _hook_gradients(self):
+        """With `step_in_backward`: a hook on every block parameter that learns, called once
+        its gradient of the backward is complete; a block's part of the step runs when all of
+        its parameters' have been (PyTorch's "optimizer step in backward")."""
+        if self._gradient_hooks:
+            return  # hooked when first adopted
+        self._grads_wanted = {}
+        if not (self.settings.step_in_backward and self._moves_states()):
+            return
+        self.backward_step = "watching"
+        for b, block in enumerate(self.blocks):
+            learning = [p for p in block.parameters() if p.requires_grad]
+            self._grads_wanted[b] = len(learning)
+            for p in learning:
+                self._gradient_hooks.append(p.register_post_accumulate_grad_hook(
+                    _weakly_param(self._gradient_ready, b)))
+        self._grads_left = dict(self._grads_wanted)
+        self.states.in_step = True
+
+    def _gradient_ready(self, b, p):
+        if not self.enabled or self.in_optimizer_step or self.backward_step == "off":
+            return
+        if self.backward_step == "watching":
+            # The first step only watches: a gradient made twice (accumulation over several
+            # backwards) or changed before the step (clipping, unscaling) keeps this off.
+            seen = self._watched.get(id(p))
+            self._watched[id(p)] = (p, p.grad.data_ptr(), p.grad._version,
+                                    1 + (seen[3] if seen else 0))
+            return
+        self._grads_left[b] -= 1
+        if self._grads_left[b] == 0:
+            self._grads_left[b] = self._grads_wanted[b]
+            self._step_block_in_backward(b)
+
+    def _check_gradients_untouched(self):
+        """At a step while watching: turns the step in the backward on from the next step
+        when every gradient watched came from one backward and is as that backward left it."""
+        if self.backward_step != "watching" or not self._watched:
+            return
+        why = None
+        for p, ptr, version, count in self._watched.values():
+            if count > 1:
+                why = "a gradient was made by more than one backward before the step"
+            elif p.grad is None or p.grad.data_ptr() != ptr or p.grad._version != version:
+                why = "a gradient was changed between the backward and the step"
+            if why:
+                break
+        self._watched = {}
+        if why:
+            self.backward_step = "off"
+            log.warning("glake.swap: the optimizer step stays after the backward: %s", why)
+            return
+        self.backward_step = "on"
+        log.info("glake.swap: each block's part of the optimizer step runs in the backward "
+                 "from the next step on")
+
+    def _step_block_in_backward(self, b):
+        """Block `b`'s gradients are complete: its part of the step runs now, with its states
+        brought back (the next blocks' already coming), then its states leave and its
+        gradients are freed, so neither the whole model's gradients nor its states are ever
+        on the device together."""
+        if b in self.stepped_in_backward:
+            # A second backward before the step: accumulation the first step did not show.
+            self.backward_step = "off"
+            log.error("glake.swap: block %d's gradients were made twice before a step; the "
+                      "optimizer step stays after the backward from now on", b)
+            return
+        for ahead in range(b - 1, max(-1, b - 1 - _STATES_AHEAD), -1):
+            self.states.prefetch(ahead)
+        block, ids = self.blocks[b], self._block_params[b]
+        self._splitting = True
+        try:
+            if b in self.resident_states:
+                self._optimizer_part(ids)
+            else:
+                self.states.step_block(
+                    b, lambda: self._optimizer_part(ids),
+                    lambda: state_tensors(self.optimizer, block.parameters()),
+                    release_now=False)
+        finally:
+            self._splitting = False
+        for p in block.parameters():
+            p.grad = None
+        self.stepped_in_backward.add(b)
+        self.states.release_finished(_STATES_AHEAD)
 
     def _before_step(self, optimizer, args, kwargs, split=False):
         if self._splitting:

@@ -714,3 +714,56 @@ def test_block_by_block_optimizer_step_follows_a_learning_rate_schedule():
     got, lr = run(fresh(), True)
     assert lr == ref_lr == 1e-2 * 0.5 ** 5
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_optimizer_step_in_the_backward_frees_gradients_and_states_and_stays_exact():
+    """`step_in_backward`: after a first step that only watches, each block's part of the
+    AdamW step runs in the backward once the block's gradients are complete; after the
+    backward no block holds gradients or states, at most the blocks around the one updating
+    hold states during it, and losses and parameters are the unplanned run's, bit for bit.
+    Gradient clipping or accumulation seen in the first step keeps the step where it was."""
+
+    def run(model, planned, clip=False, accumulate=False):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        smart = (swap.apply(model, optimizer=opt, target=2, preference="memory",
+                            step_in_backward=True) if planned else None)
+        during, grads_after, states_after = [], [], []
+        if planned:
+            for block in model.layers:
+                block.norm1.weight.register_post_accumulate_grad_hook(
+                    lambda p: during.append(blocks_with_states_on_device(opt, model)))
+        losses = []
+        for _ in range(FIRST_PLANNED + 3):
+            for _ in range(2 if accumulate else 1):
+                loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+                loss.backward()
+            grads_after.append(sum(p.grad is not None for p in model.layers.parameters()))
+            states_after.append(blocks_with_states_on_device(opt, model))
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        state = smart.backward_step if planned else None
+        if planned:
+            smart.remove()
+        return losses, [p.detach().clone() for p in model.parameters()], state, (
+            during, grads_after, states_after)
+
+    ref_losses, ref_params, _, _ = run(fresh(), False)
+    losses, params, state, (during, grads_after, states_after) = run(fresh(), True)
+    assert state == "on"
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    n_params = len(list(fresh().layers.parameters()))
+    assert grads_after == [n_params] + [0] * (len(grads_after) - 1), grads_after
+    ahead = swap.states._STATES_AHEAD
+    assert all(len(r) <= 2 * ahead + 1 for r in during[LAYERS:]), during
+    if DEVICE == "cpu":  # freed at once; on CUDA, once their copies are seen done
+        assert states_after[1:] == [[]] * (len(states_after) - 1), states_after
+    for kind in ("clip", "accumulate"):
+        ref = run(fresh(), False, **{kind: True})
+        got = run(fresh(), True, **{kind: True})
+        assert got[2] == "off", kind
+        same(got[:2], ref[:2])

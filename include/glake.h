@@ -154,6 +154,9 @@ enum glake_tensor_kind
   GLAKE_TENSOR_OPTIMIZER_STATE = 1,
   GLAKE_TENSOR_GRADIENT = 2,
   GLAKE_TENSOR_OTHER = 3,
+  // An optimizer state whose block's step runs in the backward: kept throughout, or swapped
+  // across the iteration's end (`out_after` its last use, `in_before` its first).
+  GLAKE_TENSOR_CARRIED_STATE = 4,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

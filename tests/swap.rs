@@ -366,6 +366,98 @@ fn memory_saving_may_move_optimizer_state() {
     assert_eq!(got.result.exposed_wait_ns, 0);
 }
 
+/// Four layers whose activations the planner may not move, and a 2 MB carried state (a
+/// block's optimizer state, its step run in the backward) read only by op 5, the backward of
+/// layer 2.
+fn carried_state_profile() -> Profile {
+    let mut p = transformer(4, None);
+    for t in &mut p.tensors {
+        t.kind = TensorKind::Other;
+    }
+    p.tensors.push(Tensor {
+        bytes: 2 * B,
+        produced_at: 0,
+        uses: vec![5],
+        freed_after: 7,
+        recompute: None,
+        kind: TensorKind::CarriedState,
+    });
+    p.validate().unwrap();
+    p
+}
+
+#[test]
+fn a_carried_state_is_swapped_across_the_iterations_end() {
+    let p = carried_state_profile();
+    let across = Choice::Swap {
+        out_after: 5,
+        in_before: 5,
+    };
+    let mut choices = vec![Choice::Keep; 5];
+    let kept = simulate(&p, &choices, &cfg(AMPLE, AMPLE, 1)).unwrap();
+    assert_eq!(kept.peak_bytes, BASE + 6 * B);
+    choices[4] = across;
+    // Prefetch 1: its copy in starts when op 4 ends (t = 50 us), as layer 3's activation is
+    // freed; it takes 2 us, which op 5 waits for; op 5 ends at 62 us and the copy out 2 us
+    // later, leaving layers 0 and 1.
+    let r = simulate(&p, &choices, &cfg(AMPLE, AMPLE, 1)).unwrap();
+    assert_eq!(r.peak_bytes, BASE + 5 * B);
+    assert_eq!(r.exposed_wait_ns, 2_000);
+    assert_eq!(r.step_ns, 82_000);
+    // Off the device when the iteration starts: only layer 0's activation then.
+    assert_eq!(r.timeline[0].bytes, BASE + B);
+    assert_eq!(kept.timeline[0].bytes, BASE + 3 * B);
+    assert!(r.timeline.contains(&MemPoint {
+        t_ns: 64_000,
+        bytes: BASE + 2 * B
+    }));
+    // Prefetch 2: in when op 3 ends, no wait, but on the device beside every activation.
+    let early = simulate(&p, &choices, &cfg(AMPLE, AMPLE, 2)).unwrap();
+    assert_eq!((early.peak_bytes, early.exposed_wait_ns), (BASE + 6 * B, 0));
+    // The planner finds it under the memory preference, and only there.
+    let got = plan(
+        &p,
+        BASE + 5 * B,
+        &cfg(AMPLE, AMPLE, 1),
+        Preference::MemorySaving,
+    )
+    .unwrap();
+    assert_eq!(got.choices[4], across);
+    assert_eq!(got.result.peak_bytes, BASE + 5 * B);
+    assert!(plan(
+        &p,
+        BASE + 5 * B,
+        &cfg(AMPLE, AMPLE, 1),
+        Preference::Performance
+    )
+    .is_err());
+    // With room for it, it stays.
+    let roomy = plan(
+        &p,
+        BASE + 6 * B,
+        &cfg(AMPLE, AMPLE, 1),
+        Preference::MemorySaving,
+    )
+    .unwrap();
+    assert_eq!(roomy.choices[4], Choice::Keep);
+    // A window across the iteration's end is a carried state's alone, and exactly its own.
+    let mut bad = vec![Choice::Keep; 5];
+    bad[0] = Choice::Swap {
+        out_after: 7,
+        in_before: 0,
+    };
+    assert!(matches!(
+        simulate(&p, &bad, &cfg(AMPLE, AMPLE, 1)),
+        Err(SwapError::InvalidPlan(m)) if m.contains("carried state")
+    ));
+    let mut bad = vec![Choice::Keep; 5];
+    bad[4] = Choice::Swap {
+        out_after: 6,
+        in_before: 5,
+    };
+    assert!(simulate(&p, &bad, &cfg(AMPLE, AMPLE, 1)).is_err());
+}
+
 #[test]
 fn invalid_profiles_plans_and_configs_are_rejected() {
     let good = transformer(2, None);

@@ -19,6 +19,9 @@ pub enum glake_tensor_kind {
     GLAKE_TENSOR_OPTIMIZER_STATE = 1,
     GLAKE_TENSOR_GRADIENT = 2,
     GLAKE_TENSOR_OTHER = 3,
+    /// An optimizer state whose block's step runs in the backward: kept throughout, or swapped
+    /// across the iteration's end (`out_after` its last use, `in_before` its first).
+    GLAKE_TENSOR_CARRIED_STATE = 4,
 }
 
 /// Which tensors the planner may move: activations only, or optimizer states and gradients too.
@@ -129,6 +132,10 @@ fn kind_of(kind: u32) -> Result<TensorKind, Failure> {
             TensorKind::Gradient,
         ),
         (glake_tensor_kind::GLAKE_TENSOR_OTHER, TensorKind::Other),
+        (
+            glake_tensor_kind::GLAKE_TENSOR_CARRIED_STATE,
+            TensorKind::CarriedState,
+        ),
     ]
     .into_iter()
     .find(|(c, _)| *c as u32 == kind)

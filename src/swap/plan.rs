@@ -20,7 +20,10 @@ impl Preference {
             Preference::Performance => kind == TensorKind::Activation,
             Preference::MemorySaving => matches!(
                 kind,
-                TensorKind::Activation | TensorKind::OptimizerState | TensorKind::Gradient
+                TensorKind::Activation
+                    | TensorKind::OptimizerState
+                    | TensorKind::Gradient
+                    | TensorKind::CarriedState
             ),
         }
     }
@@ -48,6 +51,16 @@ fn swap_window(profile: &Profile, i: usize, at: usize) -> Option<Choice> {
 /// Options that take tensor `i` off the device during op `at`.
 fn options(profile: &Profile, i: usize, at: usize) -> Vec<Choice> {
     let mut v = Vec::new();
+    if let Some((out_after, in_before)) = profile.tensors[i].carried_window() {
+        // Off the device outside its uses, or kept throughout.
+        if at < in_before || at > out_after {
+            v.push(Choice::Swap {
+                out_after,
+                in_before,
+            });
+        }
+        return v;
+    }
     if let Some(c) = swap_window(profile, i, at) {
         v.push(c);
     }

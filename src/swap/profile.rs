@@ -26,6 +26,10 @@ pub enum TensorKind {
     OptimizerState,
     Gradient,
     Other,
+    /// An optimizer state whose block's step runs in the backward: it lives across iterations
+    /// and is needed only around its uses, so a plan may keep it on the device throughout or
+    /// swap it across the iteration's end (in before its first use, out after its last).
+    CarriedState,
 }
 
 /// How to rebuild a tensor instead of keeping it: the ops to rerun and what they cost.
@@ -49,6 +53,16 @@ pub struct Tensor {
 }
 
 impl Tensor {
+    /// The swap across the iteration's end of a carried state (off the device from after its
+    /// last use until before its first use of the next iteration); `None` for other kinds
+    /// or a state with no use.
+    pub fn carried_window(&self) -> Option<(usize, usize)> {
+        if self.kind != TensorKind::CarriedState {
+            return None;
+        }
+        Some((*self.uses.last()?, *self.uses.first()?))
+    }
+
     /// Points where the tensor must be on the device: production and every use, sorted, unique.
     pub fn touches(&self) -> Vec<usize> {
         let mut t = Vec::with_capacity(self.uses.len() + 1);

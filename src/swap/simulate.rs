@@ -9,6 +9,9 @@ use super::SwapError;
 pub enum Choice {
     Keep,
     /// Copy out when op `out_after` ends, back in so that it is resident before `in_before`.
+    /// For a carried state `out_after >= in_before`: the window spans the iteration's end, so
+    /// the tensor is off the device at the start, comes in before `in_before` and leaves after
+    /// `out_after`, both within the iteration.
     Swap {
         out_after: usize,
         in_before: usize,
@@ -88,6 +91,18 @@ pub fn validate_plan(profile: &Profile, plan: &[Choice]) -> Result<(), SwapError
             Choice::Swap {
                 out_after,
                 in_before,
+            } if out_after >= in_before => {
+                if t.carried_window() != Some((out_after, in_before)) || in_before == 0 {
+                    return Err(SwapError::InvalidPlan(format!(
+                        "tensor {i}: a swap window ({out_after}, {in_before}) across the \
+                         iteration's end must be a carried state's (its last use, its first \
+                         use), the first use after op 0"
+                    )));
+                }
+            }
+            Choice::Swap {
+                out_after,
+                in_before,
             } => {
                 if out_after < t.produced_at || out_after >= in_before || in_before > t.freed_after
                 {
@@ -160,6 +175,20 @@ pub fn simulate(
     let mut produced_at: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut freed_after: Vec<Vec<usize>> = vec![Vec::new(); n];
     for (i, (t, c)) in tensors.iter().zip(plan).enumerate() {
+        if let Choice::Swap {
+            out_after,
+            in_before,
+        } = *c
+        {
+            if out_after >= in_before {
+                // A carried state swapped across the iteration's end: allocated when its copy
+                // in starts, freed when its copy out ends.
+                ins_issued_after[in_before.saturating_sub(prefetch)].push(i);
+                ins_needed_before[in_before].push(i);
+                outs_after[out_after].push(i);
+                continue;
+            }
+        }
         produced_at[t.produced_at].push(i);
         freed_after[t.freed_after].push(i);
         match *c {

@@ -426,17 +426,25 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         """Makes `choices` the plan the executor follows from the next block on."""
         self.choices = choices
         self.decisions = self._decisions(choices)
+        carried = self.backward_step == "on"  # the plan chose which states stay
         # In step mode every block's states move, but those that fit (below).
-        groups = self._state_groups() if self.states.in_step else {}
+        groups = self._state_groups() if self.states.in_step and not carried else {}
+        kept = []
         for (action, _, _), meaning in zip(choices, self.meaning):
-            if meaning is not None and meaning[0] == "state" and action == planner.SWAP:
+            if meaning is not None and meaning[0] == "state":
                 b = meaning[1]
-                groups[b] = state_tensors(self.optimizer, self.blocks[b].parameters())
+                if action == planner.SWAP:
+                    groups[b] = state_tensors(self.optimizer, self.blocks[b].parameters())
+                else:
+                    kept.append(b)
+        if not carried:
+            groups = self._keep_states_that_fit(groups)
+        else:
+            self.resident_states = kept
         # Adopted before a step's first block: what the plan moves leaves during that step,
         # unless the forward runs inside the optimizer step (a closure), which needs them.
-        self.states.plan(self._keep_states_that_fit(groups),
-                         leave_now=not self.in_optimizer_step)
-        if self.resident_states:
+        self.states.plan(groups, leave_now=not self.in_optimizer_step)
+        if self.resident_states and not carried:
             self.prediction = self._with_states_kept(choices, bandwidth_scale)
         self.swapper.release_at, self.state_release = self._release_schedule(
             choices, bandwidth_scale)
@@ -483,7 +491,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             if meaning is None or action != planner.SWAP:
                 continue
             if meaning[0] == "state":
-                states[meaning[1]] = t.bytes
+                if self.backward_step != "on":  # else they leave in the backward
+                    states[meaning[1]] = t.bytes
             else:
                 swapped[meaning[0]] += t.bytes
         ns_per_byte = 1e9 / (self.bandwidth[0] * bandwidth_scale)
@@ -536,8 +545,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
     def _whole_block_plan(self):
         """The whole-block plan (search.blocks_to_keep) for the goal, as (kept blocks, choices,
         prediction): its step predicted from warm-up's measured step less the recomputes it
-        skips, its peak by the planner's simulation. None when there is nothing to try: no
-        goal or warm-up timing, no block fits, or a trial had the plan."""
+        skips (plus the copy waits the simulation adds to full recomputation's), its peak by
+        the planner's simulation; with carried states, the number of them kept on the device
+        that predicts the fastest step. None when there is nothing to try: no goal or
+        warm-up timing, no block fits, or a trial had the plan."""
         goal = self._goal()
         if goal is None or self.recompute_ms is None or self.block_fwd_ms is None:
             return None
@@ -557,13 +568,46 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             return planner.simulate(self.profile, keeping(kept), d2h, h2d,
                                     self.settings.prefetch + 1)
 
-        kept = blocks_to_keep(self.block_fwd_ms, block_bytes,
-                              lambda k: simulate(k).peak_bytes <= goal)
-        choices = keeping(kept)
-        if not kept or any(t.choices == choices for t in self.trials):
+        def best_for(resident):
+            """(predicted ms, kept blocks, choices, simulation) with the carried states of
+            `resident` kept on the device throughout."""
+            def choices_for(kept):
+                return [(planner.KEEP, 0, 0) if m is not None and m[0] == "state"
+                        and m[1] in resident else c for c, m in zip(keeping(kept), self.meaning)]
+
+            def sim(kept):
+                return planner.simulate(self.profile, choices_for(kept), d2h, h2d,
+                                        self.settings.prefetch + 1)
+
+            kept = blocks_to_keep(self.block_fwd_ms, block_bytes,
+                                  lambda k: sim(k).peak_bytes <= goal)
+            if not kept:
+                return None
+            run = sim(kept)
+            # Warm-up measured every block recomputed, its copies included; a plan that
+            # recomputes less leaves the copies less time to hide in (the simulation's
+            # waits beyond full recomputation's).
+            extra = max(0, run.exposed_wait_ns - full.exposed_wait_ns) / 1e6
+            ms = self.recompute_ms - sum(self.block_fwd_ms[b] for b in kept) + extra
+            return ms, kept, choices_for(kept), run
+
+        full = simulate(())
+        carried = sorted((m[1] for m, t in zip(self.meaning, self.profile.tensors)
+                          if m is not None and m[0] == "state"
+                          and t.kind == planner.CARRIED_STATE), reverse=True)
+        # Carried states kept on the device take memory from kept blocks but save their
+        # copies: each count of them, the first needed in the backward first, is weighed.
+        best = None
+        for n in range(len(carried) + 1):
+            found = best_for(set(carried[:n]))
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+        if best is None:
             return None
-        step_ms = self.recompute_ms - sum(self.block_fwd_ms[b] for b in kept)
-        return kept, choices, dataclasses.replace(simulate(kept), step_ns=int(step_ms * 1e6))
+        ms, kept, choices, run = best
+        if any(t.choices == choices for t in self.trials):
+            return None
+        return kept, choices, dataclasses.replace(run, step_ns=int(ms * 1e6))
 
     def _start_whole_blocks(self, kept, choices, prediction, replace=False):
         """Starts the trial of a whole-block plan, in place of the trial under way with
@@ -594,7 +638,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         out = []
         for t, meaning in zip(self.profile.tensors, self.meaning):
             if meaning is not None and meaning[0] == "state":
-                out.append((planner.SWAP, 0, t.uses[0]))
+                out.append((planner.SWAP, t.uses[-1], t.uses[0])
+                           if t.kind == planner.CARRIED_STATE else (planner.SWAP, 0, t.uses[0]))
             else:
                 out.append((planner.RECOMPUTE if t.recompute_ns is not None else planner.KEEP,
                             0, 0))
@@ -769,7 +814,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self._adopt(choices, 1.0)
         self.decisions = {b: {} for b in range(len(self.blocks))}
         s = self.settings
-        simulated = (self._with_states_kept(choices, 1.0) if self.resident_states
+        simulated = (self._with_states_kept(choices, 1.0)
+                     if self.resident_states and self.backward_step != "on"
                      else planner.simulate(self.profile, choices, *self.bandwidth,
                                            s.prefetch + 1))
         self.prediction = (simulated if self.recompute_ms is None else

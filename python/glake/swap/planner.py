@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from .. import _library
 
 FORWARD, BACKWARD, OPTIMIZER, OTHER = 0, 1, 2, 3
-ACTIVATION, OPTIMIZER_STATE, GRADIENT, OTHER_KIND = 0, 1, 2, 3
+# CARRIED_STATE: an optimizer state whose block's step runs in the backward (kept throughout,
+# or swapped across the iteration's end: out after its last use, in before its first).
+ACTIVATION, OPTIMIZER_STATE, GRADIENT, OTHER_KIND, CARRIED_STATE = 0, 1, 2, 3, 4
 KEEP, SWAP, RECOMPUTE = 0, 1, 2
 PREFERENCES = {"performance": 0, "memory": 1}
 _OUT_OF_MEMORY = 5

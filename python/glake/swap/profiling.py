@@ -174,7 +174,25 @@ class ProfilingMixin:
                                               bwd_op[b], bwd_op[b], [bwd_op[b]],
                                               kind=planner.OTHER_KIND))
                 meaning += [None, None]
-        if self._moves_states() and not self.states.in_step:
+        if self._moves_states() and self.backward_step == "on":
+            # Each block's states, needed only by its part of the step, run in its backward:
+            # the plan keeps them throughout or brings them in for it alone.
+            for b in range(n_blocks):
+                nbytes = self.states.full_bytes(
+                    state_tensors(self.optimizer, self.blocks[b].parameters()))
+                if nbytes:
+                    tensors.append(planner.Tensor(nbytes, 0, tail, [bwd_op[b]],
+                                                  kind=planner.CARRIED_STATE))
+                    meaning.append(("state", b))
+        elif self._moves_states() and self.states.in_step:
+            # The step brings each block's states back one block ahead of its part: two
+            # blocks' at once, on top of every gradient.
+            sizes = [self.states.full_bytes(state_tensors(self.optimizer, block.parameters()))
+                     for block in self.blocks]
+            pair = max((a + z for a, z in zip(sizes, sizes[1:])), default=sum(sizes))
+            tensors.append(planner.Tensor(pair, tail, tail, [tail], kind=planner.OTHER_KIND))
+            meaning.append(None)
+        elif self._moves_states():
             # Each block's optimizer states: on the device from the step's start (op 0) and
             # needed from the block's backward to the optimizer step, so the one window the
             # planner can choose is out during the forward, in ahead of that backward.

@@ -767,3 +767,39 @@ def test_optimizer_step_in_the_backward_frees_gradients_and_states_and_stays_exa
         got = run(fresh(), True, **{kind: True})
         assert got[2] == "off", kind
         same(got[:2], ref[:2])
+
+
+def test_carried_states_the_plan_keeps_stay_and_the_others_visit_for_their_part():
+    """With the step in the backward, each block's states are a carried state of the plan
+    (kept throughout, or brought in for the block's part alone); a plan keeping blocks 2 and 3's
+    leaves exactly those on the device after the backward, and the steps stay exact."""
+
+    def run(model, planned):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        smart = (swap.apply(model, optimizer=opt, target=2, preference="memory",
+                            step_in_backward=True) if planned else None)
+        losses, seen = [], []
+        for step in range(FIRST_PLANNED + 3):
+            if planned and step == FIRST_PLANNED:
+                carried = [(m[1], t) for m, t in zip(smart.meaning, smart.profile.tensors)
+                           if m is not None and m[0] == "state"]
+                assert sorted(b for b, _ in carried) == list(range(LAYERS))
+                assert all(t.kind == planner.CARRIED_STATE for _, t in carried)
+                choices = [(planner.KEEP, 0, 0) if m is not None and m[0] == "state"
+                           and m[1] >= 2 else c
+                           for c, m in zip(smart._full_recompute_choices(), smart.meaning)]
+                smart._adopt(choices, 1.0)
+                assert smart.resident_states == [2, 3]
+            ids = torch.randint(0, VOCAB, (2, 16)).to(DEVICE)
+            losses.append(train_step(model, opt, ids, seen if planned else None))
+        if planned:
+            smart.remove()
+        return losses, [p.detach().clone() for p in model.parameters()], seen
+
+    ref = run(fresh(), False)
+    got = run(fresh(), True)
+    same(got[:2], ref[:2])
+    if DEVICE == "cpu":  # on CUDA the last blocks' memory is freed once their copies are done
+        assert got[2][FIRST_PLANNED:] == [[2, 3]] * 3, got[2]
+        assert got[2][1:FIRST_PLANNED] == [[]] * (FIRST_PLANNED - 1), got[2]

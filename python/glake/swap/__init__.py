@@ -250,6 +250,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             self._measure(now)
         if self.phase == "profile" and self.marks is not None:
             self.marks.next_start = now
+            self.marks.tail_peak = self._memory()[1]  # since the backward's end
             self._plan()
         elif self.phase == "warmup" and self.iteration >= _WARMUP_STEPS:
             self.phase = "profile"

@@ -3,12 +3,15 @@
 bandwidth, and the block-level iteration the planner reads. A mixin of SmartSwap: it uses the
 instance's blocks, marks, swapper and settings."""
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from . import planner
 from .states import state_tensors
+
+log = logging.getLogger("glake.swap")
 
 
 @dataclass
@@ -20,6 +23,7 @@ class Marks:
     alloc_after: dict = field(default_factory=dict)
     end: tuple = None                            # (event, allocated, peak before)
     next_start: object = None
+    tail_peak: int = None                        # peak allocated from the backward's end on
     records: dict = field(default_factory=dict)  # block -> [OpRecord]
     cycles_per_ms: float = None                  # of torch.cuda._sleep on this device
     issue_ms: float = None                       # host time the last block took to issue
@@ -130,6 +134,15 @@ class ProfilingMixin:
         tensors.append(planner.Tensor(max(0, head_peak - head_persist), head, head, [head],
                                       kind=planner.OTHER_KIND))
         meaning += [None, None]
+        if m.end is not None and m.tail_peak is not None:
+            # What the optimizer step holds beyond the backward's end: its temporaries (a
+            # foreach AdamW makes several of its parameters' size; on dense-3b 0.9 GB for the
+            # embedding and the head alone) and gradients made after the last mark.
+            held = max(0, m.tail_peak - m.end[1])
+            tensors.append(planner.Tensor(held, tail, tail, [tail], kind=planner.OTHER_KIND))
+            meaning.append(None)
+            log.info("glake.swap: the profiled optimizer step held %.2f GiB beyond the "
+                     "backward's end", held / 2**30)
         # Cheap outputs: one group per block unless swap_bucket_size asks for smaller buckets
         # (each group is one more tensor for the planner, whose search grows with the square).
         bucket = self.settings.swap_bucket_size or float("inf")
@@ -184,15 +197,7 @@ class ProfilingMixin:
                     tensors.append(planner.Tensor(nbytes, 0, tail, [bwd_op[b]],
                                                   kind=planner.CARRIED_STATE))
                     meaning.append(("state", b))
-        elif self._moves_states() and self.states.in_step:
-            # The step brings each block's states back one block ahead of its part: two
-            # blocks' at once, on top of every gradient.
-            sizes = [self.states.full_bytes(state_tensors(self.optimizer, block.parameters()))
-                     for block in self.blocks]
-            pair = max((a + z for a, z in zip(sizes, sizes[1:])), default=sum(sizes))
-            tensors.append(planner.Tensor(pair, tail, tail, [tail], kind=planner.OTHER_KIND))
-            meaning.append(None)
-        elif self._moves_states():
+        elif self._moves_states() and not self.states.in_step:
             # Each block's optimizer states: on the device from the step's start (op 0) and
             # needed from the block's backward to the optimizer step, so the one window the
             # planner can choose is out during the forward, in ahead of that backward.

@@ -101,3 +101,21 @@ def test_a_plan_not_tried_is_worth_a_trial_only_when_predicted_faster_than_any_m
     assert not search.worth_trying(waiting, [trial([100])], 89.0), "recomputing ran faster"
     assert search.worth_trying(waiting, [trial([])], None), "unmeasured trials count for nothing"
 
+
+
+def test_a_fixed_miss_of_the_peak_is_corrected_once():
+    """Plans aim at the budget less the correction; each one peaks `miss` bytes over its aim.
+    The first step over the budget corrects by the miss, and the plan made for that goal keeps
+    to the budget, so nothing is corrected again."""
+    budget, miss = 28_000, 880
+    correction, corrections = 0, []
+    for _ in range(3):
+        peak = budget - correction + miss
+        new = search.memory_correction(correction, peak, budget)
+        if new is None:
+            break
+        corrections.append(new)
+        correction = new
+    assert corrections == [miss]
+    assert search.memory_correction(0, budget, budget) is None
+    assert search.memory_correction(100, budget + 5, budget) == 105

@@ -44,7 +44,7 @@ from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
-                     stable_drift, worth_trying)
+                     memory_correction, stable_drift, worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -665,12 +665,16 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 decisions[b][i] = SWAP if action == planner.SWAP else KEEP
         return {b: d for b, d in decisions.items() if b in moved}
 
+    def _budget(self):
+        """Allocated bytes a step may peak at: the target less the margin."""
+        return int(self.target_bytes * (1 - self.settings.margin))
+
     def _goal(self):
-        """Allocated bytes the plan aims at: the target less the margin and the corrections
-        measured steps asked for."""
+        """Allocated bytes the plan aims at: the budget less the correction measured steps
+        asked for."""
         if self.target_bytes is None:
             return None
-        return max(0, int(self.target_bytes * (1 - self.settings.margin)) - self.correction)
+        return max(0, self._budget() - self.correction)
 
     def _summary(self):
         counts = {"keep": 0, "swap": 0, "recompute": 0}
@@ -721,15 +725,16 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         trial = self.trials[-1]
         trial.seen += 1
         # The planner predicts allocated bytes; the allocator's cache may fill the rest of the
-        # cap (that is what a cache does), so only allocated bytes over the goal correct it.
-        goal = self._goal()
-        over = m.allocated - goal if goal is not None else 0
+        # cap (that is what a cache does), so only allocated bytes over the budget correct it.
+        corrected = (None if self.target_bytes is None else
+                     memory_correction(self.correction, m.allocated, self._budget()))
         # (Full recomputation is the least the executor can do: nothing to correct.)
-        if over > 0 and self.corrections < _MAX_CORRECTIONS and not trial.recompute:
-            self.correction += over
+        if (corrected is not None and self.corrections < _MAX_CORRECTIONS
+                and not trial.recompute):
+            log.info("glake.swap: step peaked at %d bytes allocated, %d over the budget: "
+                     "planning again", m.allocated, m.allocated - self._budget())
+            self.correction = corrected
             self.corrections += 1
-            log.info("glake.swap: step peaked at %d bytes allocated, %d over the plan's goal: "
-                     "planning again", m.allocated, over)
             if not trial.whole_blocks:
                 self._replan(replace=True)
             elif not self._try_whole_blocks(replace=True):

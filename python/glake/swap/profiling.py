@@ -136,8 +136,8 @@ class ProfilingMixin:
         meaning += [None, None]
         if m.end is not None and m.tail_peak is not None:
             # What the optimizer step holds beyond the backward's end: its temporaries (a
-            # foreach AdamW makes several of its parameters' size; on dense-3b 0.9 GB for the
-            # embedding and the head alone) and gradients made after the last mark.
+            # foreach AdamW makes several of its parameters' size; 0.50 GiB on dense-3b, for
+            # the parameters outside the blocks) and gradients made after the last mark.
             held = max(0, m.tail_peak - m.end[1])
             tensors.append(planner.Tensor(held, tail, tail, [tail], kind=planner.OTHER_KIND))
             meaning.append(None)

@@ -125,7 +125,9 @@ def test_planned_run_is_bit_identical_and_moves_bytes():
     smart = swap.apply(model, target=target, margin=0)
     same(train(model, 8), reference)
     report = smart.report()
-    assert report["phase"] in ("search", "stable")
+    # (On CUDA this tiny model's step is paced by the host, far from its profiled device time:
+    # the first plan's step may send it back to profile once.)
+    assert report["phase"] in ("search", "stable") or smart.reprofiled, report
     plan = smart.history[0]
     assert plan["swapped_bytes"] + plan["recomputed_bytes"] > 0, report
     assert plan["predicted_peak_bytes"] <= target, report

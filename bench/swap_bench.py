@@ -245,6 +245,7 @@ def child(args):
                            warmup_forward_ms=report["warmup_forward_ms"],
                            resident_state_blocks=report["resident_state_blocks"],
                            step_in_backward=report["step_in_backward"],
+                           pace=report["pace"],
                            predicted_step_ms=plan.get("predicted_step_ms"),
                            predicted_peak=plan.get("predicted_peak_bytes"))
         except torch.OutOfMemoryError as e:

@@ -119,3 +119,10 @@ def test_a_fixed_miss_of_the_peak_is_corrected_once():
     assert corrections == [miss]
     assert search.memory_correction(0, budget, budget) is None
     assert search.memory_correction(100, budget + 5, budget) == 105
+
+
+def test_the_profile_is_paced_by_warmups_measured_step_within_bounds():
+    assert search.pace_factor(321.0, 300.0) == pytest.approx(1.07)
+    assert search.pace_factor(250.0, 300.0) == search.MIN_PACE  # a disturbed profile
+    assert search.pace_factor(900.0, 300.0) == search.MAX_PACE  # paced by the host
+    assert search.pace_factor(None, 300.0) == 1.0 and search.pace_factor(321.0, 0) == 1.0

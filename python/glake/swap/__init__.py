@@ -44,7 +44,7 @@ from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
-                     memory_correction, stable_drift, worth_trying)
+                     memory_correction, pace_factor, stable_drift, worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -196,6 +196,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.deferred = None        # the planner's trial, waiting on a faster-predicted one
         self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
         self.recompute_ms = None    # step with every block recomputed (median of warm-up's)
+        self.pace = 1.0             # profile times scaled by it (_pace_profile)
         self.block_fwd_ms = None    # each block's forward there (what its recompute costs)
         self._warm_steps = []       # warm-up's measured steps, ms
         self._block_timers = {}     # block -> [Timer] of its forwards in those steps
@@ -391,11 +392,32 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             self.block_fwd_ms = [statistics.median(t.ns() / 1e6 for t in timers[b])
                                  for b in range(len(timers))]
         self.profile, self.meaning = self._build_profile()
+        self._pace_profile()
         self.marks = None
         self.target_bytes = self._resolve_target()
         self._replan()
         self._whole_blocks_first()
         self.phase = "search"
+
+    def _pace_profile(self):
+        """Scales the profile's op and recompute times to the pace of warm-up's measured steps
+        (search.pace_factor), so that every prediction, and the balance of copies against
+        compute the planner weighs, is at the step's real pace."""
+        self.pace = 1.0
+        if self.recompute_ms is None:
+            return
+        full = planner.simulate(self.profile, self._full_recompute_choices(), *self.bandwidth,
+                                self.settings.prefetch + 1)
+        k = pace_factor(self.recompute_ms, full.step_ns / 1e6)
+        self.pace = k
+        if k == 1.0:
+            return
+        log.info("glake.swap: warm-up's steps ran %.2f times the profiled pace: the profile's "
+                 "times are scaled by it", k)
+        p = self.profile
+        p.ops = [(int(ns * k), phase) for ns, phase in p.ops]
+        p.tensors = [dataclasses.replace(t, recompute_ns=int(t.recompute_ns * k))
+                     if t.recompute_ns is not None else t for t in p.tensors]
 
     def _replan(self, replace=False):
         """Plans for the goal with the bandwidth as corrected so far, and starts trying the
@@ -847,6 +869,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "warmup_steps": list(self._warm_steps),
                 "measured": [vars(m) for m in self.measured],
                 "resident_state_blocks": len(self.resident_states),
+                "pace": self.pace,
                 "step_in_backward": self.backward_step,
                 "profile_ms": self._profile_totals(),
                 "warmup_forward_ms": (sum(self.block_fwd_ms) if self.block_fwd_ms else None),

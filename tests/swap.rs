@@ -456,6 +456,21 @@ fn a_carried_state_is_swapped_across_the_iterations_end() {
         in_before: 5,
     };
     assert!(simulate(&p, &bad, &cfg(AMPLE, AMPLE, 1)).is_err());
+    // A carried state lives through the whole iteration; one used at op 0 stays on the device.
+    let mut short = p.clone();
+    short.tensors[4].freed_after = 6;
+    assert!(matches!(short.validate(), Err(SwapError::InvalidProfile(m)) if m.contains("carried")));
+    let mut first = p.clone();
+    first.tensors[4].uses = vec![0];
+    assert!(matches!(
+        plan(
+            &first,
+            BASE + 5 * B,
+            &cfg(AMPLE, AMPLE, 1),
+            Preference::MemorySaving
+        ),
+        Err(SwapError::TargetUnreachable { .. })
+    ));
 }
 
 #[test]

@@ -52,8 +52,9 @@ fn swap_window(profile: &Profile, i: usize, at: usize) -> Option<Choice> {
 fn options(profile: &Profile, i: usize, at: usize) -> Vec<Choice> {
     let mut v = Vec::new();
     if let Some((out_after, in_before)) = profile.tensors[i].carried_window() {
-        // Off the device outside its uses, or kept throughout.
-        if at < in_before || at > out_after {
+        // Off the device outside its uses, or kept throughout (a first use at op 0 leaves
+        // no room to bring it in).
+        if in_before > 0 && (at < in_before || at > out_after) {
             v.push(Choice::Swap {
                 out_after,
                 in_before,

@@ -131,6 +131,16 @@ impl Profile {
                     ),
                 );
             }
+            if t.kind == TensorKind::CarriedState
+                && (t.produced_at != 0 || t.freed_after != n - 1 || t.uses.is_empty())
+            {
+                return bad(
+                    i,
+                    "a carried state lives through the whole iteration (produced_at 0, \
+                     freed_after the last op) and has a use"
+                        .into(),
+                );
+            }
             if let Some(r) = &t.recompute {
                 if let Some(&o) = r.ops.iter().find(|&&o| o >= n) {
                     return bad(i, format!("recompute op {o} out of range ({n} ops)"));

@@ -237,6 +237,12 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         return int(t)
 
     def _begin_iteration(self, args, kwargs):
+        self._new_backward_step_iteration()
+        if self._restart_pending:
+            self._restart_pending = False
+            log.warning("glake.swap: back to warm-up: the plan counted on the optimizer step "
+                        "in the backward")
+            self._restart()
         sig = _shapes(args, kwargs)
         if self.signature is not None and sig != self.signature:
             log.warning("glake.swap: block input shapes changed from %s to %s: back to warm-up",
@@ -623,7 +629,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         best = None
         for n in range(len(carried) + 1):
             found = best_for(set(carried[:n]))
-            if found is not None and (best is None or found[0] < best[0]):
+            if found is None:
+                break  # no block fits beside that many states: more only take more memory
+            if best is None or found[0] < best[0]:
                 best = found
         if best is None:
             return None

@@ -23,7 +23,8 @@ class Marks:
     alloc_after: dict = field(default_factory=dict)
     end: tuple = None                            # (event, allocated, peak before)
     next_start: object = None
-    tail_peak: int = None                        # peak allocated from the backward's end on
+    tail_peak: int = None                        # peak allocated from the backward's end
+    # (block 0's input gradient) to the next step's first block
     records: dict = field(default_factory=dict)  # block -> [OpRecord]
     cycles_per_ms: float = None                  # of torch.cuda._sleep on this device
     issue_ms: float = None                       # host time the last block took to issue
@@ -107,7 +108,8 @@ class ProfilingMixin:
     def _build_profile(self):
         """The block-level iteration the planner sees, and per tensor which (block, op indexes)
         it stands for. In step mode the states are no tensors of the plan: they are off the
-        device but inside the optimizer step, whose profiled time already holds their copies."""
+        device but inside the optimizer step, whose profiled time already holds their copies.
+        With the step in the backward each block's states are a carried state of the plan."""
         m, n_blocks = self.marks, len(self.blocks)
         ns = (lambda a, z: int(a.elapsed_time(z) * 1e6)) if self.cuda else (lambda a, z: 1000)
         fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]

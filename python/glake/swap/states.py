@@ -12,7 +12,14 @@ then.
 When even the parameters, their gradients and the states do not fit the target together
 (`in_step`), the states stay off the device through the backward too: each block's come back
 during the block-by-block optimizer step, one block ahead of the part that uses them, and go
-out again once that part has run, so at most two blocks' states are on the device at once."""
+out again once that part has run, so at most two blocks' states are on the device at once.
+
+With `step_in_backward`, each block's part of the step runs in the backward instead, once the
+block's gradients are complete (a post-accumulate-grad hook per parameter the optimizer
+steps): its states come in two blocks ahead, leave after the part, and its gradients are
+freed. A first step only watches, and keeps the mode off when gradients are accumulated over
+several backwards, changed before the step, or the optimizer's settings are; a backward whose
+step never comes turns it off while running, back to warm-up."""
 
 import logging
 import weakref
@@ -221,6 +228,29 @@ class StateSwapper:
         self.groups = {}
 
 
+def _settings_of(optimizer):
+    """The optimizer's param-group settings (all but the parameters), as plain values."""
+    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+             for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _same_settings(a, b):
+    if a is None or len(a) != len(b):
+        return a is None
+    for x, y in zip(a, b):
+        if x.keys() != y.keys():
+            return False
+        for k in x:
+            u, v = x[k], y[k]
+            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+                if not (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
+                        and torch.equal(u, v)):
+                    return False
+            elif u != v:
+                return False
+    return True
+
+
 def _weakly_param(method, b):
     """A gradient hook calling `method(b, param)` while its object lives (see _weakly)."""
     ref = weakref.WeakMethod(method)
@@ -259,6 +289,9 @@ class OptimizerStatesMixin:
         self._watched = {}  # id(param) -> (param, grad pointer, grad version, backwards)
         self.stepped_in_backward = set()  # blocks whose part ran in this step's backward
         self._grads_wanted, self._grads_left = {}, {}
+        self._stepped_params = []  # per block: the parameters the optimizer steps
+        self._watched_settings = None  # the optimizer's settings at the watched backward
+        self._restart_pending = False  # the mode turned off while running: back to warm-up
         if self.settings.preference == "memory":
             self._optimizer_hooks = [
                 register_optimizer_step_pre_hook(_weakly(self._before_step)),
@@ -290,7 +323,7 @@ class OptimizerStatesMixin:
         over 90% of the target left after the margin, so that holding them all at the step,
         as the backward's prefetch does, would not fit)."""
         setting = self.settings.states_in_step
-        if self.settings.step_in_backward and self._moves_states():
+        if self.backward_step in ("watching", "on") and self._moves_states():
             self.states.in_step = True  # each block's states come back for its part alone
             return
         if setting is not None or not self._moves_states():
@@ -463,8 +496,12 @@ class OptimizerStatesMixin:
         if not (self.settings.step_in_backward and self._moves_states()):
             return
         self.backward_step = "watching"
+        stepped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        self._stepped_params = []
         for b, block in enumerate(self.blocks):
-            learning = [p for p in block.parameters() if p.requires_grad]
+            # The parameters this optimizer steps: another optimizer's keep their gradients.
+            learning = [p for p in block.parameters() if p.requires_grad and id(p) in stepped]
+            self._stepped_params.append(learning)
             self._grads_wanted[b] = len(learning)
             for p in learning:
                 self._gradient_hooks.append(p.register_post_accumulate_grad_hook(
@@ -477,7 +514,10 @@ class OptimizerStatesMixin:
             return
         if self.backward_step == "watching":
             # The first step only watches: a gradient made twice (accumulation over several
-            # backwards) or changed before the step (clipping, unscaling) keeps this off.
+            # backwards) or changed before the step (clipping, unscaling), or a setting of the
+            # optimizer changed before the step (a learning rate set by hand), keeps this off.
+            if not self._watched:
+                self._watched_settings = _settings_of(self.optimizer)
             seen = self._watched.get(id(p))
             self._watched[id(p)] = (p, p.grad.data_ptr(), p.grad._version,
                                     1 + (seen[3] if seen else 0))
@@ -500,6 +540,9 @@ class OptimizerStatesMixin:
                 why = "a gradient was changed between the backward and the step"
             if why:
                 break
+        if why is None and not _same_settings(self._watched_settings,
+                                               _settings_of(self.optimizer)):
+            why = "a setting of the optimizer was changed between the backward and the step"
         self._watched = {}
         if why:
             self.backward_step = "off"
@@ -509,6 +552,25 @@ class OptimizerStatesMixin:
         log.info("glake.swap: each block's part of the optimizer step runs in the backward "
                  "from the next step on")
 
+    def _turn_backward_step_off(self, why):
+        """While running: the step goes back after the backward, and SmartSwap back to warm-up
+        at the next step (its plan counted on gradients and states leaving in the backward)."""
+        self.backward_step = "off"
+        self.stepped_in_backward = set()
+        self._restart_pending = True
+        log.error("glake.swap: %s; the optimizer step stays after the backward from now on",
+                  why)
+
+    def _new_backward_step_iteration(self):
+        """A forward starts (its first block): counts of gradients start afresh (an aborted
+        backward leaves some behind), and blocks updated by a backward no step followed are
+        reported, with the mode turned off."""
+        self._grads_left = dict(self._grads_wanted)
+        if self.backward_step == "on" and self.stepped_in_backward:
+            self._turn_backward_step_off(
+                "the optimizer step did not follow a backward that updated blocks "
+                f"{sorted(self.stepped_in_backward)} (a skipped step, or an aborted backward)")
+
     def _step_block_in_backward(self, b):
         """Block `b`'s gradients are complete: its part of the step runs now, with its states
         brought back (the next blocks' already coming), then its states leave and its
@@ -516,9 +578,11 @@ class OptimizerStatesMixin:
         on the device together."""
         if b in self.stepped_in_backward:
             # A second backward before the step: accumulation the first step did not show.
-            self.backward_step = "off"
-            log.error("glake.swap: block %d's gradients were made twice before a step; the "
-                      "optimizer step stays after the backward from now on", b)
+            # The first backward's update stands; this one's gradients go to the step.
+            self._turn_backward_step_off(
+                f"block {b}'s gradients were made by a second backward before the step: the "
+                "first backward's gradients were applied in it, this one's are applied by the "
+                "step")
             return
         for ahead in range(b - 1, max(-1, b - 1 - _STATES_AHEAD), -1):
             self.states.prefetch(ahead)
@@ -534,7 +598,7 @@ class OptimizerStatesMixin:
                     release_now=False)
         finally:
             self._splitting = False
-        for p in block.parameters():
+        for p in self._stepped_params[b]:
             p.grad = None
         self.stepped_in_backward.add(b)
         self.states.release_finished(_STATES_AHEAD)

@@ -726,7 +726,7 @@ def test_optimizer_step_in_the_backward_frees_gradients_and_states_and_stays_exa
     hold states during it, and losses and parameters are the unplanned run's, bit for bit.
     Gradient clipping or accumulation seen in the first step keeps the step where it was."""
 
-    def run(model, planned, clip=False, accumulate=False):
+    def run(model, planned, clip=False, accumulate=False, lr_by_hand=False):
         torch.manual_seed(0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
         smart = (swap.apply(model, optimizer=opt, target=2, preference="memory",
@@ -745,6 +745,8 @@ def test_optimizer_step_in_the_backward_frees_gradients_and_states_and_stays_exa
             states_after.append(blocks_with_states_on_device(opt, model))
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            if lr_by_hand:  # a schedule written into the loop, after the backward
+                opt.param_groups[0]["lr"] *= 0.9
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
@@ -765,7 +767,7 @@ def test_optimizer_step_in_the_backward_frees_gradients_and_states_and_stays_exa
     assert all(len(r) <= 2 * ahead + 1 for r in during[LAYERS:]), during
     if DEVICE == "cpu":  # freed at once; on CUDA, once their copies are seen done
         assert states_after[1:] == [[]] * (len(states_after) - 1), states_after
-    for kind in ("clip", "accumulate"):
+    for kind in ("clip", "accumulate", "lr_by_hand"):
         ref = run(fresh(), False, **{kind: True})
         got = run(fresh(), True, **{kind: True})
         assert got[2] == "off", kind
@@ -806,3 +808,43 @@ def test_carried_states_the_plan_keeps_stay_and_the_others_visit_for_their_part(
     if DEVICE == "cpu":  # on CUDA the last blocks' memory is freed once their copies are done
         assert got[2][FIRST_PLANNED:] == [[2, 3]] * 3, got[2]
         assert got[2][1:FIRST_PLANNED] == [[]] * (FIRST_PLANNED - 1), got[2]
+
+
+def test_step_in_the_backward_leaves_other_optimizers_alone_and_turns_off_when_a_step_is_skipped():
+    """Block parameters another optimizer steps keep their gradients for it, and the run stays
+    exact; a backward whose step is skipped (its blocks already updated) turns the mode off
+    and sends SmartSwap back to warm-up, where the step runs after the backward again."""
+
+    def run(model, planned, skip_at=None):
+        torch.manual_seed(0)
+        norms = [p for n, p in model.named_parameters() if "norm" in n]
+        rest = [p for n, p in model.named_parameters() if "norm" not in n]
+        opt = torch.optim.AdamW(rest, lr=1e-2)
+        other = torch.optim.SGD(norms, lr=0.1)
+        smart = (swap.apply(model, optimizer=opt, target=2, preference="memory",
+                            step_in_backward=True) if planned else None)
+        losses, states, norm_grads = [], [], []
+        for step in range(FIRST_PLANNED + 2):
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            loss.backward()
+            norm_grads.append(all(p.grad is not None for p in norms))
+            if step != skip_at:
+                other.step()
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            other.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if planned:
+                states.append((smart.backward_step, smart.phase))
+        if planned:
+            smart.remove()
+        return losses, [p.detach().clone() for p in model.parameters()], states, norm_grads
+
+    ref = run(fresh(), False)
+    got = run(fresh(), True)
+    same(got[:2], ref[:2])
+    assert got[2][-1][0] == "on" and all(got[3]), (got[2], got[3])
+    skipped = run(fresh(), True, skip_at=3)
+    after = skipped[2][4]  # the step after the skipped one
+    assert after == ("off", "warmup"), skipped[2]
+    assert all(s[0] == "off" for s in skipped[2][4:]), skipped[2]

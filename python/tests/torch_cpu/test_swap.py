@@ -848,3 +848,26 @@ def test_step_in_the_backward_leaves_other_optimizers_alone_and_turns_off_when_a
     after = skipped[2][4]  # the step after the skipped one
     assert after == ("off", "warmup"), skipped[2]
     assert all(s[0] == "off" for s in skipped[2][4:]), skipped[2]
+
+
+def test_the_profile_is_scaled_to_warmups_pace_and_never_sped_up():
+    """_pace_profile scales every op and recompute time by warm-up's measured step over the
+    profile's simulated full recomputation (within search.pace_factor's bounds); a profile
+    slower than warm-up is left as it is."""
+    model = fresh()
+    smart = swap.apply(model, target=2**40)
+    train(model, FIRST_PLANNED)
+    ops = list(smart.profile.ops)
+    recompute = [t.recompute_ns for t in smart.profile.tensors]
+    full = swap.planner.simulate(smart.profile, smart._full_recompute_choices(),
+                                 *smart.bandwidth, smart.settings.prefetch + 1)
+    smart.recompute_ms = 0.5 * full.step_ns / 1e6
+    smart._pace_profile()
+    assert smart.pace == 1.0 and smart.profile.ops == ops
+    smart.recompute_ms = 1.1 * full.step_ns / 1e6
+    smart._pace_profile()
+    assert smart.pace == pytest.approx(1.1, rel=1e-3)
+    assert [ns for ns, _ in smart.profile.ops] == [int(ns * smart.pace) for ns, _ in ops]
+    assert [t.recompute_ns for t in smart.profile.tensors] == [
+        None if r is None else int(r * smart.pace) for r in recompute]
+    smart.remove()

@@ -588,37 +588,31 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             if meaning is not None and meaning[0] != "state":
                 block_bytes[meaning[0]] += t.bytes
 
-        def keeping(kept):
+        def keeping(kept, resident=()):
+            """Full recomputation but the blocks `kept` as written and the carried states of
+            `resident` kept on the device throughout."""
             kept = set(kept)
-            return [(planner.KEEP, 0, 0) if m is not None and m[0] in kept else c
-                    for c, m in zip(base, self.meaning)]
+            return [(planner.KEEP, 0, 0) if m is not None and (
+                m[1] in resident if m[0] == "state" else m[0] in kept) else c
+                for c, m in zip(base, self.meaning)]
 
-        def simulate(kept):
-            return planner.simulate(self.profile, keeping(kept), d2h, h2d,
+        def simulate(kept, resident=()):
+            return planner.simulate(self.profile, keeping(kept, resident), d2h, h2d,
                                     self.settings.prefetch + 1)
 
         def best_for(resident):
-            """(predicted ms, kept blocks, choices, simulation) with the carried states of
-            `resident` kept on the device throughout."""
-            def choices_for(kept):
-                return [(planner.KEEP, 0, 0) if m is not None and m[0] == "state"
-                        and m[1] in resident else c for c, m in zip(keeping(kept), self.meaning)]
-
-            def sim(kept):
-                return planner.simulate(self.profile, choices_for(kept), d2h, h2d,
-                                        self.settings.prefetch + 1)
-
+            """(predicted ms, kept blocks, choices, simulation) with `resident` kept."""
             kept = blocks_to_keep(self.block_fwd_ms, block_bytes,
-                                  lambda k: sim(k).peak_bytes <= goal)
+                                  lambda k: simulate(k, resident).peak_bytes <= goal)
             if not kept:
                 return None
-            run = sim(kept)
+            run = simulate(kept, resident)
             # Warm-up measured every block recomputed, its copies included; a plan that
             # recomputes less leaves the copies less time to hide in (the simulation's
             # waits beyond full recomputation's).
             extra = max(0, run.exposed_wait_ns - full.exposed_wait_ns) / 1e6
             ms = self.recompute_ms - sum(self.block_fwd_ms[b] for b in kept) + extra
-            return ms, kept, choices_for(kept), run
+            return ms, kept, keeping(kept, resident), run
 
         full = simulate(())
         carried = sorted((m[1] for m, t in zip(self.meaning, self.profile.tensors)

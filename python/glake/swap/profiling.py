@@ -189,26 +189,24 @@ class ProfilingMixin:
                                               bwd_op[b], bwd_op[b], [bwd_op[b]],
                                               kind=planner.OTHER_KIND))
                 meaning += [None, None]
-        if self._moves_states() and self.backward_step == "on":
-            # Each block's states, needed only by its part of the step, run in its backward:
-            # the plan keeps them throughout or brings them in for it alone.
+        carried = self.backward_step == "on"
+        if self._moves_states() and (carried or not self.states.in_step):
+            # Each block's optimizer states, on the device from the step's start (op 0). With
+            # the step in the backward they are needed only by the block's part of it, run in
+            # its backward: the plan keeps them throughout or brings them in for it alone.
+            # Otherwise they are needed from the block's backward to the optimizer step, so the
+            # one window the planner can choose is out during the forward, in ahead of that
+            # backward.
             for b in range(n_blocks):
-                nbytes = self.states.full_bytes(
-                    state_tensors(self.optimizer, self.blocks[b].parameters()))
-                if nbytes:
+                nbytes = self._state_bytes([b])
+                if not nbytes:
+                    continue
+                if carried:
                     tensors.append(planner.Tensor(nbytes, 0, tail, [bwd_op[b]],
                                                   kind=planner.CARRIED_STATE))
-                    meaning.append(("state", b))
-        elif self._moves_states() and not self.states.in_step:
-            # Each block's optimizer states: on the device from the step's start (op 0) and
-            # needed from the block's backward to the optimizer step, so the one window the
-            # planner can choose is out during the forward, in ahead of that backward.
-            for b in range(n_blocks):
-                nbytes = self.states.full_bytes(
-                    state_tensors(self.optimizer, self.blocks[b].parameters()))
-                if nbytes:
+                else:
                     tensors.append(planner.Tensor(nbytes, 0, tail,
                                                   list(range(bwd_op[b], tail + 1)),
                                                   kind=planner.OPTIMIZER_STATE))
-                    meaning.append(("state", b))
+                meaning.append(("state", b))
         return planner.Profile(ops=ops, tensors=tensors, base_bytes=max(0, base)), meaning

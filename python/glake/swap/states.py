@@ -229,26 +229,10 @@ class StateSwapper:
 
 
 def _settings_of(optimizer):
-    """The optimizer's param-group settings (all but the parameters), as plain values."""
-    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+    """The optimizer's param-group settings (all but the parameters) as plain values, so that
+    two readings compare with == (a tensor setting, a learning rate say, as its numbers)."""
+    return [{k: (v.tolist() if isinstance(v, torch.Tensor) else v)
              for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-
-
-def _same_settings(a, b):
-    if a is None or len(a) != len(b):
-        return a is None
-    for x, y in zip(a, b):
-        if x.keys() != y.keys():
-            return False
-        for k in x:
-            u, v = x[k], y[k]
-            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
-                if not (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
-                        and torch.equal(u, v)):
-                    return False
-            elif u != v:
-                return False
-    return True
 
 
 def _weakly_param(method, b):
@@ -435,7 +419,6 @@ class OptimizerStatesMixin:
             finally:
                 self._splitting = False
                 self.stepped_in_backward = set()
-                self._grads_left = dict(self._grads_wanted)
             self._after_step(optimizer, (), {})
             return None
 
@@ -524,6 +507,8 @@ class OptimizerStatesMixin:
             return
         self._grads_left[b] -= 1
         if self._grads_left[b] == 0:
+            # Counted afresh: a second backward of the same forward must reach the part again
+            # to be caught as accumulation.
             self._grads_left[b] = self._grads_wanted[b]
             self._step_block_in_backward(b)
 
@@ -540,8 +525,7 @@ class OptimizerStatesMixin:
                 why = "a gradient was changed between the backward and the step"
             if why:
                 break
-        if why is None and not _same_settings(self._watched_settings,
-                                               _settings_of(self.optimizer)):
+        if why is None and self._watched_settings != _settings_of(self.optimizer):
             why = "a setting of the optimizer was changed between the backward and the step"
         self._watched = {}
         if why:
@@ -569,7 +553,8 @@ class OptimizerStatesMixin:
         if self.backward_step == "on" and self.stepped_in_backward:
             self._turn_backward_step_off(
                 "the optimizer step did not follow a backward that updated blocks "
-                f"{sorted(self.stepped_in_backward)} (a skipped step, or an aborted backward)")
+                f"{sorted(self.stepped_in_backward)} (a skipped step, accumulation over "
+                "several backwards, or an aborted backward)")
 
     def _step_block_in_backward(self, b):
         """Block `b`'s gradients are complete: its part of the step runs now, with its states

@@ -121,6 +121,23 @@ def test_a_fixed_miss_of_the_peak_is_corrected_once():
     assert search.memory_correction(100, budget + 5, budget) == 105
 
 
+def test_a_plans_peak_error_is_what_it_measured_over_its_prediction_bounded_below():
+    budget = 100_000
+    assert search.peak_error(90_000, 95_000, budget) == -5_000
+    assert search.peak_error(101_000, 95_000, budget) == 6_000
+    assert search.peak_error(0, 95_000, budget) == -int(search.MAX_OVERRATE * budget)
+
+
+def test_room_is_left_only_beyond_the_slack_and_by_the_highest_step():
+    budget = 100_000
+    t = trial([10, 10])
+    t.steps[0].allocated, t.steps[1].allocated = 90_000, 95_000
+    assert search.room_left(t, budget) == 5_000
+    t.steps[1].allocated = 99_000  # within GROW_SLACK of the budget
+    assert search.room_left(t, budget) == 0
+    assert search.room_left(trial([]), budget) == 0
+
+
 def test_the_profile_is_paced_by_warmups_measured_step_within_bounds():
     assert search.pace_factor(321.0, 300.0) == pytest.approx(1.07)
     assert search.pace_factor(250.0, 300.0) == search.MIN_PACE  # a disturbed profile

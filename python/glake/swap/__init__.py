@@ -44,7 +44,8 @@ from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
-                     memory_correction, pace_factor, stable_drift, worth_trying)
+                     memory_correction, pace_factor, peak_error, room_left, stable_drift,
+                     worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -188,7 +189,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.choices = None         # the planner's (action, out_after, in_before) per tensor
         self.meaning = None         # per planner tensor: (block, op indexes), or None if fixed
         self.target_bytes = None
-        self.correction = 0
+        self.correction = 0         # the planner's plans aim this far under the budget
+        self.whole_error = 0        # whole-block plans' measured peak less predicted peak
         self.corrections = 0
         self.bandwidth = None
         self.measured = []          # search.Measurement of stable steps
@@ -286,6 +288,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.phase, self.decisions, self.bandwidth = "warmup", None, None
         self._stop_moving_states()
         self.trials, self.correction, self.corrections = [], 0, 0
+        self.whole_error = 0
         self.chosen, self.deferred = None, None
 
     def _restart(self):
@@ -293,6 +296,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.reprofiled = False
         self.decisions, self.marks, self.expected = None, None, {}
         self.measured, self.correction, self.corrections = [], 0, 0
+        self.whole_error = 0
         self.trials, self.recompute_ms, self.chosen = [], None, None
         self.deferred = None
         self.block_fwd_ms, self._block_timers, self._warm_steps = None, {}, []
@@ -578,7 +582,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         the planner's simulation; with carried states, the number of them kept on the device
         that predicts the fastest step. None when there is nothing to try: no goal or
         warm-up timing, no block fits, or a trial had the plan."""
-        goal = self._goal()
+        goal = self._goal(whole_blocks=True)
         if goal is None or self.recompute_ms is None or self.block_fwd_ms is None:
             return None
         base = self._full_recompute_choices()
@@ -608,9 +612,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 return None
             run = simulate(kept, resident)
             # Warm-up measured every block recomputed, its copies included; a plan that
-            # recomputes less leaves the copies less time to hide in (the simulation's
-            # waits beyond full recomputation's).
-            extra = max(0, run.exposed_wait_ns - full.exposed_wait_ns) / 1e6
+            # recomputes less leaves the copies less time to hide in, one that keeps states
+            # copies less (the simulation's waits against full recomputation's).
+            extra = (run.exposed_wait_ns - full.exposed_wait_ns) / 1e6
             ms = self.recompute_ms - sum(self.block_fwd_ms[b] for b in kept) + extra
             return ms, kept, keeping(kept, resident), run
 
@@ -633,6 +637,31 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if any(t.choices == choices for t in self.trials):
             return None
         return kept, choices, dataclasses.replace(run, step_ns=int(ms * 1e6))
+
+    def _grow_whole_blocks(self, trial):
+        """After a whole-block trial whose measured peak left room under the budget
+        (search.room_left): plans whole blocks again, aimed by that trial's measured peak
+        error, and tries the plan when it differs from every plan tried and is predicted
+        faster than every step measured. True when it started."""
+        if self.target_bytes is None or sum(t.whole_blocks for t in self.trials) >= _MAX_TRIALS:
+            return False
+        budget = self._budget()
+        room = room_left(trial, budget)
+        if not room:
+            return False
+        self.whole_error = peak_error(max(m.allocated for m in trial.steps),
+                                      trial.prediction.peak_bytes, budget)
+        plan = self._whole_block_plan()
+        if plan is None:
+            return False
+        probe = Trial({}, plan[1], {}, plan[2], 1.0)
+        if not worth_trying(probe, self.trials, self.recompute_ms):
+            return False
+        log.info("glake.swap: the whole-block plan left %.2f GiB of the budget unused (its "
+                 "peak measured %.2f GiB from the predicted): planning whole blocks again",
+                 room / 2**30, self.whole_error / 2**30)
+        self._start_whole_blocks(*plan)
+        return True
 
     def _start_whole_blocks(self, kept, choices, prediction, replace=False):
         """Starts the trial of a whole-block plan, in place of the trial under way with
@@ -693,12 +722,14 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         """Allocated bytes a step may peak at: the target less the margin."""
         return int(self.target_bytes * (1 - self.settings.margin))
 
-    def _goal(self):
+    def _goal(self, whole_blocks=False):
         """Allocated bytes the plan aims at: the budget less the correction measured steps
-        asked for."""
+        asked for; for a whole-block plan, less the error the last one's measured peak showed
+        (its own: the two kinds of plan miss differently; on dense-3b the planner's plans
+        peaked 0.9 GB over their prediction, whole-block plans 1.2 GB under it)."""
         if self.target_bytes is None:
             return None
-        return max(0, self._budget() - self.correction)
+        return max(0, self._budget() - (self.whole_error if whole_blocks else self.correction))
 
     def _summary(self):
         counts = {"keep": 0, "swap": 0, "recompute": 0}
@@ -757,11 +788,14 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 and not trial.recompute):
             log.info("glake.swap: step peaked at %d bytes allocated, %d over the budget: "
                      "planning again", m.allocated, m.allocated - self._budget())
-            self.correction = corrected
             self.corrections += 1
             if not trial.whole_blocks:
+                self.correction = corrected
                 self._replan(replace=True)
-            elif not self._try_whole_blocks(replace=True):
+                return
+            self.whole_error = peak_error(m.allocated, trial.prediction.peak_bytes,
+                                          self._budget())
+            if not self._try_whole_blocks(replace=True):
                 if self.deferred is not None:
                     self.deferred = None
                     self._replan()  # the planner's plan, for the corrected goal
@@ -788,6 +822,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         log.info("glake.swap: trial %d: %s", len(self.trials), trial.describe())
         if trial.recompute:
             self._finish_search()
+            return
+        if trial.whole_blocks and self._grow_whole_blocks(trial):
             return
         if trial.whole_blocks and self.deferred is not None:
             if not self._resume_deferred():

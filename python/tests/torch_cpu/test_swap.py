@@ -255,12 +255,52 @@ def test_a_whole_block_plan_predicted_faster_is_tried_first_and_the_planners_onl
         whole = smart.trials[0]
         predicted = smart.deferred.prediction.step_ns / 1e6
         step = predicted * (0.5 if measured_faster else 2.0)
-        whole.steps = [swap.search.Measurement(step, 0.0, step, 0, 0)]
+        # Its peak as predicted: no room left to plan whole blocks again with.
+        peak = whole.prediction.peak_bytes
+        whole.steps = [swap.search.Measurement(step, 0.0, step, peak, peak)]
         smart.recompute_ms = 10 * predicted
         smart._trial_done(whole)
         outcomes.append((smart.phase, [t.whole_blocks for t in smart.trials]))
         smart.remove()
     assert outcomes == [("stable", [True]), ("search", [True, False])], outcomes
+
+
+def test_a_whole_block_plan_that_peaked_under_its_prediction_is_planned_again_keeping_more(
+        monkeypatch):
+    # A block of this model is a fifth of the target: a bound of 10% would leave no room for
+    # one more.
+    monkeypatch.setattr(swap.search, "MAX_OVERRATE", 0.3)
+    target = halfway_target()
+    model = fresh()
+    smart = swap.apply(model, target=target, margin=0)
+    planned = smart._plan
+
+    def plan_with_cheap_recompute():
+        smart.recompute_ms = 0.0  # the whole-block plan is tried first (as above)
+        planned()
+    smart._plan = plan_with_cheap_recompute
+    train(model, FIRST_PLANNED)
+    first = smart.trials[0]
+    assert first.whole_blocks, smart.report()
+    kept = first.summary["kept_blocks"]
+    assert 0 < len(kept) < LAYERS, first.summary
+    budget = smart._budget()
+    # Measured far under its prediction: the error is bounded, the goal rises by it.
+    first.steps = [swap.search.Measurement(50.0, 0.0, 50.0, 0, 0)]
+    smart._trial_done(first)
+    assert smart.whole_error == -int(swap.search.MAX_OVERRATE * budget)
+    grown = smart.trials[-1]
+    assert len(smart.trials) == 2 and grown.whole_blocks, smart.report()
+    assert grown.prediction.peak_bytes <= budget + int(swap.search.MAX_OVERRATE * budget)
+    assert set(grown.summary["kept_blocks"]) > set(kept), (kept, grown.summary)
+    assert smart.deferred is not None, "the planner's plan still waits for its turn"
+    # Measured as predicted: nothing more to grow into, the planner's plan is next (if worth
+    # it) or the search ends.
+    peak = grown.prediction.peak_bytes - smart.whole_error
+    grown.steps = [swap.search.Measurement(40.0, 0.0, 40.0, peak, peak)]
+    smart._trial_done(grown)
+    assert sum(t.whole_blocks for t in smart.trials) == 2, smart.report()
+    smart.remove()
 
 
 def test_every_executor_path_keeps_the_step_exact():

@@ -248,6 +248,10 @@ def child(args):
                            pace=report["pace"],
                            predicted_step_ms=plan.get("predicted_step_ms"),
                            predicted_peak=plan.get("predicted_peak_bytes"))
+                if args.logs:  # the planner's inputs and trials, to simulate away from here
+                    record = pathlib.Path(args.logs) / f"{label}.plan.json"
+                    record.parent.mkdir(parents=True, exist_ok=True)
+                    record.write_text(json.dumps(smart.planning_record()))
         except torch.OutOfMemoryError as e:
             row.update(oom=True, error=str(e).splitlines()[0][:800])
             if smart is not None:  # where SmartSwap was when the step ran out

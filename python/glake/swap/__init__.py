@@ -914,6 +914,31 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "swapped_out_bytes": self.swapper.bytes_out,
                 "swapped_in_bytes": self.swapper.bytes_in}
 
+    def planning_record(self):
+        """What the search planned from and what its plans measured, as plain data (JSON):
+        the profile the planner saw (ops, tensors, base bytes), what each tensor stands for,
+        the copy bandwidths, warm-up's timings, the budget, and each trial's choices with its
+        measured steps; None before the profiled step. A plan can then be simulated again
+        away from the device (planner.simulate on the same profile)."""
+        if self.profile is None:
+            return None
+        p = self.profile
+        return {"ops": [list(op) for op in p.ops],
+                "tensors": [dataclasses.asdict(t) for t in p.tensors],
+                "base_bytes": p.base_bytes, "meaning": self.meaning,
+                "bandwidth": self.bandwidth, "prefetch": self.settings.prefetch + 1,
+                "preference": self.settings.preference, "pace": self.pace,
+                "recompute_ms": self.recompute_ms, "block_fwd_ms": self.block_fwd_ms,
+                "budget": self._budget() if self.target_bytes is not None else None,
+                "correction": self.correction, "whole_error": self.whole_error,
+                "resident_states": list(self.resident_states),
+                "step_in_backward": self.backward_step,
+                "trials": [dict(t.describe(), choices=t.choices,
+                                predicted_peak=t.prediction.peak_bytes,
+                                measured=[vars(m) for m in t.steps]) for t in self.trials],
+                "chosen": (self.trials.index(self.chosen) if self.chosen in self.trials
+                           else None)}
+
     def _profile_totals(self):
         """The profiled step as the planner saw it: milliseconds of the blocks' forwards, what
         runs between the last forward and the first backward (the head), the backwards, and

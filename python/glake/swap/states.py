@@ -133,8 +133,9 @@ class StateSwapper:
             self.prefetch(next_block)
         ready = self.back.pop(b, None)
         if ready is not None:
-            # Not timed: the profiled optimizer step holds these copies, not the plan's waits.
-            self.swapper.wait_for(ready, timed=False)
+            # In the optimizer step not timed: the profiled step holds these copies, not the
+            # plan's waits. In the backward the plan holds them (carried states): timed.
+            self.swapper.wait_for(ready, timed=not release_now)
         run()
         # Read again each step: a state made later (an expert first routed to) moves too.
         made = tensors()
@@ -155,7 +156,7 @@ class StateSwapper:
         for i, b in enumerate(pending):
             done = self.out[b]
             if done is None or done.query() or i < len(pending) - lag:
-                self.release([b], timed=False)
+                self.release([b])  # a wait for the link in the backward: timed
         self.lagging = [b for b in pending if b not in self.released]
 
     def release(self, blocks, timed=True):

@@ -351,6 +351,25 @@ def test_planner_from_python_meets_its_target():
         planner.plan(planner.Profile(ops, [planner.Tensor(1, 3, 2, [])]), 1, 1e9, 1e9)
 
 
+def test_the_planning_record_is_plain_data_that_simulates_to_the_trials_predictions():
+    import json
+    model = fresh()
+    smart = swap.apply(model, target=halfway_target())
+    assert smart.planning_record() is None, "nothing planned before the profiled step"
+    train(model, FIRST_PLANNED + 4)
+    record = json.loads(json.dumps(smart.planning_record()))
+    assert record["trials"] and len(record["meaning"]) == len(record["tensors"])
+    profile = planner.Profile([tuple(op) for op in record["ops"]],
+                              [planner.Tensor(**t) for t in record["tensors"]],
+                              record["base_bytes"])
+    for trial in record["trials"]:
+        choices = [tuple(c) for c in trial["choices"]]
+        d2h, h2d = (x * trial["bandwidth_scale"] for x in record["bandwidth"])
+        again = planner.simulate(profile, choices, d2h, h2d, record["prefetch"])
+        assert again.peak_bytes == trial["predicted_peak"], trial
+    smart.remove()
+
+
 def test_settings_come_from_keywords_and_environment(monkeypatch):
     monkeypatch.setenv("GLAKE_SWAP_TARGET", "0.6")
     monkeypatch.setenv("GLAKE_SWAP_PREFERENCE", "memory")

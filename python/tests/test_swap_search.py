@@ -67,6 +67,8 @@ def test_a_stable_step_that_waits_longer_than_its_trial_asks_for_less_bandwidth(
     t = trial([200, 200], wait_ms=5, predicted_wait_ms=5, swapped=5 * GB)
     same = search.Measurement(200, 6, 100, 0, 0)
     assert search.stable_drift(t, same, 50 * GB) is None  # within the tolerance
+    noisy = search.Measurement(210, 15, 100, 0, 0)  # 10 ms more: within 5% of the step
+    assert search.stable_drift(t, noisy, 50 * GB) is None
     slower = search.Measurement(230, 30, 100, 0, 0)
     assert search.stable_drift(t, slower, 50 * GB) == pytest.approx(100 / 125)
     assert search.stable_drift(None, slower, 50 * GB) is None  # recomputing: nothing to move

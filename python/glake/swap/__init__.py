@@ -270,8 +270,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             torch.cuda.reset_peak_memory_stats(self.device)  # warm-up's own peak, for states
         self.iteration += 1
         self.step_start, self.step_cpu = now, time.perf_counter()
-        measured = self.phase == "search" or (self.phase == "stable"
-                                              and self.iteration % _STABLE_EVERY == 0)
+        # (The profiled step times its waits too: each block's are taken out of its backward.)
+        measured = self.phase in ("search", "profile") or (
+            self.phase == "stable" and self.iteration % _STABLE_EVERY == 0)
         self.swapper.waits = [] if (measured and self.cuda) else None
         if self.cuda and self.phase in ("search", "stable", "profile"):
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -386,6 +387,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if self.phase == "profile" and self.marks is not None:
             alloc, peak = self._memory()
             self.marks.bwd[b] = (self._event(), alloc, peak)
+            self.marks.waits_before[b] = len(self.swapper.waits or ())
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -623,14 +625,17 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                           if m is not None and m[0] == "state"
                           and t.kind == planner.CARRIED_STATE), reverse=True)
         # Carried states kept on the device take memory from kept blocks but save their
-        # copies: each count of them, the first needed in the backward first, is weighed.
+        # copies: each count of them is weighed, as the first needed in the backward (the
+        # link starts later) and spread evenly over it (the link rests between the copies).
         best = None
         for n in range(len(carried) + 1):
-            found = best_for(set(carried[:n]))
-            if found is None:
+            found = [best_for(resident) for resident in _resident_choices(carried, n)]
+            found = [f for f in found if f is not None]
+            if not found:
                 break  # no block fits beside that many states: more only take more memory
-            if best is None or found[0] < best[0]:
-                best = found
+            fastest_found = min(found, key=lambda f: f[0])
+            if best is None or fastest_found[0] < best[0]:
+                best = fastest_found
         if best is None:
             return None
         ms, kept, choices, run = best
@@ -951,6 +956,16 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         for ns, phase in self.profile.ops:
             totals[names[phase]] += ns / 1e6
         return totals
+
+
+def _resident_choices(carried, n):
+    """The sets of `n` carried states (`carried`: blocks, first needed first) a whole-block
+    plan weighs keeping: the first needed, and `n` spread evenly over the backward."""
+    first = frozenset(carried[:n])
+    if n == 0 or n == len(carried):
+        return [first]
+    spread = frozenset(carried[int((i + 0.5) * len(carried) / n)] for i in range(n))
+    return [first] if spread == first else [first, spread]
 
 
 def apply(model, blocks=None, optimizer=None, **settings):

@@ -149,13 +149,15 @@ class StateSwapper:
             self.lagging.append(b)
 
     def release_finished(self, lag):
-        """Frees the groups copied out by parts run in the backward whose copies are done, and
-        the older ones beyond the last `lag` even if not (the stream then waits for them):
-        the link keeps pace with the backward, so the wait is rare and memory stays bounded."""
+        """Frees the groups copied out by parts run in the backward but the last `lag`, the
+        stream waiting for their copies where the link has not kept pace: at the same point of
+        every step, so the allocator's placements repeat from step to step (freeing each one
+        as soon as the host saw its copy done changed them from step to step, and the
+        allocator stitched 4-5 new ranges in every step on dense-3b under a 60% cap)."""
         pending = [b for b in self.lagging if b in self.out and b not in self.released]
         for i, b in enumerate(pending):
-            done = self.out[b]
-            if done is None or done.query() or i < len(pending) - lag:
+            # (No event: copied already, by the host.)
+            if self.out[b] is None or i < len(pending) - lag:
                 self.release([b])  # a wait for the link in the backward: timed
         self.lagging = [b for b in pending if b not in self.released]
 

@@ -822,7 +822,7 @@ def test_optimizer_step_in_the_backward_frees_gradients_and_states_and_stays_exa
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     n_params = len(list(fresh().layers.parameters()))
     assert grads_after == [n_params] + [0] * (len(grads_after) - 1), grads_after
-    if DEVICE == "cpu":  # freed at once; on CUDA, once their copies are seen done
+    if DEVICE == "cpu":  # freed at once; on CUDA, two parts later
         # During a block's part: its own states and those of the blocks coming next.
         ahead = swap.states._STATES_AHEAD
         assert all(len(r) <= 1 + ahead < LAYERS for r in during[LAYERS:]), during

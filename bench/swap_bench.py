@@ -233,6 +233,7 @@ def child(args):
             times, _, delta, peaks = run(args.steps, 2, smart, trace)
             step_s = statistics.median(times)
             row.update(step_ms=step_s * 1e3, tokens_per_s=batch * seq / step_s,
+                       step_times_ms=[round(t * 1e3, 2) for t in times],
                        peak_reserved=peaks[0], peak_allocated=peaks[1], oom=False,
                        allocator_counters=delta)
             if smart is not None:

@@ -41,6 +41,19 @@ def test_an_unmeasured_search_keeps_its_last_plan_unless_recomputation_was_measu
     assert search.fastest([], None) is None
 
 
+def test_a_trial_that_peaked_over_the_budget_is_kept_only_if_every_one_did():
+    fast, slow = trial([100, 100]), trial([120, 120])
+    for m in fast.steps:
+        m.allocated = 1_100
+    for m in slow.steps:
+        m.allocated = 900
+    assert search.fastest([fast, slow], None, budget=1_000) is slow
+    assert search.fastest([fast, slow], None) is fast  # no budget: time alone
+    for m in slow.steps:
+        m.allocated = 1_050
+    assert search.fastest([fast, slow], None, budget=1_000) is fast
+
+
 def test_waits_as_predicted_leave_the_bandwidth_alone():
     assert search.bandwidth_correction(trial([100], wait_ms=5, predicted_wait_ms=4.5,
                                              swapped=5 * GB), 50 * GB) is None

@@ -191,6 +191,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.target_bytes = None
         self.correction = 0         # the planner's plans aim this far under the budget
         self.whole_error = 0        # whole-block plans' measured peak less predicted peak
+        self.overshot = []          # choices of whole-block plans whose step went over the budget
         self.corrections = 0
         self.bandwidth = None
         self.measured = []          # search.Measurement of stable steps
@@ -289,7 +290,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.phase, self.decisions, self.bandwidth = "warmup", None, None
         self._stop_moving_states()
         self.trials, self.correction, self.corrections = [], 0, 0
-        self.whole_error = 0
+        self.whole_error, self.overshot = 0, []
         self.chosen, self.deferred = None, None
 
     def _restart(self):
@@ -297,7 +298,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.reprofiled = False
         self.decisions, self.marks, self.expected = None, None, {}
         self.measured, self.correction, self.corrections = [], 0, 0
-        self.whole_error = 0
+        self.whole_error, self.overshot = 0, []
         self.trials, self.recompute_ms, self.chosen = [], None, None
         self.deferred = None
         self.block_fwd_ms, self._block_timers, self._warm_steps = None, {}, []
@@ -639,7 +640,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if best is None:
             return None
         ms, kept, choices, run = best
-        if any(t.choices == choices for t in self.trials):
+        if any(t.choices == choices for t in self.trials) or choices in self.overshot:
             return None
         return kept, choices, dataclasses.replace(run, step_ns=int(ms * 1e6))
 
@@ -734,7 +735,12 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         peaked 0.9 GB over their prediction, whole-block plans 1.2 GB under it)."""
         if self.target_bytes is None:
             return None
-        return max(0, self._budget() - (self.whole_error if whole_blocks else self.correction))
+        if not whole_blocks:
+            return max(0, self._budget() - self.correction)
+        # Never above the target less half the margin: a plan overrated by less than the last
+        # one still peaks under the target.
+        ceiling = int(self.target_bytes * (1 - self.settings.margin / 2))
+        return max(0, min(ceiling, self._budget() - self.whole_error))
 
     def _summary(self):
         counts = {"keep": 0, "swap": 0, "recompute": 0}
@@ -800,10 +806,11 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 return
             self.whole_error = peak_error(m.allocated, trial.prediction.peak_bytes,
                                           self._budget())
+            self.overshot.append(trial.choices)  # never tried again
             if not self._try_whole_blocks(replace=True):
                 if self.deferred is not None:
                     self.deferred = None
-                    self._replan()  # the planner's plan, for the corrected goal
+                    self._replan()  # the planner's plan, for its own goal
                 else:
                     self._finish_search()
             return
@@ -853,7 +860,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         full recomputation kept on warm-up's measurement ran 5-38% slower than it in stable, in
         every case, and slower than the plan it had displaced in most)."""
         again = next((t for t in self.trials if t.recompute), None)
-        best = fastest(self.trials, None if again is not None else self.recompute_ms)
+        best = fastest(self.trials, None if again is not None else self.recompute_ms,
+                       self._budget() if self.target_bytes is not None else None)
         if best is None and again is None and any(t.steps for t in self.trials):
             self._start_recompute_trial()
             return
@@ -923,8 +931,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         """What the search planned from and what its plans measured, as plain data (JSON):
         the profile the planner saw (ops, tensors, base bytes), what each tensor stands for,
         the copy bandwidths, warm-up's timings, the budget, and each trial's choices with its
-        measured steps; None before the profiled step. A plan can then be simulated again
-        away from the device (planner.simulate on the same profile)."""
+        measured steps (`resident_states`: the plan in use's); None before the profiled step.
+        A plan can then be simulated again away from the device (planner.simulate on the same
+        profile; in step mode, a plan that keeps some states predicts their bytes on top)."""
         if self.profile is None:
             return None
         p = self.profile

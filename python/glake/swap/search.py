@@ -141,10 +141,13 @@ def stable_drift(trial, measurement, h2d_bytes_per_s):
     return bandwidth_correction(later, h2d_bytes_per_s)
 
 
-def fastest(trials, recompute_ms):
+def fastest(trials, recompute_ms, budget=None):
     """The trial that ran fastest, or None when full recomputation (measured at `recompute_ms`,
-    None if unmeasured) was faster than every trial."""
+    None if unmeasured) was faster than every trial. With `budget`, a trial whose measured
+    steps peaked over it is taken only if every measured one did."""
     measured = [t for t in trials if t.steps]
+    within = [t for t in measured if max(m.allocated for m in t.steps) <= budget] if budget else []
+    measured = within or measured
     if not measured:
         return None if recompute_ms is not None else (trials[-1] if trials else None)
     best = min(measured, key=lambda t: t.step_ms)

@@ -272,7 +272,8 @@ def test_a_whole_block_plan_that_peaked_under_its_prediction_is_planned_again_ke
     monkeypatch.setattr(swap.search, "MAX_OVERRATE", 0.3)
     target = halfway_target()
     model = fresh()
-    smart = swap.apply(model, target=target, margin=0)
+    margin = 0.3  # room between the budget and the ceiling of whole-block goals
+    smart = swap.apply(model, target=target, margin=margin)
     planned = smart._plan
 
     def plan_with_cheap_recompute():
@@ -285,13 +286,22 @@ def test_a_whole_block_plan_that_peaked_under_its_prediction_is_planned_again_ke
     kept = first.summary["kept_blocks"]
     assert 0 < len(kept) < LAYERS, first.summary
     budget = smart._budget()
-    # Measured far under its prediction: the error is bounded, the goal rises by it.
+    # A plan whose step once went over the budget is not planned again.
+    smart.whole_error = -int(swap.search.MAX_OVERRATE * budget)
+    overshooting = smart._whole_block_plan()[1]
+    smart.overshot.append(overshooting)
+    assert (smart._whole_block_plan() or (None, None))[1] != overshooting
+    smart.overshot, smart.whole_error = [], 0
+    # Measured far under its prediction: the error is bounded, the goal rises by it, but
+    # never above the target less half the margin.
     first.steps = [swap.search.Measurement(50.0, 0.0, 50.0, 0, 0)]
     smart._trial_done(first)
     assert smart.whole_error == -int(swap.search.MAX_OVERRATE * budget)
+    ceiling = int(target * (1 - margin / 2))
+    assert smart._goal(whole_blocks=True) == min(ceiling, budget - smart.whole_error)
     grown = smart.trials[-1]
     assert len(smart.trials) == 2 and grown.whole_blocks, smart.report()
-    assert grown.prediction.peak_bytes <= budget + int(swap.search.MAX_OVERRATE * budget)
+    assert budget < grown.prediction.peak_bytes <= ceiling
     assert set(grown.summary["kept_blocks"]) > set(kept), (kept, grown.summary)
     assert smart.deferred is not None, "the planner's plan still waits for its turn"
     # Measured as predicted: nothing more to grow into, the planner's plan is next (if worth

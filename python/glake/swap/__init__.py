@@ -291,6 +291,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self._stop_moving_states()
         self.trials, self.correction, self.corrections = [], 0, 0
         self.whole_error, self.overshot = 0, []
+        self.bandwidth_scale = 1.0  # learned from trials of the profile left behind
         self.chosen, self.deferred = None, None
 
     def _restart(self):
@@ -299,6 +300,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.decisions, self.marks, self.expected = None, None, {}
         self.measured, self.correction, self.corrections = [], 0, 0
         self.whole_error, self.overshot = 0, []
+        self.bandwidth_scale = 1.0  # learned from trials of the shapes left behind
         self.trials, self.recompute_ms, self.chosen = [], None, None
         self.deferred = None
         self.block_fwd_ms, self._block_timers, self._warm_steps = None, {}, []

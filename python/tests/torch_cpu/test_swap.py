@@ -343,6 +343,11 @@ def test_new_shapes_go_back_to_warmup_and_stay_exact(caplog):
         same(train(model, len(shapes), shapes=shapes), reference)
     assert "back to warm-up" in caplog.text
     assert smart.report()["plan"] is not None
+    # What trials of the old shapes or profile learned does not carry over.
+    for start_again in (smart._restart, smart._reprofile):
+        smart.bandwidth_scale, smart.whole_error, smart.overshot = 0.5, -1, [[]]
+        start_again()
+        assert (smart.bandwidth_scale, smart.whole_error, smart.overshot) == (1.0, 0, [])
 
 
 def test_planner_from_python_meets_its_target():

@@ -108,13 +108,13 @@ def test_whole_blocks_are_kept_by_time_saved_per_byte_while_they_fit():
 
 
 def test_a_plan_not_tried_is_worth_a_trial_only_when_predicted_faster_than_any_measured():
-    waiting = trial([])
-    waiting.prediction.step_ns = int(90e6)
-    assert search.worth_trying(waiting, [], None), "nothing measured yet"
-    assert search.worth_trying(waiting, [trial([100, 101])], 120.0)
-    assert not search.worth_trying(waiting, [trial([85, 88])], 120.0), "a trial ran faster"
-    assert not search.worth_trying(waiting, [trial([100])], 89.0), "recomputing ran faster"
-    assert search.worth_trying(waiting, [trial([])], None), "unmeasured trials count for nothing"
+    predicted = 90.0
+    assert search.worth_trying(predicted, [], None), "nothing measured yet"
+    assert search.worth_trying(predicted, [trial([100, 101])], 120.0)
+    assert not search.worth_trying(predicted, [trial([85, 88])], 120.0), "a trial ran faster"
+    assert not search.worth_trying(predicted, [trial([100])], 89.0), "recomputing ran faster"
+    assert search.worth_trying(predicted, [trial([])], None), (
+        "unmeasured trials count for nothing")
 
 
 

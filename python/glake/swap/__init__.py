@@ -573,7 +573,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         deferred, self.deferred = self.deferred, None
         if deferred is None:
             return False
-        if not worth_trying(deferred, self.trials, self.recompute_ms):
+        if not worth_trying(deferred.prediction.step_ns / 1e6, self.trials, self.recompute_ms):
             log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: a "
                      "measured step is as fast", deferred.prediction.step_ns / 1e6)
             return False
@@ -657,13 +657,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         room = room_left(trial, budget)
         if not room:
             return False
-        self.whole_error = peak_error(max(m.allocated for m in trial.steps),
-                                      trial.prediction.peak_bytes, budget)
+        self.whole_error = peak_error(trial.peak, trial.prediction.peak_bytes, budget)
         plan = self._whole_block_plan()
-        if plan is None:
-            return False
-        probe = Trial({}, plan[1], {}, plan[2], 1.0)
-        if not worth_trying(probe, self.trials, self.recompute_ms):
+        if plan is None or not worth_trying(plan[2].step_ns / 1e6, self.trials,
+                                            self.recompute_ms):
             return False
         log.info("glake.swap: the whole-block plan left %.2f GiB of the budget unused (its "
                  "peak measured %.2f GiB from the predicted): planning whole blocks again",

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 # A plan whose copies made the step wait this share of it longer than predicted is planned
 # again with the bandwidth those waits imply.
 WAIT_TOLERANCE = 0.01
-# A stable step plans again when its waits grew past its trial's by this share of the step: a
-# plan whose optimizer states cross the link in the backward waits 40-50 ms, give or take
-# 10 ms from step to step (dense-3b, one H200), and a new plan's first steps cost more than
-# that.
+# A stable step plans again when its waits grew past its trial's by this share of the step:
+# where optimizer states cross the link in the backward, waits move by 10 ms from step to step
+# (dense-3b on one H200: a trial's 40.2 ms, a stable step's 50.8), and a new plan's first
+# steps cost more than that.
 DRIFT_TOLERANCE = 0.05
 # The planner is told no less than this share of the measured bandwidth: below it the plan
 # recomputes everything anyway.
@@ -46,6 +46,11 @@ class Trial:
     @property
     def step_ms(self):
         return statistics.median(m.step_ms for m in self.steps) if self.steps else None
+
+    @property
+    def peak(self):
+        """The highest peak allocated of its measured steps (None before any)."""
+        return max(m.allocated for m in self.steps) if self.steps else None
 
     @property
     def wait_ms(self):
@@ -125,7 +130,7 @@ def room_left(trial, budget):
     GROW_SLACK of it, else 0."""
     if not trial.steps:
         return 0
-    room = budget - max(m.allocated for m in trial.steps)
+    room = budget - trial.peak
     return room if room > GROW_SLACK * budget else 0
 
 
@@ -146,7 +151,7 @@ def fastest(trials, recompute_ms, budget=None):
     None if unmeasured) was faster than every trial. With `budget`, a trial whose measured
     steps peaked over it is taken only if every measured one did."""
     measured = [t for t in trials if t.steps]
-    within = [t for t in measured if max(m.allocated for m in t.steps) <= budget] if budget else []
+    within = [t for t in measured if t.peak <= budget] if budget else []
     measured = within or measured
     if not measured:
         return None if recompute_ms is not None else (trials[-1] if trials else None)
@@ -156,13 +161,14 @@ def fastest(trials, recompute_ms, budget=None):
     return best
 
 
-def worth_trying(trial, trials, recompute_ms):
-    """Whether a plan not yet tried is worth a trial: its predicted step is shorter than every
-    measured one (each trial's, and full recomputation's at `recompute_ms`)."""
+def worth_trying(predicted_ms, trials, recompute_ms):
+    """Whether a plan not yet tried, its step predicted at `predicted_ms`, is worth a trial:
+    that is shorter than every measured step (each trial's, and full recomputation's at
+    `recompute_ms`)."""
     measured = [t.step_ms for t in trials if t.steps]
     if recompute_ms is not None:
         measured.append(recompute_ms)
-    return trial.prediction.step_ns / 1e6 < min(measured, default=float("inf"))
+    return predicted_ms < min(measured, default=float("inf"))
 
 
 def blocks_to_keep(saving_ms, block_bytes, fits):

@@ -127,7 +127,7 @@ class StateSwapper:
         frees them in stream order. `tensors()` gives the block's states once the part has
         run (the first step makes them). Without `release_now` (a part run in the backward,
         whose stream must not stand still for the copy out) the memory is freed later, by
-        `release_finished`."""
+        `release_lagging`."""
         self.prefetch(b)
         if next_block is not None:
             self.prefetch(next_block)
@@ -148,7 +148,7 @@ class StateSwapper:
         else:
             self.lagging.append(b)
 
-    def release_finished(self, lag):
+    def release_lagging(self, lag):
         """Frees the groups copied out by parts run in the backward but the last `lag`, the
         stream waiting for their copies where the link has not kept pace: at the same point of
         every step, so the allocator's placements repeat from step to step (freeing each one
@@ -238,27 +238,16 @@ def _settings_of(optimizer):
              for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def _weakly_param(method, b):
-    """A gradient hook calling `method(b, param)` while its object lives (see _weakly)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(param):
-        bound = ref()
-        if bound is not None:
-            bound(b, param)
-
-    return call
-
-
-def _weakly(method):
-    """A global hook calling `method` while its object lives: PyTorch's global optimizer
-    hooks would otherwise keep a dropped SmartSwap, and its model, alive for good."""
+def _weakly(method, *first):
+    """A hook calling `method(*first, *args)` while its object lives: PyTorch's global
+    optimizer hooks, and the gradient hooks on the model's parameters, would otherwise keep a
+    dropped SmartSwap, and its model, alive for good."""
     ref = weakref.WeakMethod(method)
 
     def call(*args):
         bound = ref()
         if bound is not None:
-            bound(*args)
+            bound(*first, *args)
 
     return call
 
@@ -491,7 +480,7 @@ class OptimizerStatesMixin:
             self._grads_wanted[b] = len(learning)
             for p in learning:
                 self._gradient_hooks.append(p.register_post_accumulate_grad_hook(
-                    _weakly_param(self._gradient_ready, b)))
+                    _weakly(self._gradient_ready, b)))
         self._grads_left = dict(self._grads_wanted)
         self.states.in_step = True
 
@@ -589,7 +578,7 @@ class OptimizerStatesMixin:
         for p in self._stepped_params[b]:
             p.grad = None
         self.stepped_in_backward.add(b)
-        self.states.release_finished(_STATES_AHEAD)
+        self.states.release_lagging(_STATES_AHEAD)
 
     def _before_step(self, optimizer, args, kwargs, split=False):
         if self._splitting:

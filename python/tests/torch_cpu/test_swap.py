@@ -880,7 +880,7 @@ def test_carried_states_the_plan_keeps_stay_and_the_others_visit_for_their_part(
     ref = run(fresh(), False)
     got = run(fresh(), True)
     same(got[:2], ref[:2])
-    if DEVICE == "cpu":  # on CUDA the last blocks' memory is freed once their copies are done
+    if DEVICE == "cpu":  # on CUDA the last blocks' memory is freed two parts later
         assert got[2][FIRST_PLANNED:] == [[2, 3]] * 3, got[2]
         assert got[2][1:FIRST_PLANNED] == [[]] * (FIRST_PLANNED - 1), got[2]
 
@@ -940,6 +940,31 @@ def test_step_in_the_backward_leaves_other_optimizers_alone_and_turns_off_when_a
         opt.step()
         opt.zero_grad(set_to_none=True)
     smart.remove()
+
+
+def test_the_profiled_backwards_waits_go_to_the_block_whose_backward_took_them():
+    from glake.swap.profiling import waits_by_block
+    # Backward order: block 2's mark, then 1's, then 0's, then the backward's end.
+    times = [5, 7, 11, 13, 17]
+    marks = {2: 0, 1: 2, 0: 3, None: 5}
+    assert waits_by_block(times, marks, 3) == {2: 5 + 7, 1: 11, 0: 13 + 17}
+    # A block missing a mark (or the end missing) gets nothing, the others still theirs.
+    assert waits_by_block(times, {2: 0, 1: 2, 0: 3}, 3) == {2: 12, 1: 11}
+    assert waits_by_block([], {}, 3) == {}
+
+
+def test_carried_states_kept_are_weighed_first_needed_and_spread_over_the_backward():
+    carried = list(range(7, -1, -1))  # blocks, the first needed in the backward first
+    assert swap._resident_choices(carried, 0) == [frozenset()]
+    assert swap._resident_choices(carried, 8) == [frozenset(carried)]
+    # Spread: one in the middle of each equal share of the backward.
+    first, spread = swap._resident_choices(carried, 2)
+    assert first == {7, 6} and spread == {5, 1}
+    first, spread = swap._resident_choices(carried, 4)
+    assert first == {7, 6, 5, 4} and spread == {6, 4, 2, 0}
+    # Where both are the same set, it is weighed once.
+    assert swap._resident_choices([1, 0], 1) == [frozenset({1}), frozenset({0})]
+    assert swap._resident_choices([0], 1) == [frozenset({0})]
 
 
 def test_the_profile_is_scaled_to_warmups_pace_and_never_sped_up():

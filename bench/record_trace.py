@@ -31,21 +31,53 @@ ACTIONS = (
 )
 
 
+_LIVE_AT_START = {}  # device -> [(addr, size, stream)]: what was allocated before start()
+
+
 def start():
+    """Starts recording. The blocks already allocated are noted, so that write() can put them
+    first and a replay's pool holds them, as the real one did (a model's parameters, say)."""
+    _LIVE_AT_START.clear()
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        addr = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                _LIVE_AT_START.setdefault(segment["device"], []).append(
+                    (block.get("address", addr), block["size"], segment["stream"]))
+            addr += block["size"]
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
 
 
-def write(path, device=0):
-    """Writes the events recorded since start() for `device`; returns their count."""
+def recorded(device=0):
+    """How many events have been recorded since start(): a position for write()'s `marks`."""
+    return len(torch.cuda.memory._snapshot()["device_traces"][device])
+
+
+def write(path, device=0, marks=()):
+    """Writes the events recorded since start() for `device`; returns their count. `marks`:
+    (position from recorded(), text) pairs, written as `# text` comment lines at that point,
+    so that a replay can be cut at them."""
     traces = torch.cuda.memory._snapshot()["device_traces"]
-    events = [e for e in traces[device] if e["action"] in ACTIONS]
+    pending = sorted(marks)
     opener = gzip.open if path.endswith(".gz") else open
+    count = 0
     with opener(path, "wt") as out:
         out.write("# action addr size stream\n")
-        for e in events:
-            out.write(f"{e['action']} {e['addr']} {e['size']} {e['stream']}\n")
+        if _LIVE_AT_START.get(device):
+            out.write("# allocated before the recording began\n")
+        for addr, size, stream in sorted(_LIVE_AT_START.get(device, ())):
+            out.write(f"alloc {addr} {size} {stream}\n")
+            count += 1
+        for index, e in enumerate(traces[device]):
+            while pending and pending[0][0] <= index:
+                out.write(f"# {pending.pop(0)[1]}\n")
+            if e["action"] in ACTIONS:
+                out.write(f"{e['action']} {e['addr']} {e['size']} {e['stream']}\n")
+                count += 1
+        for _, text in pending:
+            out.write(f"# {text}\n")
     torch.cuda.memory._record_memory_history(enabled=None)
-    return len(events)
+    return count
 
 
 WORKLOADS = tuple(workloads.WORKLOADS)

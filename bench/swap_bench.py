@@ -144,6 +144,9 @@ def child(args):
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     import torch
     from torch.utils.checkpoint import checkpoint
+    if args.alloc_trace_dir:
+        import record_trace  # beside this file; imports torch, so after glake's allocator
+        os.makedirs(args.alloc_trace_dir, exist_ok=True)
 
     _, _, _, _, _, batch, seq = MODELS[name]
     total = torch.cuda.mem_get_info()[1]
@@ -178,13 +181,16 @@ def child(args):
                 "num_device_free", "glake.stitches", "glake.stitch_reuse_hits",
                 "glake.stitched_allocations")
 
-    def run(steps, warm, smart=None, trace=None):
+    def run(steps, warm, smart=None, trace=None, alloc_trace=None):
         """`warm` unmeasured steps (for SmartSwap: until it is stable, at most 40), then
         `steps` measured; the allocator's counters over the measured steps; with `trace` (a
         path less its suffix), one more step's profile: a timeline (.json) and two tables by
-        device and by host time (.txt)."""
-        times, losses = [], []
+        device and by host time (.txt); with `alloc_trace` (a path), every allocation event
+        of the run in glake-replay's format, each measured step marked."""
+        times, losses, marks = [], [], []
         torch.cuda.synchronize()
+        if alloc_trace:
+            record_trace.start()
         i = 0
         while i < warm or (smart is not None and smart.phase != "stable" and i < 40):
             losses.append(step(i).item())
@@ -192,12 +198,16 @@ def child(args):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_stats()
         for j in range(steps):
+            if alloc_trace:
+                marks.append((record_trace.recorded(), f"measured step {j}"))
             t = time.perf_counter()
             losses.append(step(i + j).item())
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         after = torch.cuda.memory_stats()
         peaks = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+        if alloc_trace:
+            record_trace.write(alloc_trace, marks=marks + [(record_trace.recorded(), "end")])
         if trace:  # one more step, not timed: the profiler slows it
             activities = [torch.profiler.ProfilerActivity.CPU,
                           torch.profiler.ProfilerActivity.CUDA]
@@ -230,7 +240,9 @@ def child(args):
                 use(method if method == "checkpoint" else None)
             label = f"{name}-{spec.replace('@', '-on-')}-{cap}"
             trace = os.path.join(args.trace_dir, label) if args.trace_dir and cap else None
-            times, _, delta, peaks = run(args.steps, 2, smart, trace)
+            alloc_trace = (os.path.join(args.alloc_trace_dir, label + ".txt.gz")
+                           if args.alloc_trace_dir and cap else None)
+            times, _, delta, peaks = run(args.steps, 2, smart, trace, alloc_trace)
             step_s = statistics.median(times)
             row.update(step_ms=step_s * 1e3, tokens_per_s=batch * seq / step_s,
                        step_times_ms=[round(t * 1e3, 2) for t in times],
@@ -325,6 +337,8 @@ def spawn(method, name, args, reference_peak=0):
         cmd += ["--trace-dir", args.trace_dir]
     if args.logs:
         cmd += ["--logs", args.logs]
+    if args.alloc_trace_dir:
+        cmd += ["--alloc-trace-dir", args.alloc_trace_dir]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     if args.logs:
@@ -444,6 +458,9 @@ def main():
     p.add_argument("--from-jsonl")
     p.add_argument("--trace-dir", help="write each capped run's last measured step's "
                    "profile (tables by device and host time) here")
+    p.add_argument("--alloc-trace-dir", help="record each capped run's allocation events "
+                   "(warm-up, search and measured steps, each marked) for glake-replay here; "
+                   "the recording slows the run")
     p.add_argument("--logs", help="keep each method's log (SmartSwap's phases, plans and "
                    "trials at INFO) in this folder")
     p.add_argument("--child-method")

@@ -296,6 +296,56 @@ fn stitched_bytes_are_the_bytes_of_the_pieces() {
 }
 
 #[test]
+fn the_newest_free_stitched_range_is_reused_behind_many_stale_ones() {
+    // Seven 6 MiB holes, each filled; every round frees two fillers, stitches 12 MiB over
+    // their holes, frees it and fills the holes again, so each round's range goes stale.
+    // Twenty-one rounds leave twenty stale ranges of one size; the last one's pieces stay free,
+    // and a training loop's next step asks for it again.
+    let device = common::device();
+    let p = pool(&device);
+    let holes = 7;
+    let blocks = with_holes(&p, 2 * holes, 6 * MIB);
+    let mut fillers: Vec<u64> = (0..holes)
+        .map(|_| p.malloc(6 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    let pairs: Vec<(usize, usize)> = (0..holes)
+        .flat_map(|i| (i + 1..holes).map(move |j| (i, j)))
+        .collect();
+    let mut last = 0;
+    for (round, &(i, j)) in pairs.iter().enumerate() {
+        p.free(fillers[i]).unwrap();
+        p.free(fillers[j]).unwrap();
+        last = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
+        assert_eq!(
+            p.stats().stitches,
+            round as i64 + 1,
+            "round {round} stitched"
+        );
+        p.free(last).unwrap();
+        if round + 1 < pairs.len() {
+            fillers[i] = p.malloc(6 * MIB, Stream::DEFAULT).unwrap();
+            fillers[j] = p.malloc(6 * MIB, Stream::DEFAULT).unwrap();
+        }
+    }
+    let again = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(again, last, "the free range is found behind the stale ones");
+    let stats = p.stats();
+    assert_eq!(stats.stitches, pairs.len() as i64);
+    assert_eq!(stats.stitch_reuse_hits, 1);
+    p.free(again).unwrap();
+    let (i, j) = pairs[pairs.len() - 1];
+    for (k, &f) in fillers.iter().enumerate() {
+        if k != i && k != j {
+            p.free(f).unwrap();
+        }
+    }
+    for &b in blocks.iter().skip(1).step_by(2) {
+        p.free(b).unwrap();
+    }
+    p.check_invariants().unwrap();
+}
+
+#[test]
 fn defrag_level_one_grows_before_stitching() {
     let device = common::device();
     let config = Config {

@@ -100,8 +100,18 @@ impl StitchJob {
 /// Most idle stitched ranges kept mapped, whatever their bytes (each is a driver object).
 const MAX_IDLE_STITCHED: usize = 4096;
 
-/// Idle stitched ranges examined per reuse attempt (bounds the cost of a miss).
-const REUSE_SCAN: usize = 16;
+/// Idle stitched ranges left after a collection forced by their count: a quarter of the
+/// limit goes at once, so a loop that keeps stitching pays one device-wide wait per thousand
+/// new ranges rather than one per range.
+const IDLE_STITCHED_AFTER_COLLECTION: usize = MAX_IDLE_STITCHED / 4 * 3;
+
+/// Idle stitched ranges examined per reuse attempt, smallest first (bounds the cost of a
+/// miss). Ranges stitched in earlier steps of a loop lose pieces to other allocations and
+/// pile up at the request's size, so a short scan saw only stale ones: 16 left a trace of
+/// SmartSwap under a cap making 8 new stitches a step, where scanning all of them made 2; and a
+/// new stitch costs CUDA about 25 us per handle it maps (100-190 handles for 1 GB), far more
+/// than checking a candidate's pieces.
+const REUSE_SCAN: usize = 256;
 
 /// The pieces of a stitched allocation: block ids while in use.
 #[derive(Debug, Default)]
@@ -378,6 +388,11 @@ impl Inner {
         }
         let over_bytes = self.stitch.mapped_bytes > self.config.auto_gc_bytes;
         let over_count = self.stitch.idle_count() > MAX_IDLE_STITCHED;
+        let keep_idle = if over_count {
+            IDLE_STITCHED_AFTER_COLLECTION
+        } else {
+            MAX_IDLE_STITCHED
+        };
         if !all && !over_bytes && !over_count {
             return Ok(());
         }
@@ -385,7 +400,7 @@ impl Inner {
         let mut mapped = self.stitch.mapped_bytes;
         let mut idle = self.stitch.idle_count();
         for id in self.stitch.idle_lru() {
-            if !all && mapped <= self.config.auto_gc_bytes && idle <= MAX_IDLE_STITCHED {
+            if !all && mapped <= self.config.auto_gc_bytes && idle <= keep_idle {
                 break;
             }
             mapped -= self.stitch.blocks[id].size;

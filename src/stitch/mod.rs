@@ -6,6 +6,7 @@
 //! stitched block), so that a later request of a similar size reuses it without driver calls,
 //! as long as all of its pieces are free again.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
 
 use slab::Slab;
@@ -37,11 +38,16 @@ pub struct Stitched {
     pub last_use: u64,
 }
 
+/// Where an idle range sorts: by size, then most recently used first. A range whose pieces
+/// other allocations took stays idle, sinking behind the ranges of its size that were reused
+/// since, so a bounded scan meets the ranges most likely to be free first.
+type IdleKey = (usize, Reverse<u64>, StitchId);
+
 /// The registry of stitched ranges.
 #[derive(Debug, Default)]
 pub struct StitchCache {
     pub blocks: Slab<Stitched>,
-    idle_by_size: BTreeSet<(usize, StitchId)>,
+    idle_by_size: BTreeSet<IdleKey>,
     by_va: HashMap<DevicePtr, StitchId>,
     clock: u64,
     pub mapped_bytes: usize,
@@ -80,7 +86,7 @@ impl StitchCache {
     pub fn acquire(&mut self, id: StitchId, stream: Stream) {
         self.clock += 1;
         let s = &mut self.blocks[id];
-        self.idle_by_size.remove(&(s.size, id));
+        self.idle_by_size.remove(&(s.size, Reverse(s.last_use), id));
         s.in_use = true;
         s.stream = stream;
         s.last_use = self.clock;
@@ -90,23 +96,24 @@ impl StitchCache {
     pub fn park(&mut self, id: StitchId) {
         let s = &mut self.blocks[id];
         s.in_use = false;
-        self.idle_by_size.insert((s.size, id));
+        self.idle_by_size.insert((s.size, Reverse(s.last_use), id));
     }
 
     /// Forgets a range (after it was unmapped).
     pub fn remove(&mut self, id: StitchId) -> Stitched {
         let s = self.blocks.remove(id);
-        self.idle_by_size.remove(&(s.size, id));
+        self.idle_by_size.remove(&(s.size, Reverse(s.last_use), id));
         self.by_va.remove(&s.va);
         self.mapped_bytes -= s.size;
         s
     }
 
-    /// Idle ranges whose size lies in `[min, max]`, smallest first.
+    /// Idle ranges whose size lies in `[min, max]`, smallest first, and of one size the most
+    /// recently used first.
     pub fn idle_candidates(&self, min: usize, max: usize) -> impl Iterator<Item = StitchId> + '_ {
         self.idle_by_size
-            .range((min, 0)..=(max, usize::MAX))
-            .map(|&(_, id)| id)
+            .range((min, Reverse(u64::MAX), 0)..=(max, Reverse(0), usize::MAX))
+            .map(|&(_, _, id)| id)
     }
 
     pub fn idle_count(&self) -> usize {
@@ -115,7 +122,7 @@ impl StitchCache {
 
     /// Idle ranges, least recently used first.
     pub fn idle_lru(&self) -> Vec<StitchId> {
-        let mut ids: Vec<StitchId> = self.idle_by_size.iter().map(|&(_, id)| id).collect();
+        let mut ids: Vec<StitchId> = self.idle_by_size.iter().map(|&(_, _, id)| id).collect();
         ids.sort_unstable_by_key(|&id| self.blocks[id].last_use);
         ids
     }
@@ -216,6 +223,36 @@ mod tests {
         assert_eq!(p.take.len(), 2, "one piece kept for the shortfall");
         assert_eq!(p.shortfall, 12);
         assert!(plan([], 20, 8).is_none());
+    }
+
+    #[test]
+    fn ranges_of_one_size_are_offered_most_recently_used_first() {
+        let mut c = StitchCache::default();
+        let piece = |addr| Piece {
+            addr,
+            len: 4,
+            handles: vec![(PhysHandle(1), 4)],
+        };
+        let old = c.insert(100, vec![piece(0)], Stream(1));
+        let new = c.insert(200, vec![piece(8)], Stream(1));
+        let larger = c.insert(300, vec![piece(16), piece(24)], Stream(1));
+        c.park(new);
+        c.park(old);
+        c.park(larger);
+        assert_eq!(
+            c.idle_candidates(4, 8).collect::<Vec<_>>(),
+            vec![new, old, larger]
+        );
+        // Reused and freed again, the old range is now the most recent of its size.
+        c.acquire(old, Stream(1));
+        c.park(old);
+        assert_eq!(
+            c.idle_candidates(4, 8).collect::<Vec<_>>(),
+            vec![old, new, larger]
+        );
+        assert_eq!(c.idle_lru(), vec![new, larger, old]);
+        c.remove(new);
+        assert_eq!(c.idle_candidates(4, 4).collect::<Vec<_>>(), vec![old]);
     }
 
     #[test]

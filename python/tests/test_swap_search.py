@@ -158,3 +158,10 @@ def test_the_profile_is_paced_by_warmups_measured_step_within_bounds():
     assert search.pace_factor(250.0, 300.0) == search.MIN_PACE  # a disturbed profile
     assert search.pace_factor(900.0, 300.0) == search.MAX_PACE  # paced by the host
     assert search.pace_factor(None, 300.0) == 1.0 and search.pace_factor(321.0, 0) == 1.0
+
+
+def test_a_profile_slower_than_warmup_is_disturbed():
+    assert not search.profile_disturbed(321.0, 300.0)
+    assert not search.profile_disturbed(290.0, 300.0)  # within DISTURBED_PACE
+    assert search.profile_disturbed(380.0, 455.0)  # the dense-3b profile of 375 ms
+    assert not search.profile_disturbed(None, 300.0) and not search.profile_disturbed(321.0, 0)

@@ -44,8 +44,8 @@ from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
-                     memory_correction, pace_factor, peak_error, room_left, stable_drift,
-                     worth_trying)
+                     memory_correction, pace_factor, peak_error, profile_disturbed, room_left,
+                     stable_drift, worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -407,8 +407,13 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             self.block_fwd_ms = [statistics.median(t.ns() / 1e6 for t in timers[b])
                                  for b in range(len(timers))]
         self.profile, self.meaning = self._build_profile()
-        self._pace_profile()
+        simulated_ms = self._pace_profile()
         self.marks = None
+        if profile_disturbed(self.recompute_ms, simulated_ms) and not self.reprofiled:
+            log.warning("glake.swap: warm-up's steps ran %.2f times the profiled pace, faster "
+                        "with more work: profiling again", self.recompute_ms / simulated_ms)
+            self._reprofile()
+            return
         self.target_bytes = self._resolve_target()
         self._replan()
         self._whole_blocks_first()
@@ -417,22 +422,25 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
     def _pace_profile(self):
         """Scales the profile's op and recompute times to the pace of warm-up's measured steps
         (search.pace_factor), so that every prediction, and the balance of copies against
-        compute the planner weighs, is at the step's real pace."""
+        compute the planner weighs, is at the step's real pace. Returns the profile's
+        simulated full recomputation in ms before scaling (None without warm-up's)."""
         self.pace = 1.0
         if self.recompute_ms is None:
-            return
+            return None
         full = planner.simulate(self.profile, self._full_recompute_choices(), *self.bandwidth,
                                 self.settings.prefetch + 1)
-        k = pace_factor(self.recompute_ms, full.step_ns / 1e6)
+        simulated_ms = full.step_ns / 1e6
+        k = pace_factor(self.recompute_ms, simulated_ms)
         self.pace = k
         if k == 1.0:
-            return
+            return simulated_ms
         log.info("glake.swap: warm-up's steps ran %.2f times the profiled pace: the profile's "
                  "times are scaled by it", k)
         p = self.profile
         p.ops = [(int(ns * k), phase) for ns, phase in p.ops]
         p.tensors = [dataclasses.replace(t, recompute_ns=int(t.recompute_ns * k))
                      if t.recompute_ns is not None else t for t in p.tensors]
+        return simulated_ms
 
     def _replan(self, replace=False):
         """Plans for the goal with the bandwidth as corrected so far, and starts trying the

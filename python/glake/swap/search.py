@@ -98,6 +98,20 @@ def pace_factor(measured_ms, simulated_ms):
     return min(MAX_PACE, max(MIN_PACE, measured_ms / simulated_ms))
 
 
+# A profile whose simulated full recomputation is this much slower than warm-up measured it
+# is taken again: warm-up's steps, doing more work, cannot be faster than the profiled one.
+# (Undisturbed profiles give 1.02-1.045 on dense models on an H200. In one process, a
+# dense-3b profile's backward blocks ran 10.8 ms instead of 7.7: 375 ms for the ops against
+# 300 in every other process, and its planner's plan was predicted 386 ms instead of 323.)
+DISTURBED_PACE = 0.95
+
+
+def profile_disturbed(measured_ms, simulated_ms):
+    """Whether warm-up's measured full recomputation ran faster than the profile simulates it
+    by more than DISTURBED_PACE allows; False when either figure is missing."""
+    return bool(measured_ms and simulated_ms) and measured_ms / simulated_ms < DISTURBED_PACE
+
+
 def memory_correction(correction, allocated, budget):
     """The goal's new correction after a step that peaked at `allocated` bytes, or None when it
     kept to `budget`. Plans aim at the budget less the correction; a step over the budget adds

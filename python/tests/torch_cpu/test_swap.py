@@ -988,3 +988,22 @@ def test_the_profile_is_scaled_to_warmups_pace_and_never_sped_up():
     assert [t.recompute_ns for t in smart.profile.tensors] == [
         None if r is None else int(r * smart.pace) for r in recompute]
     smart.remove()
+
+
+def test_a_profile_slower_than_warmups_full_recomputation_is_taken_again_once(caplog):
+    """Warm-up's steps recompute everything, so a profile whose simulated full recomputation
+    is slower than they measured was disturbed: it is taken again, once per warm-up."""
+    model = fresh()
+    smart = swap.apply(model, target=2**40)
+    train(model, swap._WARMUP_STEPS + 1)
+    assert smart.phase == "profile" and not smart.reprofiled
+    smart.recompute_ms = 1e-6  # warm-up measured as all but free
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        train(model, 1)
+    assert smart.phase == "warmup" and smart.reprofiled
+    assert "profiling again" in caplog.text
+    train(model, 1)
+    assert smart.phase == "profile"
+    train(model, 1)  # the second profile is planned, however it compares
+    assert smart.phase in ("search", "stable"), smart.phase
+    smart.remove()

@@ -225,14 +225,18 @@ mod tests {
         assert!(plan([], 20, 8).is_none());
     }
 
-    #[test]
-    fn ranges_of_one_size_are_offered_most_recently_used_first() {
-        let mut c = StitchCache::default();
-        let piece = |addr| Piece {
+    /// A piece of 4 bytes at `addr`, one handle.
+    fn piece(addr: DevicePtr) -> Piece {
+        Piece {
             addr,
             len: 4,
             handles: vec![(PhysHandle(1), 4)],
-        };
+        }
+    }
+
+    #[test]
+    fn ranges_of_one_size_are_offered_most_recently_used_first() {
+        let mut c = StitchCache::default();
         let old = c.insert(100, vec![piece(0)], Stream(1));
         let new = c.insert(200, vec![piece(8)], Stream(1));
         let larger = c.insert(300, vec![piece(16), piece(24)], Stream(1));
@@ -258,11 +262,6 @@ mod tests {
     #[test]
     fn cache_reuse_by_size() {
         let mut c = StitchCache::default();
-        let piece = |addr| Piece {
-            addr,
-            len: 4,
-            handles: vec![(PhysHandle(1), 4)],
-        };
         let a = c.insert(100, vec![piece(0), piece(8)], Stream(1));
         let b = c.insert(200, vec![piece(16)], Stream(1));
         c.park(a);

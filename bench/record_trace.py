@@ -34,17 +34,59 @@ ACTIONS = (
 _LIVE_AT_START = {}  # device -> [(addr, size, stream)]: what was allocated before start()
 
 
-def start():
-    """Starts recording. The blocks already allocated are noted, so that write() can put them
-    first and a replay's pool holds them, as the real one did (a model's parameters, say)."""
-    _LIVE_AT_START.clear()
-    for segment in torch.cuda.memory._snapshot()["segments"]:
-        addr = segment["address"]
+def _glake_snapshot(device):
+    """glake's own snapshot of `device` when glake is the allocator (its blocks tell a stitched
+    allocation's pieces from plain ones), else None."""
+    try:
+        import glake.torch
+    except ImportError:
+        return None
+    return glake.torch.snapshot(device) if glake.torch.is_enabled() else None
+
+
+def _live_blocks(device):
+    """(addr, size, stream) of every live allocation of `device`. On glake, a stitched
+    allocation is one allocation at its stitched range, whose pieces its segments show as
+    blocks of their own."""
+    glake_snap = _glake_snapshot(device)
+    if glake_snap is None:
+        live = []
+        for segment in torch.cuda.memory._snapshot()["segments"]:
+            if segment["device"] != device:
+                continue
+            addr = segment["address"]
+            for block in segment["blocks"]:
+                if block["state"] == "active_allocated":
+                    live.append((addr, block["requested_size"] or block["size"],
+                                 segment["stream"]))
+                addr += block["size"]
+        return live
+    live, pieces = [], []
+    for segment in glake_snap["segments"]:
         for block in segment["blocks"]:
+            size = block["requested_size"] or block["size"]
             if block["state"] == "active_allocated":
-                _LIVE_AT_START.setdefault(segment["device"], []).append(
-                    (block.get("address", addr), block["size"], segment["stream"]))
-            addr += block["size"]
+                live.append((block["address"], size, block["stream"] or 0))
+            elif block["state"] == "active_stitched":
+                pieces.append(block)
+    for stitched in glake_snap["stitched"]:
+        if not stitched["in_use"]:
+            continue
+        mine = [b for b in pieces
+                if any(a <= b["address"] < a + n for a, n in stitched["pieces"])]
+        if mine:
+            live.append((stitched["address"], sum(b["size"] for b in mine),
+                         mine[0]["stream"] or 0))
+    return live
+
+
+def start(device=0):
+    """Starts recording (anything recorded before is dropped). The blocks already allocated
+    are noted, so that write() can put them first and a replay's pool holds them, as the real
+    one did (a model's parameters, say)."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+    _LIVE_AT_START.clear()
+    _LIVE_AT_START[device] = _live_blocks(device)
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
 
 
@@ -58,7 +100,7 @@ def write(path, device=0, marks=()):
     (position from recorded(), text) pairs, written as `# text` comment lines at that point,
     so that a replay can be cut at them."""
     traces = torch.cuda.memory._snapshot()["device_traces"]
-    pending = sorted(marks)
+    pending = sorted(marks, key=lambda mark: mark[0])
     opener = gzip.open if path.endswith(".gz") else open
     count = 0
     with opener(path, "wt") as out:

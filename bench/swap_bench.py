@@ -191,23 +191,28 @@ def child(args):
         torch.cuda.synchronize()
         if alloc_trace:
             record_trace.start()
-        i = 0
-        while i < warm or (smart is not None and smart.phase != "stable" and i < 40):
-            losses.append(step(i).item())
-            i += 1
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_stats()
-        for j in range(steps):
+        finished = False
+        try:
+            i = 0
+            while i < warm or (smart is not None and smart.phase != "stable" and i < 40):
+                losses.append(step(i).item())
+                i += 1
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_stats()
+            for j in range(steps):
+                if alloc_trace:
+                    marks.append((record_trace.recorded(), f"measured step {j}"))
+                t = time.perf_counter()
+                losses.append(step(i + j).item())
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            finished = True
+        finally:  # a run that ran out of memory keeps its trace, marked so
             if alloc_trace:
-                marks.append((record_trace.recorded(), f"measured step {j}"))
-            t = time.perf_counter()
-            losses.append(step(i + j).item())
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+                end = "end" if finished else "out of memory"
+                record_trace.write(alloc_trace, marks=marks + [(float("inf"), end)])
         after = torch.cuda.memory_stats()
         peaks = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
-        if alloc_trace:
-            record_trace.write(alloc_trace, marks=marks + [(record_trace.recorded(), "end")])
         if trace:  # one more step, not timed: the profiler slows it
             activities = [torch.profiler.ProfilerActivity.CPU,
                           torch.profiler.ProfilerActivity.CUDA]

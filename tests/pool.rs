@@ -297,13 +297,13 @@ fn stitched_bytes_are_the_bytes_of_the_pieces() {
 
 #[test]
 fn the_newest_free_stitched_range_is_reused_behind_many_stale_ones() {
-    // Seven 6 MiB holes, each filled; every round frees two fillers, stitches 12 MiB over
-    // their holes, frees it and fills the holes again, so each round's range goes stale.
-    // Twenty-one rounds leave twenty stale ranges of one size; the last one's pieces stay free,
-    // and a training loop's next step asks for it again. On the host backend, whose layout is
+    // Twenty-four 6 MiB holes, each filled; every round frees two fillers, stitches 12 MiB
+    // over their holes, frees it and fills the holes again, so each round's range goes stale.
+    // The 276 rounds leave 275 stale ranges of one size, more than a reuse attempt examines;
+    // the last one's pieces stay free, and a training loop's next step asks for it again. On the host backend, whose layout is
     // the same on every machine (the policy under test does not depend on the device).
     let (_host, _device, p) = common::host_pool(1024 * MIB);
-    let holes = 7;
+    let holes = 24;
     let blocks = with_holes(&p, 2 * holes, 6 * MIB);
     let mut fillers: Vec<u64> = (0..holes)
         .map(|_| p.malloc(6 * MIB, Stream::DEFAULT).unwrap())

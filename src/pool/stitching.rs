@@ -105,12 +105,12 @@ const MAX_IDLE_STITCHED: usize = 4096;
 /// new ranges rather than one per range.
 const IDLE_STITCHED_AFTER_COLLECTION: usize = MAX_IDLE_STITCHED / 4 * 3;
 
-/// Idle stitched ranges examined per reuse attempt, smallest first (bounds the cost of a
-/// miss). Ranges stitched in earlier steps of a loop lose pieces to other allocations and
-/// pile up at the request's size, so a short scan saw only stale ones: 16 left a trace of
-/// SmartSwap under a cap making 8 new stitches a step, where scanning all of them made 2; and a
-/// new stitch costs CUDA about 25 us per handle it maps (100-190 handles for 1 GB), far more
-/// than checking a candidate's pieces.
+/// Idle stitched ranges examined per reuse attempt (bounds the cost of a miss), smallest
+/// first and of one size the most recently used first. Ranges stitched in earlier steps of a
+/// loop lose pieces to other allocations and pile up at the request's size: 16 examined by
+/// slot order saw only stale ones, and a trace of SmartSwap under a cap made 8 new stitches a
+/// step where the order and scan here make 2-3. A new stitch costs CUDA about 25 us per handle
+/// it maps (100-190 handles for 1 GB), far more than checking a candidate's pieces.
 const REUSE_SCAN: usize = 256;
 
 /// The pieces of a stitched allocation: block ids while in use.
@@ -120,7 +120,6 @@ pub(super) struct StitchBlocks {
 }
 
 impl Inner {
-    /// Serves `size` from an idle stitched range whose pieces are all free for `stream`.
     /// Whether a stitched range (in use or cached) maps memory of `[va, va+size)`.
     pub(super) fn stitched_over(&self, va: DevicePtr, size: usize) -> bool {
         let end = va + size as u64;
@@ -131,6 +130,7 @@ impl Inner {
         })
     }
 
+    /// Serves `size` from an idle stitched range whose leading pieces are free for `stream`.
     pub(super) fn reuse_stitched(&mut self, size: usize, stream: Stream) -> Option<DevicePtr> {
         let max = ((size as f64) * self.config.reuse_limit) as usize;
         let found = self
@@ -377,7 +377,8 @@ impl Inner {
     }
 
     /// Unmaps idle stitched ranges: all of them when `all`, else the least recently used ones
-    /// past the auto-GC byte limit or the idle-count limit.
+    /// past the auto-GC byte limit, or, past the idle-count limit, down to
+    /// [`IDLE_STITCHED_AFTER_COLLECTION`] of them.
     pub(super) fn collect_stitched(
         &mut self,
         device: &dyn crate::device::Device,

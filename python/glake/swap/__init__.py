@@ -284,8 +284,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         return _WARMUP_UNMEASURED < step <= _WARMUP_STEPS
 
     def _reprofile(self):
-        """Back to the profiled step (from the next step on), once per warm-up: the profile
-        was taken while something else held the device or the link."""
+        """Back to the profiled step, once per warm-up: the profile was taken while something
+        else held the device or the link. From a measured step, the next step is profiled;
+        from _plan (at the start of a step), that step runs as warm-up and the one after it is
+        profiled."""
         self.reprofiled = True
         self.phase, self.decisions, self.bandwidth = "warmup", None, None
         self._stop_moving_states()

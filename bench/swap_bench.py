@@ -373,8 +373,9 @@ def markdown(rows):
                    f"{ref['step_ms']:.0f} ms per step, peak reserved "
                    f"{ref['peak_reserved'] / GIB:.1f} GiB\n")
         out.append("| cap | method | tokens/s | vs unconstrained | peak reserved GiB | "
-                   "peak allocated GiB | predicted ms (measured) | predicted peak GiB |")
-        out.append("|---|---|---|---|---|---|---|---|")
+                   "peak allocated GiB | predicted ms (measured) | predicted peak GiB | "
+                   "new stitches / reuses |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
         for cap in sorted({r["cap"] for r in rows if r["model"] == name and r.get("cap")},
                           reverse=True):
             for method in methods_of(rows):
@@ -384,16 +385,22 @@ def markdown(rows):
                     continue
                 if r["oom"]:
                     out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {method} | OOM | | "
-                               "| | | |")
+                               "| | | | |")
                     continue
                 pred = (f"{r['predicted_step_ms']:.0f} ({r['step_ms']:.0f})"
                         if r.get("predicted_step_ms") else "")
                 peak = (f"{r['predicted_peak'] / GIB:.1f}" if r.get("predicted_peak") else "")
+                # Made in the measured steps: a stitch maps every handle of its pieces again.
+                counters = r.get("allocator_counters", {})
+                on_glake = method.endswith("@glake") or (method.startswith("glake")
+                                                          and "@" not in method)
+                stitches = (f"{counters['glake.stitches']} / {counters['glake.stitch_reuse_hits']}"
+                            if on_glake and "glake.stitches" in counters else "")
                 out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {method} | "
                            f"{r['tokens_per_s']:.0f} | "
                            f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f} | "
                            f"{r['peak_reserved'] / GIB:.1f} | {r['peak_allocated'] / GIB:.1f} | "
-                           f"{pred} | {peak} |")
+                           f"{pred} | {peak} | {stitches} |")
         losses = {r["method"]: r.get("losses") for r in rows
                   if r["model"] == name and "losses" in r}
         glake_row = next((r for r in rows if r["model"] == name and "losses_unplanned" in r),

@@ -295,16 +295,20 @@ fn stitched_bytes_are_the_bytes_of_the_pieces() {
     assert_eq!(stats.stitch_collections, 1);
 }
 
-#[test]
-fn the_newest_free_stitched_range_is_reused_behind_many_stale_ones() {
-    // Twenty-four 6 MiB holes, each filled; every round frees two fillers, stitches 12 MiB
-    // over their holes, frees it and fills the holes again, so each round's range goes stale.
-    // The 276 rounds leave 275 stale ranges of one size, more than a reuse attempt examines;
-    // the last one's pieces stay free, and a training loop's next step asks for it again. On the host backend, whose layout is
-    // the same on every machine (the policy under test does not depend on the device).
-    let (_host, _device, p) = common::host_pool(1024 * MIB);
-    let holes = 24;
-    let blocks = with_holes(&p, 2 * holes, 6 * MIB);
+/// Stitched ranges that went stale one after another: `holes` 6 MiB holes, each filled; every
+/// round frees two fillers, stitches 12 MiB over their holes, frees it and fills the holes again
+/// (but in the last round), so each round's range goes stale but the last, whose pieces stay
+/// free. Rounds: every pair of holes.
+struct StaleRanges {
+    blocks: Vec<u64>,
+    fillers: Vec<u64>,
+    last_pair: (usize, usize),
+    last: u64,
+    rounds: usize,
+}
+
+fn stitch_stale_ranges(p: &Pool, holes: usize) -> StaleRanges {
+    let blocks = with_holes(p, 2 * holes, 6 * MIB);
     let mut fillers: Vec<u64> = (0..holes)
         .map(|_| p.malloc(6 * MIB, Stream::DEFAULT).unwrap())
         .collect();
@@ -327,22 +331,63 @@ fn the_newest_free_stitched_range_is_reused_behind_many_stale_ones() {
             fillers[j] = p.malloc(6 * MIB, Stream::DEFAULT).unwrap();
         }
     }
-    let again = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
-    assert_eq!(again, last, "the free range is found behind the stale ones");
-    let stats = p.stats();
-    assert_eq!(stats.stitches, pairs.len() as i64);
-    assert_eq!(stats.stitch_reuse_hits, 1);
-    p.free(again).unwrap();
-    let (i, j) = pairs[pairs.len() - 1];
-    for (k, &f) in fillers.iter().enumerate() {
+    StaleRanges {
+        blocks,
+        fillers,
+        last_pair: pairs[pairs.len() - 1],
+        last,
+        rounds: pairs.len(),
+    }
+}
+
+/// Frees what [`stitch_stale_ranges`] left allocated and checks the pool.
+fn free_stale_ranges(p: &Pool, s: &StaleRanges) {
+    let (i, j) = s.last_pair;
+    for (k, &f) in s.fillers.iter().enumerate() {
         if k != i && k != j {
             p.free(f).unwrap();
         }
     }
-    for &b in blocks.iter().skip(1).step_by(2) {
+    for &b in s.blocks.iter().skip(1).step_by(2) {
         p.free(b).unwrap();
     }
     p.check_invariants().unwrap();
+}
+
+#[test]
+fn the_newest_free_stitched_range_is_reused_behind_many_stale_ones() {
+    // 276 rounds leave 275 stale ranges of one size, more than a reuse attempt examines; a
+    // training loop's next step asks for the last one again. On the host backend, whose layout
+    // is the same on every machine (the policy under test does not depend on the device).
+    let (_host, _device, p) = common::host_pool(1024 * MIB);
+    let stale = stitch_stale_ranges(&p, 24);
+    let again = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(
+        again, stale.last,
+        "the free range is found behind the stale ones"
+    );
+    let stats = p.stats();
+    assert_eq!(stats.stitches, stale.rounds as i64);
+    assert_eq!(stats.stitch_reuse_hits, 1);
+    p.free(again).unwrap();
+    free_stale_ranges(&p, &stale);
+}
+
+#[test]
+fn idle_stitched_ranges_past_their_limit_go_a_quarter_at_once() {
+    // 92 holes: 4186 rounds. When the 4097th idle range is one too many, the least recently
+    // used go down to 3072 in one collection (one device-wide wait), and no other follows.
+    let (_host, _device, p) = common::host_pool(4096 * MIB);
+    let stale = stitch_stale_ranges(&p, 92);
+    let stats = p.stats();
+    assert_eq!(stats.stitch_collections, 4097 - 3072);
+    assert_eq!(stats.num_sync_all_streams, 1);
+    assert_eq!(stats.stitched_blocks.current, (stale.rounds - 1025) as i64);
+    // The newest range survived the collection.
+    let again = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(again, stale.last);
+    p.free(again).unwrap();
+    free_stale_ranges(&p, &stale);
 }
 
 #[test]

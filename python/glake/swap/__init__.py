@@ -288,26 +288,27 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         else held the device or the link. From a measured step, the next step is profiled;
         from _plan (at the start of a step), that step runs as warm-up and the one after it is
         profiled."""
-        self.reprofiled = True
-        self.phase, self.decisions, self.bandwidth = "warmup", None, None
-        self._stop_moving_states()
-        self.trials, self.correction, self.corrections = [], 0, 0
-        self.whole_error, self.overshot = 0, []
-        self.bandwidth_scale = 1.0  # learned from trials of the profile left behind
-        self.chosen, self.deferred = None, None
+        self._forget_search()
+        self.reprofiled, self.bandwidth = True, None
 
     def _restart(self):
-        self.phase, self.iteration = "warmup", 0
-        self.reprofiled = False
-        self.decisions, self.marks, self.expected = None, None, {}
-        self.measured, self.correction, self.corrections = [], 0, 0
-        self.whole_error, self.overshot = 0, []
-        self.bandwidth_scale = 1.0  # learned from trials of the shapes left behind
-        self.trials, self.recompute_ms, self.chosen = [], None, None
-        self.deferred = None
+        self._forget_search()
+        self.iteration, self.reprofiled = 0, False
+        self.marks, self.expected, self.measured = None, {}, []
+        self.recompute_ms = None
         self.block_fwd_ms, self._block_timers, self._warm_steps = None, {}, []
         self.swapper.forget()
+
+    def _forget_search(self):
+        """Back to warm-up with nothing the search learned from the profile or shapes left
+        behind: no plan, no trials, no corrections, the bandwidth scale at 1; states move as
+        in warm-up."""
+        self.phase, self.decisions = "warmup", None
         self._stop_moving_states()
+        self.trials, self.chosen, self.deferred = [], None, None
+        self.correction, self.corrections = 0, 0
+        self.whole_error, self.overshot = 0, []
+        self.bandwidth_scale = 1.0
 
     # -- the wrapped forward ----------------------------------------------------------------
 
@@ -432,16 +433,14 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         full = planner.simulate(self.profile, self._full_recompute_choices(), *self.bandwidth,
                                 self.settings.prefetch + 1)
         simulated_ms = full.step_ns / 1e6
-        k = pace_factor(self.recompute_ms, simulated_ms)
-        self.pace = k
-        if k == 1.0:
-            return simulated_ms
-        log.info("glake.swap: warm-up's steps ran %.2f times the profiled pace: the profile's "
-                 "times are scaled by it", k)
-        p = self.profile
-        p.ops = [(int(ns * k), phase) for ns, phase in p.ops]
-        p.tensors = [dataclasses.replace(t, recompute_ns=int(t.recompute_ns * k))
-                     if t.recompute_ns is not None else t for t in p.tensors]
+        self.pace = pace_factor(self.recompute_ms, simulated_ms)
+        if self.pace != 1.0:
+            log.info("glake.swap: warm-up's steps ran %.2f times the profiled pace: the "
+                     "profile's times are scaled by it", self.pace)
+            k, p = self.pace, self.profile
+            p.ops = [(int(ns * k), phase) for ns, phase in p.ops]
+            p.tensors = [dataclasses.replace(t, recompute_ns=int(t.recompute_ns * k))
+                         if t.recompute_ns is not None else t for t in p.tensors]
         return simulated_ms
 
     def _replan(self, replace=False):
@@ -982,8 +981,8 @@ def _resident_choices(carried, n):
     first = frozenset(carried[:n])
     if n == 0 or n == len(carried):
         return [first]
-    spread = frozenset(carried[int((i + 0.5) * len(carried) / n)] for i in range(n))
-    return [first] if spread == first else [first, spread]
+    # (With fewer than all, the middles of n equal shares are never the first n.)
+    return [first, frozenset(carried[int((i + 0.5) * len(carried) / n)] for i in range(n))]
 
 
 def apply(model, blocks=None, optimizer=None, **settings):

@@ -967,8 +967,9 @@ def test_carried_states_kept_are_weighed_first_needed_and_spread_over_the_backwa
     assert first == {7, 6} and spread == {5, 1}
     first, spread = swap._resident_choices(carried, 4)
     assert first == {7, 6, 5, 4} and spread == {6, 4, 2, 0}
-    # Where both are the same set, it is weighed once.
+    # One of two: the first needed, and the middle of the backward (the second).
     assert swap._resident_choices([1, 0], 1) == [frozenset({1}), frozenset({0})]
+    # All of them: one set, weighed once.
     assert swap._resident_choices([0], 1) == [frozenset({0})]
 
 

@@ -187,6 +187,15 @@ fn add_device_sharing(
 /// Numbers pools for the thread-local region routing.
 static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// What a pool holds of the device now (see [`Pool::footprint`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Footprint {
+    /// Physical memory created and not yet released, in bytes.
+    pub reserved: usize,
+    /// Bytes mapped by stitched ranges (they share the reserved memory of their pieces).
+    pub stitched_mapped: usize,
+}
+
 /// A thread-safe caching allocator for one device.
 pub struct Pool {
     device: SharedDevice,
@@ -708,6 +717,19 @@ impl Pool {
         drop(inner);
         add_device_sharing(sharing, &mut stats);
         stats
+    }
+
+    /// Physical bytes reserved and bytes mapped by stitched ranges now: counters that parked
+    /// blocks do not change, so unlike [`Pool::stats`] this leaves them parked. A tool that
+    /// samples memory after every call (a replay's timeline) reads this, so that sampling does
+    /// not change where later requests are placed.
+    pub fn footprint(&self) -> Footprint {
+        let inner = lock(&self.inner);
+        let count = |v: i64| v.max(0) as usize;
+        Footprint {
+            reserved: count(inner.stats.reserved_bytes.all.current),
+            stitched_mapped: count(inner.stats.stitched_mapped_bytes.current),
+        }
     }
 
     pub fn reset_peak_stats(&self) {

@@ -371,12 +371,12 @@ fn run(
             }
         }
         if let Some(t) = timeline.as_mut() {
-            let stats = pool.stats();
+            // Not `pool.stats()`: it returns parked blocks to the free lists, and a sampled
+            // replay would then place later requests differently from an unsampled one.
+            let footprint = pool.footprint();
             t.live.push(live);
-            t.reserved
-                .push(stats.reserved_bytes.all.current.max(0) as u64);
-            t.stitched
-                .push(stats.stitched_mapped_bytes.current.max(0) as u64);
+            t.reserved.push(footprint.reserved as u64);
+            t.stitched.push(footprint.stitched_mapped as u64);
             if let Some(native) = t.native.as_mut() {
                 while let Some(&(at, bytes)) = trace.native_steps.get(native_step) {
                     if at > index + 1 {

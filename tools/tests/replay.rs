@@ -240,6 +240,45 @@ fn plots_are_written_per_config() {
     assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
 }
 
+/// Sampling memory for a timeline leaves parked blocks parked: a freed block kept for the next
+/// request of its size goes back where it was, so the replay stitches once at the end; had the
+/// sampling put the parked blocks back in the free lists (as reading the statistics does), the
+/// same request would take the merged free memory instead, and the timeline would describe a
+/// replay other than the one reported.
+#[test]
+fn a_timeline_does_not_change_the_replay() {
+    let four = 4 * MIB;
+    let text = format!(
+        "alloc 1000 {} 0\nfree_completed 1000 {} 0\n\
+         alloc 2000 {four} 0\nalloc 3000 {four} 0\nalloc 4000 {four} 0\n\
+         free_completed 2000 {four} 0\nfree_completed 3000 {four} 0\n\
+         alloc 5000 {four} 0\nfree_completed 4000 {four} 0\nalloc 6000 {} 0\n",
+        3 * four,
+        3 * four,
+        2 * four,
+    );
+    let path = temp_path("parked.txt");
+    std::fs::write(&path, text).unwrap();
+    let trace = trace::load(&path, 0).unwrap();
+    let stitch = configs::named("stitch").unwrap();
+    let replay = |timeline| {
+        let options = ReplayOptions {
+            timeline,
+            ..ReplayOptions::default()
+        };
+        trace::replay(&trace, &stitch, &options).unwrap()
+    };
+    let (plain, sampled) = (replay(false), replay(true));
+    assert_eq!(plain.stitches, 1, "{plain:?}");
+    assert_eq!(
+        (sampled.stitches, sampled.peak_reserved_bytes),
+        (plain.stitches, plain.peak_reserved_bytes)
+    );
+    let timeline = sampled.timeline.unwrap();
+    assert_eq!(timeline.len(), trace.ops.len());
+    assert_eq!(timeline.reserved.iter().max(), Some(&(3 * four)));
+}
+
 #[test]
 fn snapshot_pickles_replay_like_text() {
     use serde_pickle::{HashableValue, Value};

@@ -29,6 +29,8 @@ options:
   --plot FILE.svg|.png   memory timeline per trace and configuration (the names are
                          inserted before the extension when there are several)
   --driver-calls         also print the time per kind of driver call
+  --waste                where the reserved memory beyond the live bytes sits at the peak
+                         (free whole chunks, stranded sub-chunk rests, ...; replays again)
   --list-configs         list the named configurations and exit
   -h, --help             this text
 ";
@@ -45,6 +47,7 @@ pub struct Args {
     pub json: bool,
     pub plot: Option<PathBuf>,
     pub driver_calls: bool,
+    pub waste: bool,
     pub list_configs: bool,
     pub help: bool,
 }
@@ -67,6 +70,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Args> {
         json: false,
         plot: None,
         driver_calls: false,
+        waste: false,
         list_configs: false,
         help: false,
     };
@@ -93,6 +97,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Args> {
             "--json" => parsed.json = true,
             "--find-min-budget" => parsed.find_min_budget = true,
             "--driver-calls" => parsed.driver_calls = true,
+            "--waste" => parsed.waste = true,
             "--list-configs" => parsed.list_configs = true,
             "--config" => names.extend(
                 value()?

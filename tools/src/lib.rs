@@ -4,7 +4,8 @@
 //!
 //! [`parse`] reads traces (text, gzip or PyTorch snapshot pickles) into a [`Trace`];
 //! [`replay()`] runs one through a pool; [`TimedDevice`] separates driver time from allocator
-//! time; [`configs`] names the configurations to compare; [`report`] prints tables and JSON.
+//! time; [`configs`] names the configurations to compare; [`report`] prints tables and JSON;
+//! [`waste`] sorts the memory reserved at the peak beyond the live bytes by why it is idle.
 
 pub mod budget;
 pub mod cli;
@@ -14,6 +15,7 @@ pub mod pickle;
 pub mod replay;
 pub mod report;
 pub mod timed;
+pub mod waste;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,6 +24,7 @@ pub use configs::NamedConfig;
 pub use parse::{load, read_trace};
 pub use replay::{replay, Backend, ReplayOptions, ReplayResult};
 pub use timed::{timed, TimedDevice};
+pub use waste::{waste_at_peak, Waste};
 
 /// Why a trace could not be read or replayed.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -255,6 +255,27 @@ pub fn replay(
     config: &NamedConfig,
     options: &ReplayOptions,
 ) -> Result<ReplayResult> {
+    let measured = with_pool(trace, config, options, |pool, timed, streams| {
+        run(trace, pool, timed, streams, options.timeline)
+    })?;
+    Ok(ReplayResult {
+        trace: trace.name.clone(),
+        config: config.name.clone(),
+        backend: options.backend,
+        budget: options.budget,
+        native_peak_reserved_bytes: trace.native_peak_reserved_bytes,
+        ..measured
+    })
+}
+
+/// Runs `work` on a new pool with `config` on the device `options` name, with one stream per
+/// stream of `trace` (index as in its operations), and tears the streams down afterwards.
+pub(crate) fn with_pool<T>(
+    trace: &Trace,
+    config: &NamedConfig,
+    options: &ReplayOptions,
+    work: impl FnOnce(&Pool, &TimedDevice, &[Stream]) -> Result<T>,
+) -> Result<T> {
     let inner = open_device(options)?;
     let timed = Arc::new(timed::timed(inner));
     let device: SharedDevice = timed.clone();
@@ -281,22 +302,14 @@ pub fn replay(
             streams.push(stream);
         }
     }
-    let measured = run(trace, &pool, &timed, &streams, options.timeline);
+    let result = work(&pool, &timed, &streams);
     drop(pool);
     for stream in created {
         if let Err(err) = device.destroy_stream(stream) {
             log::warn!("destroying a replay stream failed: {err}");
         }
     }
-    let measured = measured?;
-    Ok(ReplayResult {
-        trace: trace.name.clone(),
-        config: config.name.clone(),
-        backend: options.backend,
-        budget: options.budget,
-        native_peak_reserved_bytes: trace.native_peak_reserved_bytes,
-        ..measured
-    })
+    result
 }
 
 fn run(

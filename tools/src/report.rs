@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::budget::BudgetSearch;
 use super::replay::ReplayResult;
+use super::waste::Waste;
 use super::Trace;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -261,6 +262,53 @@ pub fn budget_json(search: &BudgetSearch) -> String {
         search.failed_below,
         search.resolution,
         search.replays
+    )
+}
+
+/// Where the reserved memory sat when the live bytes peaked (see [`Waste`]), as one line per
+/// trace and configuration: GiB of each kind and its share of the reserved bytes then.
+pub fn waste_line(trace: &str, config: &str, w: &Waste) -> String {
+    let share = |bytes: u64| {
+        let of = w.reserved.max(1) as f64;
+        format!("{} ({:.2}%)", gib(bytes), 100.0 * bytes as f64 / of)
+    };
+    format!(
+        "{trace} / {config}: at the live peak (after operation {}) {} GiB reserved (peak \
+         {}): requested {}, \
+         rounding {}, small pool free {}, large pool free in whole chunks {}, stranded in \
+         {} free blocks of at most small_limit sharing a chunk {}, other partial chunks {}, \
+         other {}",
+        w.op,
+        gib(w.reserved),
+        gib(w.peak_reserved),
+        share(w.requested),
+        share(w.rounding),
+        share(w.small_free),
+        share(w.whole_chunks),
+        w.stranded_blocks,
+        share(w.stranded),
+        share(w.partial_chunks),
+        share(w.other),
+    )
+}
+
+/// [`waste_line`] as a single-line JSON object.
+pub fn waste_json(trace: &str, config: &str, w: &Waste) -> String {
+    format!(
+        "{{\"trace\":{},\"config\":{},\"waste_at_peak\":{{\"op\":{},\"reserved_bytes\":{},\"peak_reserved_bytes\":{},\"requested_bytes\":{},\"rounding_bytes\":{},\"small_free_bytes\":{},\"whole_chunk_free_bytes\":{},\"stranded_bytes\":{},\"stranded_blocks\":{},\"partial_chunk_free_bytes\":{},\"other_bytes\":{}}}}}",
+        json_string(trace),
+        json_string(config),
+        w.op,
+        w.reserved,
+        w.peak_reserved,
+        w.requested,
+        w.rounding,
+        w.small_free,
+        w.whole_chunks,
+        w.stranded,
+        w.stranded_blocks,
+        w.partial_chunks,
+        w.other
     )
 }
 

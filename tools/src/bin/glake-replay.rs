@@ -10,7 +10,9 @@ use std::process::ExitCode;
 use glake_tools::budget::find_min_budget;
 use glake_tools::cli::{parse_args, Args, USAGE};
 use glake_tools::replay::Sample;
-use glake_tools::{configs, load, replay, report, ReplayOptions, ReplayResult, Trace};
+use glake_tools::{
+    configs, load, replay, report, waste_at_peak, ReplayOptions, ReplayResult, Trace,
+};
 use plotters::prelude::*;
 
 /// Points per plotted series: enough for a 1200-pixel-wide chart.
@@ -89,6 +91,17 @@ fn run(args: &Args) -> Result<(), String> {
         if args.driver_calls {
             for result in &results {
                 eprintln!("{}", report::driver_calls(result));
+            }
+        }
+        if args.waste {
+            for config in &replayed {
+                let waste = waste_at_peak(&trace, config, &options)
+                    .map_err(|e| format!("{} with {}: {e}", trace.name, config.name))?;
+                if args.json {
+                    println!("{}", report::waste_json(&trace.name, &config.name, &waste));
+                } else {
+                    println!("{}", report::waste_line(&trace.name, &config.name, &waste));
+                }
             }
         }
         if let Some(base) = &args.plot {

@@ -1,0 +1,206 @@
+//! Where the memory a replay reserved beyond its live bytes sits when the live bytes peak: the
+//! answer to "why is utilization not 1". The replay runs twice: once to find the first
+//! operation at which the requested bytes of live allocations reach their peak (and the peak
+//! of reserved memory, sampled with `Pool::footprint`, which leaves parked blocks alone, so the
+//! sampling changes nothing), once more up to that operation, where a snapshot of the pool
+//! sorts every reserved byte into one of the kinds below.
+//!
+//! Only whole physical chunks can be stitched (CUDA maps whole handles only), so free memory
+//! that shares a chunk with a live allocation serves only requests that fit in it; a free block
+//! no larger than `small_limit` at that point serves no large request at all.
+
+use glake::device::{DevicePtr, Stream};
+use glake::pool::blocks::PoolKind;
+use glake::pool::snapshot::{BlockUse, SegmentInfo, Snapshot};
+use glake::pool::Pool;
+
+use super::replay::with_pool;
+use super::{NamedConfig, Op, ReplayOptions, Result, Trace, TraceError};
+
+/// The reserved bytes when the live bytes first peak, by kind. The kinds add up to
+/// `reserved`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Waste {
+    /// Index of the operation after which the live bytes first reached their peak.
+    pub op: usize,
+    /// Reserved bytes then.
+    pub reserved: u64,
+    /// Reserved bytes at their own peak, over the whole replay (at least `reserved`).
+    pub peak_reserved: u64,
+    /// Bytes the live allocations asked for.
+    pub requested: u64,
+    /// Bytes handed out beyond the requests (rounding to the pool's unit).
+    pub rounding: u64,
+    /// Free bytes of the small pool's segments.
+    pub small_free: u64,
+    /// Free bytes of the large pool in whole chunks: a stitch can map them.
+    pub whole_chunks: u64,
+    /// Free bytes of the large pool sharing a chunk with allocated memory, in free blocks of at
+    /// most `small_limit` bytes: no large request fits them and no stitch can map them.
+    pub stranded: u64,
+    /// How many such blocks.
+    pub stranded_blocks: u64,
+    /// Other free bytes of the large pool that share a chunk with allocated memory: only a
+    /// request that fits the block can use them.
+    pub partial_chunks: u64,
+    /// Bytes of blocks freed but still waiting for other streams, and anything the kinds above
+    /// miss (0 in a replay of one stream, where nothing waits).
+    pub other: u64,
+}
+
+/// Sorts the reserved memory of `trace` replayed with `config` when its live bytes peak.
+pub fn waste_at_peak(
+    trace: &Trace,
+    config: &NamedConfig,
+    options: &ReplayOptions,
+) -> Result<Waste> {
+    let (op, then, peak_reserved) = with_pool(trace, config, options, |pool, _, streams| {
+        let (mut op, mut peak_live, mut then, mut peak_reserved) = (0, 0, 0, 0);
+        drive(
+            trace,
+            pool,
+            streams,
+            trace.ops.len(),
+            |index, reserved, live| {
+                if live > peak_live {
+                    (op, peak_live, then) = (index, live, reserved);
+                }
+                peak_reserved = peak_reserved.max(reserved);
+            },
+        )?;
+        Ok((op, then, peak_reserved))
+    })?;
+    with_pool(trace, config, options, |pool, _, streams| {
+        let mut requested = 0;
+        drive(trace, pool, streams, op + 1, |_, _, live| requested = live)?;
+        let reserved = pool.footprint().reserved as u64;
+        if reserved != then {
+            return Err(TraceError::new(format!(
+                "replaying up to operation {op} again reserved {reserved} bytes, not {then}"
+            )));
+        }
+        let small_limit = config.config.small_limit;
+        let mut waste = sort(&pool.snapshot(), op, requested, small_limit);
+        waste.peak_reserved = peak_reserved;
+        Ok(waste)
+    })
+}
+
+/// Replays the first `count` operations of `trace` (no timing), calling `sample` after each
+/// with its index, the reserved bytes and the live requested bytes.
+fn drive(
+    trace: &Trace,
+    pool: &Pool,
+    streams: &[Stream],
+    count: usize,
+    mut sample: impl FnMut(usize, u64, u64),
+) -> Result<()> {
+    let mut slots: Vec<(DevicePtr, u64)> = vec![(0, 0); trace.allocs];
+    let mut live = 0;
+    for (index, op) in trace.ops.iter().take(count).enumerate() {
+        match *op {
+            Op::Alloc { id, size, stream } => {
+                let stream = streams.get(stream as usize).copied().unwrap_or_default();
+                // A request that fails is an out-of-memory error, skipped as the replay does.
+                if let Ok(ptr) = pool.malloc(size as usize, stream) {
+                    if let Some(slot) = slots.get_mut(id as usize) {
+                        *slot = (ptr, size);
+                    }
+                    live += size;
+                }
+            }
+            Op::Free { id } => {
+                if let Some(slot) = slots.get_mut(id as usize).filter(|s| s.0 != 0) {
+                    pool.free(slot.0)
+                        .map_err(|e| TraceError::new(format!("free, op {index}: {e}")))?;
+                    live -= slot.1;
+                    *slot = (0, 0);
+                }
+            }
+        }
+        sample(index, pool.footprint().reserved as u64, live);
+    }
+    Ok(())
+}
+
+/// Sorts the reserved bytes of `snapshot` (taken after operation `op`, with `requested` live
+/// bytes asked for) by kind.
+pub fn sort(snapshot: &Snapshot, op: usize, requested: u64, small_limit: usize) -> Waste {
+    let mut waste = Waste {
+        op,
+        requested,
+        ..Waste::default()
+    };
+    let mut allocated = 0u64;
+    for segment in &snapshot.segments {
+        waste.reserved += segment.total_size as u64;
+        let bounds = chunk_bounds(segment);
+        for block in &segment.blocks {
+            let size = block.size as u64;
+            match (block.state, segment.pool) {
+                (BlockUse::Allocated | BlockUse::Stitched, _) => allocated += size,
+                (BlockUse::PendingFree, _) => waste.other += size,
+                (BlockUse::Free, PoolKind::Small) => waste.small_free += size,
+                (BlockUse::Free, PoolKind::Large) => {
+                    let whole = whole_bytes(&bounds, block.address - segment.address, size);
+                    waste.whole_chunks += whole;
+                    if whole == 0 && block.size <= small_limit {
+                        waste.stranded += size;
+                        waste.stranded_blocks += 1;
+                    } else {
+                        waste.partial_chunks += size - whole;
+                    }
+                }
+            }
+        }
+    }
+    // A stitched allocation's pieces are allocated blocks; its requested bytes count once.
+    waste.rounding = allocated.saturating_sub(requested);
+    let sorted = requested
+        + waste.rounding
+        + waste.small_free
+        + waste.whole_chunks
+        + waste.stranded
+        + waste.partial_chunks
+        + waste.other;
+    waste.other += waste.reserved.saturating_sub(sorted);
+    waste.peak_reserved = waste.reserved;
+    waste
+}
+
+/// The offsets at which `segment`'s chunks start, and its end.
+fn chunk_bounds(segment: &SegmentInfo) -> Vec<u64> {
+    let mut bounds = vec![0u64];
+    for &len in &segment.chunk_sizes {
+        let last = bounds.last().copied().unwrap_or(0);
+        bounds.push(last + len as u64);
+    }
+    bounds
+}
+
+/// Bytes of whole chunks (between consecutive `bounds`) inside `[offset, offset + len)`.
+fn whole_bytes(bounds: &[u64], offset: u64, len: u64) -> u64 {
+    let end = offset + len;
+    bounds
+        .windows(2)
+        .filter(|w| w[0] >= offset && w[1] <= end)
+        .map(|w| w[1] - w[0])
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn whole_chunks_are_those_inside_the_block() {
+        let bounds = [0, 2 * MIB, 4 * MIB, 6 * MIB];
+        assert_eq!(whole_bytes(&bounds, 0, 6 * MIB), 6 * MIB);
+        assert_eq!(whole_bytes(&bounds, MIB, 4 * MIB), 2 * MIB);
+        assert_eq!(whole_bytes(&bounds, MIB, 3 * MIB), 2 * MIB);
+        assert_eq!(whole_bytes(&bounds, MIB, MIB + MIB / 2), 0);
+        assert_eq!(whole_bytes(&bounds, 5 * MIB, MIB), 0);
+    }
+}

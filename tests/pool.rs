@@ -296,9 +296,12 @@ fn stitched_bytes_are_the_bytes_of_the_pieces() {
 }
 
 /// Stitched ranges that went stale one after another: `holes` 6 MiB holes, each filled; every
-/// round frees two fillers, stitches 12 MiB over their holes, frees it and fills the holes again
-/// (but in the last round), so each round's range goes stale but the last, whose pieces stay
-/// free. Rounds: every pair of holes.
+/// round frees the fillers of two holes, stitches 12 MiB over them, frees it and fills the holes
+/// again (but in the last round), so each round's range goes stale but the last, whose pieces
+/// stay free. Rounds: every pair of holes. A refill may put the two fillers in each other's
+/// hole (which of two equal free blocks comes first depends on where the host backend's
+/// mappings landed, and so on the tests running beside this one), so fillers are kept by hole:
+/// a pair of holes freed twice would find its old range free and stitch nothing.
 struct StaleRanges {
     blocks: Vec<u64>,
     fillers: Vec<u64>,
@@ -312,6 +315,8 @@ fn stitch_stale_ranges(p: &Pool, holes: usize) -> StaleRanges {
     let mut fillers: Vec<u64> = (0..holes)
         .map(|_| p.malloc(6 * MIB, Stream::DEFAULT).unwrap())
         .collect();
+    // A filler takes its hole whole, so its address names the hole.
+    let holes_at = fillers.clone();
     let pairs: Vec<(usize, usize)> = (0..holes)
         .flat_map(|i| (i + 1..holes).map(move |j| (i, j)))
         .collect();
@@ -327,8 +332,11 @@ fn stitch_stale_ranges(p: &Pool, holes: usize) -> StaleRanges {
         );
         p.free(last).unwrap();
         if round + 1 < pairs.len() {
-            fillers[i] = p.malloc(6 * MIB, Stream::DEFAULT).unwrap();
-            fillers[j] = p.malloc(6 * MIB, Stream::DEFAULT).unwrap();
+            let refilled = [(); 2].map(|_| p.malloc(6 * MIB, Stream::DEFAULT).unwrap());
+            for filler in refilled {
+                let hole = [i, j].into_iter().find(|&k| holes_at[k] == filler);
+                fillers[hole.expect("a refill takes one of the two holes")] = filler;
+            }
         }
     }
     StaleRanges {

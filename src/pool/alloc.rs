@@ -353,7 +353,15 @@ impl Inner {
                     }
                 }
             }
-            let segment_size = sizes::large_segment(size, self.granularity)?;
+            let repeats = match (attempt, tag) {
+                (0, SHARED) => self.growth_run.record(size),
+                _ => 0,
+            };
+            let mut segment_size = sizes::packed_segment(size, self.granularity, repeats)?;
+            if !self.fits_cap(segment_size) {
+                // Room for a run's next requests is made ahead only while it fits the cap.
+                segment_size = sizes::large_segment(size, self.granularity)?;
+            }
             if attempt == 0
                 && tag == SHARED
                 && self.plan_segment(PoolKind::Large, segment_size, tag)

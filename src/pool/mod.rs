@@ -167,6 +167,8 @@ struct Inner {
     /// Bytes asked for by the request `malloc` is serving (0 otherwise): `register` books them
     /// with the new allocation, sparing a second lookup of it.
     request: usize,
+    /// Large requests that needed new memory one after another (see [`sizes::GrowthRun`]).
+    growth_run: sizes::GrowthRun,
     /// Freed blocks kept for the next request of their size on their stream (see `parked`).
     parked: parked::Parked,
 }
@@ -281,6 +283,7 @@ impl Pool {
                 shared: KeyMap::default(),
                 shared_bytes: 0,
                 request: 0,
+                growth_run: sizes::GrowthRun::default(),
                 parked: parked::Parked::default(),
             }),
         };

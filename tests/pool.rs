@@ -400,42 +400,40 @@ fn idle_stitched_ranges_past_their_limit_go_a_quarter_at_once() {
 
 #[test]
 fn a_run_of_one_size_shares_packed_segments() {
-    // Nine tensors of 5.5 MiB made one after another (a model's optimizer states): the first
-    // gets 6 MiB of its own, the second a segment for four (22 MiB: 11 whole granules), which
-    // the next three fill; the sixth another for four. 50 MiB reserved, where a segment each
-    // would take 54 and leave nine unusable half MiB rests.
+    // Seven tensors of 5.5 MiB made one after another (a model's optimizer states): the first
+    // three get 6 MiB each; the fourth, with three before it, a segment for four (22 MiB: 11
+    // whole granules), which the next three fill. 40 MiB reserved, where a segment each would
+    // take 42 and leave seven unusable half MiB rests.
     let (_host, _device, p) = common::host_pool(1024 * MIB);
     let odd = 11 * MIB / 2;
-    let tensors: Vec<u64> = (0..9)
+    let tensors: Vec<u64> = (0..7)
         .map(|_| p.malloc(odd, Stream::DEFAULT).unwrap())
         .collect();
     let stats = p.stats();
-    assert_eq!(stats.reserved_bytes.all.current, 50 * MIB as i64);
-    assert_eq!(stats.segment.all.current, 3);
-    // The four of a packed segment lie back to back.
-    for pair in tensors[1..5].windows(2) {
+    assert_eq!(stats.reserved_bytes.all.current, 40 * MIB as i64);
+    assert_eq!(stats.segment.all.current, 4);
+    // The four of the packed segment lie back to back.
+    for pair in tensors[3..].windows(2) {
         assert_eq!(pair[1].abs_diff(pair[0]), odd as u64);
     }
     // A request of another size breaks the run: the next 5.5 MiB gets its own granules again.
     let other = p.malloc(3 * MIB, Stream::DEFAULT).unwrap();
     let after = p.malloc(odd, Stream::DEFAULT).unwrap();
-    let stats = p.stats();
-    assert_eq!(
-        stats.reserved_bytes.all.current,
-        (50 + 4 + 6) as i64 * MIB as i64
-    );
+    let reserved = p.stats().reserved_bytes.all.current;
+    assert_eq!(reserved, (40 + 4 + 6) * MIB as i64);
     for ptr in tensors.into_iter().chain([other, after]) {
         p.free(ptr).unwrap();
     }
     p.check_invariants().unwrap();
 
-    // Under a cap with room for two segments of their own and not for a packed one, the second
-    // of a run gets its own: packing never turns a request that fits into an out-of-memory.
+    // Under a cap with room for four segments of their own and not for a packed one, the
+    // fourth of a run gets its own: packing never turns a request that fits into an
+    // out-of-memory.
     let device = common::device();
-    let q = budget_pool(&device, Config::default(), 12 * MIB);
-    let two = [(); 2].map(|_| q.malloc(odd, Stream::DEFAULT).unwrap());
-    assert_eq!(q.stats().reserved_bytes.all.current, 12 * MIB as i64);
-    for ptr in two {
+    let q = budget_pool(&device, Config::default(), 24 * MIB);
+    let four = [(); 4].map(|_| q.malloc(odd, Stream::DEFAULT).unwrap());
+    assert_eq!(q.stats().reserved_bytes.all.current, 24 * MIB as i64);
+    for ptr in four {
         q.free(ptr).unwrap();
     }
 }

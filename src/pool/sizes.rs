@@ -46,9 +46,9 @@ const PACK_MOST: usize = 16;
 /// granule serves no large request and no stitch while the allocation lives. A run of one size
 /// (a model's optimizer states or per-expert weights, made one after another and kept for the
 /// whole run) would leave one such rest per tensor: 800 tensors of 5.5 MiB left 0.5 MiB each
-/// on a recorded MoE trace. From the second request of a run on, a segment holds as many
-/// requests of the run as fill whole granules (see [`packed_segment`]), and the next ones take
-/// the rest of it as ordinary free memory.
+/// on a recorded MoE trace. Once a run is long enough, a segment holds as many requests of the
+/// run as fill whole granules (see [`packed_segment`]), and the next ones take the rest of it
+/// as ordinary free memory.
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct GrowthRun {
     size: usize,
@@ -69,16 +69,18 @@ impl GrowthRun {
 }
 
 /// Bytes of a new large-pool segment for a request of `size` (rounded) bytes that `repeats`
-/// requests of its size needing new memory came just before: [`large_segment`] for the first
-/// of a run; for a later one, room for the fewest requests of the size (2 to [`PACK_MOST`],
-/// within [`PACK_LIMIT`]) that leave less than a sixteenth of one request over in their last
-/// granule, when there is such a number.
+/// requests of its size needing new memory came just before: room for the fewest requests of
+/// the size (2 to [`PACK_MOST`], within [`PACK_LIMIT`], and at most one more than the run has
+/// had so far, so that a short run reserves little ahead of need) that leave less than a
+/// sixteenth of one request over in their last granule; [`large_segment`] when no such number
+/// is allowed.
 pub(super) fn packed_segment(size: usize, granularity: usize, repeats: u32) -> Result<usize> {
     let own = large_segment(size, granularity)?;
-    if repeats == 0 || own == size {
+    if own == size {
         return Ok(own);
     }
-    for k in 2..=PACK_MOST {
+    let most = (repeats as usize).saturating_add(1).min(PACK_MOST);
+    for k in 2..=most {
         let Some(bytes) = size.checked_mul(k).filter(|&b| b <= PACK_LIMIT) else {
             break;
         };
@@ -99,28 +101,23 @@ mod tests {
 
     #[test]
     fn a_run_of_one_size_is_packed_into_whole_granules() {
+        let segment = |size, repeats| packed_segment(size, G, repeats).unwrap();
+        // 5.5 MiB: four fill 11 granules, fewer leave more than a sixteenth over; room for
+        // four is made once three came before.
         let odd = 11 * MIB / 2;
-        assert_eq!(
-            packed_segment(odd, G, 0).unwrap(),
-            6 * MIB,
-            "the first of a run"
-        );
-        assert_eq!(
-            packed_segment(odd, G, 1).unwrap(),
-            22 * MIB,
-            "four fill 11 granules"
-        );
-        assert_eq!(packed_segment(odd, G, 7).unwrap(), 22 * MIB);
+        assert_eq!(segment(odd, 0), 6 * MIB, "the first of a run");
+        assert_eq!(segment(odd, 2), 6 * MIB);
+        assert_eq!(segment(odd, 3), 22 * MIB);
+        assert_eq!(segment(odd, 7), 22 * MIB);
         // Whole granules already: nothing to pack.
-        assert_eq!(packed_segment(8 * MIB, G, 3).unwrap(), 8 * MIB);
+        assert_eq!(segment(8 * MIB, 3), 8 * MIB);
         // 3 MiB: two fill three granules.
-        assert_eq!(packed_segment(3 * MIB, G, 1).unwrap(), 6 * MIB);
+        assert_eq!(segment(3 * MIB, 0), 4 * MIB);
+        assert_eq!(segment(3 * MIB, 1), 6 * MIB);
         // No count within 64 MiB leaves less than a sixteenth over: a segment of its own.
-        let awkward = 4_257_792;
-        assert_eq!(packed_segment(awkward, G, 5).unwrap(), 6 * MIB);
+        assert_eq!(segment(4_257_792, 15), 6 * MIB);
         // Too large to pack two within the limit.
-        let big = 33 * MIB;
-        assert_eq!(packed_segment(big, G, 2).unwrap(), 34 * MIB);
+        assert_eq!(segment(33 * MIB, 2), 34 * MIB);
     }
 
     #[test]

@@ -38,6 +38,9 @@ pub(super) fn large_segment(size: usize, granularity: usize) -> Result<usize> {
 /// Segments made for a run of requests of one size hold at most this many bytes.
 const PACK_LIMIT: usize = 64 << 20;
 
+/// The largest request a packed segment holds (two of it fill [`PACK_LIMIT`]).
+pub(super) const PACKED_REQUEST_MOST: usize = PACK_LIMIT / 2;
+
 /// Requests per packed segment are at most this many.
 const PACK_MOST: usize = 16;
 

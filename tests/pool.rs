@@ -436,6 +436,25 @@ fn a_run_of_one_size_shares_packed_segments() {
     for ptr in four {
         q.free(ptr).unwrap();
     }
+
+    // Nor past a soft limit (SmartSwap's), where it would give back cached memory: with 4 MiB
+    // cached and 18 in use under a soft limit of 30, the fourth gets its own 6 MiB, and the
+    // cached segment stays.
+    let config = Config {
+        stitch: false,
+        ..Config::default()
+    };
+    let r = pool_with(&device, config);
+    let cached = r.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    r.free(cached).unwrap();
+    r.set_soft_limit(Some(30 * MIB));
+    let four = [(); 4].map(|_| r.malloc(odd, Stream::DEFAULT).unwrap());
+    let stats = r.stats();
+    assert_eq!(stats.reserved_bytes.all.current, 28 * MIB as i64);
+    assert_eq!(stats.num_device_free, 0);
+    for ptr in four {
+        r.free(ptr).unwrap();
+    }
 }
 
 #[test]

@@ -326,6 +326,17 @@ impl Inner {
         Ok(None)
     }
 
+    /// Bytes of a new segment for a shared-pool request of `size` bytes (`own`: its whole
+    /// granules): room for the next requests of its run as well (see [`sizes::GrowthRun`])
+    /// where that fits under both the cap and the soft limit, so that making room ahead never
+    /// turns a request that fits into an out-of-memory error or a release of cached memory.
+    fn run_segment(&self, size: usize, own: usize) -> Result<usize> {
+        let repeats = self.growth_run.before(size);
+        let packed = sizes::packed_segment(size, self.granularity, repeats)?;
+        let room = self.fits_cap(packed) && !self.past_soft_limit(packed);
+        Ok(if room { packed } else { own })
+    }
+
     fn malloc_large(
         &mut self,
         device: &dyn crate::device::Device,
@@ -353,22 +364,27 @@ impl Inner {
                     }
                 }
             }
-            let repeats = match (attempt, tag) {
-                (0, SHARED) => self.growth_run.record(size),
-                _ => 0,
+            let own = sizes::large_segment(size, self.granularity)?;
+            let segment_size = match (attempt, tag) {
+                (0, SHARED) => self.run_segment(size, own)?,
+                _ => own,
             };
-            let mut segment_size = sizes::packed_segment(size, self.granularity, repeats)?;
-            if !self.fits_cap(segment_size) {
-                // Room for a run's next requests is made ahead only while it fits the cap.
-                segment_size = sizes::large_segment(size, self.granularity)?;
-            }
             if attempt == 0
                 && tag == SHARED
                 && self.plan_segment(PoolKind::Large, segment_size, tag)
             {
+                self.growth_run.record(size);
                 return Ok(None);
             }
-            if let Some(id) = self.grow(device, PoolKind::Large, segment_size, tag)? {
+            let mut grown = self.grow(device, PoolKind::Large, segment_size, tag)?;
+            if grown.is_none() && segment_size != own {
+                // No room on the device for the run's next requests: the request's own.
+                grown = self.grow(device, PoolKind::Large, own, tag)?;
+            }
+            if let Some(id) = grown {
+                if tag == SHARED {
+                    self.growth_run.record(size);
+                }
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
             }
             if stitch && self.config.defrag_level == DefragLevel::WhenFull && attempt == 0 {

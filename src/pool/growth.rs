@@ -14,6 +14,12 @@ impl Inner {
         self.cap.fits(self.capped_bytes(), bytes)
     }
 
+    /// Whether creating `bytes` more physical memory would go past the soft limit.
+    pub(super) fn past_soft_limit(&self, bytes: usize) -> bool {
+        self.soft_limit
+            .is_some_and(|soft| self.capped_bytes().saturating_add(bytes) > soft)
+    }
+
     /// Before creating `bytes` of physical memory past the soft limit, gives cached memory
     /// back (once per request; nothing when nothing is cached). Unlike the cap, the soft limit
     /// never makes a request fail.
@@ -22,10 +28,7 @@ impl Inner {
         device: &dyn crate::device::Device,
         bytes: usize,
     ) -> Result<()> {
-        let Some(soft) = self.soft_limit else {
-            return Ok(());
-        };
-        let over = |inner: &Self| inner.capped_bytes().saturating_add(bytes) > soft;
+        let over = |inner: &Self| inner.past_soft_limit(bytes);
         if over(self) {
             // Parked blocks hold memory that may make a segment idle.
             self.unpark_all();

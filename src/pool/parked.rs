@@ -191,13 +191,15 @@ impl Inner {
         }
         // A large block of a size packing makes between free or parked memory on both sides,
         // or one of MERGE_FIRST bytes or more next to such memory on one side, is freed as
-        // usual, merging with it (see MERGE_FIRST).
+        // usual, merging with it (see MERGE_FIRST). Only memory it can merge with counts:
+        // free or parked on no stream or on its own.
         if live.pool == PoolKind::Large {
             let block = &self.map.blocks[id];
             let loose = |n: Option<BlockId>| {
                 n.is_some_and(|n| {
                     let neighbour = &self.map.blocks[n];
-                    neighbour.parked || neighbour.state == BlockState::Free
+                    (neighbour.parked || neighbour.state == BlockState::Free)
+                        && neighbour.owner.is_none_or(|owner| owner == live.stream)
                 })
             };
             let (before, after) = (loose(block.prev), loose(block.next));

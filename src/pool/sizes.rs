@@ -59,15 +59,22 @@ pub(super) struct GrowthRun {
 }
 
 impl GrowthRun {
-    /// Records a request of `size` (rounded) bytes that needs new memory; returns how many
-    /// requests of that size needed new memory just before it.
-    pub(super) fn record(&mut self, size: usize) -> u32 {
-        let before = if self.size == size { self.count } else { 0 };
+    /// How many requests of `size` (rounded) bytes got new memory just before this one.
+    pub(super) fn before(&self, size: usize) -> u32 {
+        if self.size == size {
+            self.count
+        } else {
+            0
+        }
+    }
+
+    /// Records that a request of `size` (rounded) bytes got new memory: a segment was made, or
+    /// planned, for it.
+    pub(super) fn record(&mut self, size: usize) {
         *self = GrowthRun {
             size,
-            count: before.saturating_add(1),
+            count: self.before(size).saturating_add(1),
         };
-        before
     }
 }
 
@@ -126,10 +133,15 @@ mod tests {
     #[test]
     fn a_run_counts_requests_of_one_size_in_a_row() {
         let mut run = GrowthRun::default();
-        assert_eq!(run.record(5 * MIB), 0);
-        assert_eq!(run.record(5 * MIB), 1);
-        assert_eq!(run.record(5 * MIB), 2);
-        assert_eq!(run.record(7 * MIB), 0);
-        assert_eq!(run.record(5 * MIB), 0);
+        let mut grows = |size| {
+            let before = run.before(size);
+            run.record(size);
+            before
+        };
+        assert_eq!(grows(5 * MIB), 0);
+        assert_eq!(grows(5 * MIB), 1);
+        assert_eq!(grows(5 * MIB), 2);
+        assert_eq!(grows(7 * MIB), 0);
+        assert_eq!(grows(5 * MIB), 0);
     }
 }

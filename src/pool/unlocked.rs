@@ -134,9 +134,7 @@ impl Inner {
         if !self.planning {
             return false;
         }
-        let over_soft = self
-            .soft_limit
-            .is_some_and(|soft| self.capped_bytes().saturating_add(size) > soft);
+        let over_soft = self.past_soft_limit(size);
         if !self.planning || self.routing > 0 || over_soft || !self.fits_cap(size) {
             return false;
         }

@@ -10,6 +10,7 @@
 //! no larger than `small_limit` at that point serves no large request at all.
 
 use glake::device::{DevicePtr, Stream};
+use glake::error::ErrorKind;
 use glake::pool::blocks::PoolKind;
 use glake::pool::snapshot::{BlockUse, SegmentInfo, Snapshot};
 use glake::pool::Pool;
@@ -55,15 +56,15 @@ pub fn waste_at_peak(
     options: &ReplayOptions,
 ) -> Result<Waste> {
     let (op, then, peak_reserved) = with_pool(trace, config, options, |pool, _, streams| {
-        let (mut op, mut peak_live, mut then, mut peak_reserved) = (0, 0, 0, 0);
+        let (mut op, mut then, mut peak_reserved) = (0, (0, 0), 0);
         drive(
             trace,
             pool,
             streams,
             trace.ops.len(),
             |index, reserved, live| {
-                if live > peak_live {
-                    (op, peak_live, then) = (index, live, reserved);
+                if live > then.1 {
+                    (op, then) = (index, (reserved, live));
                 }
                 peak_reserved = peak_reserved.max(reserved);
             },
@@ -73,10 +74,14 @@ pub fn waste_at_peak(
     with_pool(trace, config, options, |pool, _, streams| {
         let mut requested = 0;
         drive(trace, pool, streams, op + 1, |_, _, live| requested = live)?;
-        let reserved = pool.footprint().reserved as u64;
-        if reserved != then {
+        // Placement can follow addresses (which of two equal free blocks comes first), and a
+        // new device may map at other addresses: the second replay must reach the same state.
+        let again = (pool.footprint().reserved as u64, requested);
+        if again != then {
             return Err(TraceError::new(format!(
-                "replaying up to operation {op} again reserved {reserved} bytes, not {then}"
+                "replaying up to operation {op} again gave {} reserved and {} live bytes, not \
+                 {} and {}: the replay's placements depend on addresses here",
+                again.0, again.1, then.0, then.1
             )));
         }
         let small_limit = config.config.small_limit;
@@ -101,12 +106,20 @@ fn drive(
         match *op {
             Op::Alloc { id, size, stream } => {
                 let stream = streams.get(stream as usize).copied().unwrap_or_default();
-                // A request that fails is an out-of-memory error, skipped as the replay does.
-                if let Ok(ptr) = pool.malloc(size as usize, stream) {
-                    if let Some(slot) = slots.get_mut(id as usize) {
-                        *slot = (ptr, size);
+                match pool.malloc(size as usize, stream) {
+                    Ok(ptr) => {
+                        if let Some(slot) = slots.get_mut(id as usize) {
+                            *slot = (ptr, size);
+                        }
+                        live += size;
                     }
-                    live += size;
+                    // Skipped, as the replay skips it.
+                    Err(err) if err.kind() == ErrorKind::OutOfMemory => {}
+                    Err(err) => {
+                        return Err(TraceError::new(format!(
+                            "malloc({size}), op {index}: {err}"
+                        )))
+                    }
                 }
             }
             Op::Free { id } => {

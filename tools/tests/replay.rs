@@ -283,7 +283,6 @@ fn a_timeline_does_not_change_the_replay() {
 /// granules: each leaves a free half MiB that shares its chunk with the allocation, which no
 /// stitch can map and no large request fits. Live bytes peak then; afterwards the 16 MiB
 /// segment is free, and another request of 5.5 MiB is served from it without reserving more.
-/// (Two of one size in a row would share a packed segment.)
 #[test]
 fn the_waste_report_sorts_what_is_reserved_at_the_live_peak() {
     let (big, odd, other) = (16 * MIB, 11 * MIB / 2, 15 * MIB / 2);

@@ -95,12 +95,15 @@ fn run(args: &Args) -> Result<(), String> {
         }
         if args.waste {
             for config in &replayed {
-                let waste = waste_at_peak(&trace, config, &options)
-                    .map_err(|e| format!("{} with {}: {e}", trace.name, config.name))?;
-                if args.json {
-                    println!("{}", report::waste_json(&trace.name, &config.name, &waste));
-                } else {
-                    println!("{}", report::waste_line(&trace.name, &config.name, &waste));
+                match waste_at_peak(&trace, config, &options) {
+                    Ok(w) if args.json => {
+                        println!("{}", report::waste_json(&trace.name, &config.name, &w))
+                    }
+                    Ok(w) => println!("{}", report::waste_line(&trace.name, &config.name, &w)),
+                    Err(err) => {
+                        eprintln!("glake-replay: {} with {}: {err}", trace.name, config.name);
+                        failed = true;
+                    }
                 }
             }
         }

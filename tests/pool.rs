@@ -425,6 +425,9 @@ fn a_run_of_one_size_shares_packed_segments() {
         p.free(ptr).unwrap();
     }
     p.check_invariants().unwrap();
+    // A packed segment is an ordinary one: free, it goes back to the device.
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
 
     // Under a cap with room for four segments of their own and not for a packed one, the
     // fourth of a run gets its own: packing never turns a request that fits into an

@@ -189,13 +189,17 @@ fn add_device_sharing(
 /// Numbers pools for the thread-local region routing.
 static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-/// What a pool holds of the device now (see [`Pool::footprint`]).
+/// What a pool holds of the device now, and the stitches it made (see [`Pool::footprint`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Footprint {
     /// Physical memory created and not yet released, in bytes.
     pub reserved: usize,
     /// Bytes mapped by stitched ranges (they share the reserved memory of their pieces).
     pub stitched_mapped: usize,
+    /// Stitched ranges made, and requests served by a cached one, since the counters were
+    /// last reset.
+    pub stitches: u64,
+    pub stitch_reuse_hits: u64,
 }
 
 /// A thread-safe caching allocator for one device.
@@ -722,16 +726,19 @@ impl Pool {
         stats
     }
 
-    /// Physical bytes reserved and bytes mapped by stitched ranges now: counters that parked
-    /// blocks do not change, so unlike [`Pool::stats`] this leaves them parked. A tool that
-    /// samples memory after every call (a replay's timeline) reads this, so that sampling does
-    /// not change where later requests are placed.
+    /// Physical bytes reserved, bytes mapped by stitched ranges, and the stitch counters now:
+    /// counters that parked blocks do not change, so unlike [`Pool::stats`] this leaves them
+    /// parked. A tool that samples the pool after every call (a replay's timeline and marks)
+    /// reads this, so that sampling does not change where later requests are placed.
     pub fn footprint(&self) -> Footprint {
         let inner = lock(&self.inner);
         let count = |v: i64| v.max(0) as usize;
+        let stats = &inner.stats;
         Footprint {
-            reserved: count(inner.stats.reserved_bytes.all.current),
-            stitched_mapped: count(inner.stats.stitched_mapped_bytes.current),
+            reserved: count(stats.reserved_bytes.all.current),
+            stitched_mapped: count(stats.stitched_mapped_bytes.current),
+            stitches: count(stats.stitches) as u64,
+            stitch_reuse_hits: count(stats.stitch_reuse_hits) as u64,
         }
     }
 

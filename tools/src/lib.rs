@@ -22,7 +22,7 @@ use std::fmt;
 
 pub use configs::NamedConfig;
 pub use parse::{load, read_trace};
-pub use replay::{replay, Backend, ReplayOptions, ReplayResult};
+pub use replay::{replay, Backend, MarkSample, ReplayOptions, ReplayResult};
 pub use timed::{timed, TimedDevice};
 pub use waste::{waste_at_peak, Waste};
 
@@ -109,6 +109,14 @@ pub enum Op {
     Free { id: u32 },
 }
 
+/// A named point of a trace (a comment line of the text format, such as `# measured step 3`
+/// that `bench/swap_bench.py` writes), `at` operations from its start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    pub at: usize,
+    pub label: String,
+}
+
 /// A trace ready to replay, with what the trace itself says about memory.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Trace {
@@ -136,6 +144,8 @@ pub struct Trace {
     pub has_segments: bool,
     /// Native reserved bytes after each change: (number of ops before the change, bytes).
     pub native_steps: Vec<(usize, u64)>,
+    /// Named points, in order.
+    pub marks: Vec<Mark>,
 }
 
 impl Trace {
@@ -233,6 +243,15 @@ impl TraceBuilder {
         self.trace
             .native_steps
             .push((self.trace.ops.len(), self.native.max(0) as u64));
+    }
+
+    /// Names the point after the operations pushed so far.
+    pub fn mark(&mut self, label: impl Into<String>) {
+        let at = self.trace.ops.len();
+        self.trace.marks.push(Mark {
+            at,
+            label: label.into(),
+        });
     }
 
     pub fn finish(mut self) -> Trace {

@@ -1,7 +1,8 @@
 //! Reading traces. The format is found from the bytes, not the file name: gzip by its magic
 //! number, a pickle by its protocol opcode (0x80, protocol 2 and later), text otherwise.
 //!
-//! Text: one event per line, `action addr size stream`, oldest first; `#` starts a comment line.
+//! Text: one event per line, `action addr size stream`, oldest first; `#` starts a comment line,
+//! which names the point it stands at (a [`Mark`](crate::Mark)) unless it is that column header.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -12,6 +13,9 @@ use flate2::bufread::MultiGzDecoder;
 use super::{pickle, Action, Result, Trace, TraceBuilder, TraceError};
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
+/// The column header of the text format (a comment, not a mark).
+const HEADER: &str = "action addr size stream";
 const PICKLE_PROTO: u8 = 0x80;
 
 /// Reads the trace at `path`; for a snapshot pickle, the trace of device `device`.
@@ -46,7 +50,15 @@ pub fn read_text<R: BufRead>(reader: R, name: &str) -> Result<Trace> {
     for (index, line) in reader.lines().enumerate() {
         let line = line.map_err(|e| TraceError::new(format!("line {}: {e}", index + 1)))?;
         let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
+        if let Some(comment) = line.strip_prefix('#') {
+            // Every comment but the column header names a point of the trace.
+            let label = comment.trim();
+            if !label.is_empty() && label != HEADER {
+                builder.mark(label);
+            }
+            continue;
+        }
+        if line.is_empty() {
             continue;
         }
         let bad = |what: &str| TraceError::new(format!("line {}: {what}: {line:?}", index + 1));
@@ -107,6 +119,16 @@ mod tests {
         assert_eq!(t.native_peak_reserved_bytes, 2_097_152);
         assert_eq!(t.ops.len(), 4);
         assert_eq!(t.ops[2], Op::Free { id: 0 });
+    }
+
+    #[test]
+    fn comments_but_the_header_are_marks_where_they_stand() {
+        let text = "# action addr size stream\n# before anything\nalloc 1 1000 0\n\
+                    #   measured step 0  \nalloc 2 1000 0\nfree_completed 1 1000 0\n#\n";
+        let t = read_trace(text.as_bytes(), "m", 0).unwrap();
+        let marks: Vec<(usize, &str)> = t.marks.iter().map(|m| (m.at, m.label.as_str())).collect();
+        assert_eq!(marks, [(0, "before anything"), (1, "measured step 0")]);
+        assert_eq!(t.ops.len(), 3);
     }
 
     #[test]

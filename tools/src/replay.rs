@@ -149,6 +149,18 @@ impl Timeline {
     }
 }
 
+/// The pool's counters where the trace names a point (a [`crate::Mark`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MarkSample {
+    pub label: String,
+    /// Operations replayed before it.
+    pub at: usize,
+    /// Stitches made and cached stitched ranges reused so far.
+    pub stitches: u64,
+    pub reuse_hits: u64,
+    pub reserved: u64,
+}
+
 /// What one replay measured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplayResult {
@@ -186,6 +198,9 @@ pub struct ReplayResult {
     /// Wall time of the replay loop.
     pub wall_ns: u64,
     pub timeline: Option<Timeline>,
+    /// The counters at each of the trace's marks, and at its end (labelled "end of the trace"
+    /// unless a mark stands there).
+    pub marks: Vec<MarkSample>,
 }
 
 /// Opens the device a replay runs on.
@@ -332,8 +347,23 @@ fn run(
     let calls_before = timed.hook().calls();
     let kinds_before = timed.hook().by_kind();
     let clock = quanta::Clock::new();
+    let mut marks = Vec::with_capacity(trace.marks.len() + 1);
+    let mut sample = |label: &str, at: usize| {
+        let now = pool.footprint();
+        marks.push(MarkSample {
+            label: label.to_string(),
+            at,
+            stitches: now.stitches,
+            reuse_hits: now.stitch_reuse_hits,
+            reserved: now.reserved as u64,
+        });
+    };
+    let mut next_mark = trace.marks.iter().peekable();
     let wall = Instant::now();
     for (index, op) in trace.ops.iter().enumerate() {
+        while let Some(mark) = next_mark.next_if(|m| m.at <= index) {
+            sample(&mark.label, index);
+        }
         match *op {
             Op::Alloc { id, size, stream } => {
                 let stream = streams.get(stream as usize).copied().unwrap_or_default();
@@ -403,6 +433,12 @@ fn run(
         }
     }
     let wall_ns = wall.elapsed().as_nanos() as u64;
+    for mark in next_mark {
+        sample(&mark.label, trace.ops.len());
+    }
+    if trace.marks.last().is_none_or(|m| m.at < trace.ops.len()) {
+        sample("end of the trace", trace.ops.len());
+    }
     let stats = pool.stats();
     let driver_calls = timed.hook().calls() - calls_before;
     let driver_by_kind = timed
@@ -455,6 +491,7 @@ fn run(
         timer_ns: timer_overhead(&clock),
         wall_ns,
         timeline,
+        marks,
     })
 }
 

@@ -177,7 +177,7 @@ fn json_opt(value: Option<usize>) -> String {
 
 /// One replay as a single-line JSON object.
 pub fn json_line(r: &ReplayResult) -> String {
-    let fields: [(&str, String); 26] = [
+    let fields: [(&str, String); 27] = [
         ("trace", json_string(&r.trace)),
         ("config", json_string(&r.config)),
         ("backend", json_string(r.backend.name())),
@@ -219,6 +219,24 @@ pub fn json_line(r: &ReplayResult) -> String {
                 r.driver_by_kind
                     .iter()
                     .map(|c| format!("\"{:?}\":{}", c.kind, c.nanos))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        ),
+        (
+            "marks",
+            format!(
+                "[{}]",
+                r.marks
+                    .iter()
+                    .map(|m| format!(
+                        "{{\"label\":{},\"op\":{},\"stitches\":{},\"reuse_hits\":{},\"reserved_bytes\":{}}}",
+                        json_string(&m.label),
+                        m.at,
+                        m.stitches,
+                        m.reuse_hits,
+                        m.reserved
+                    ))
                     .collect::<Vec<_>>()
                     .join(",")
             ),
@@ -312,6 +330,32 @@ pub fn waste_json(trace: &str, config: &str, w: &Waste) -> String {
     )
 }
 
+/// What happened between consecutive marks of a replay (see [`ReplayResult::marks`]): one line
+/// per stretch, with the stitches made and cached stitched ranges reused in it. Empty when the
+/// trace names no point.
+pub fn marks_lines(r: &ReplayResult) -> String {
+    let mut out = String::new();
+    if r.marks.len() < 2 {
+        return out;
+    }
+    for pair in r.marks.windows(2) {
+        let (from, to) = (&pair[0], &pair[1]);
+        let _ = writeln!(
+            out,
+            "{}: {} .. {} (ops {}..{}): {} stitches, {} reuses, {} GiB reserved at its end",
+            r.config,
+            from.label,
+            to.label,
+            from.at,
+            to.at,
+            to.stitches - from.stitches,
+            to.reuse_hits - from.reuse_hits,
+            gib(to.reserved)
+        );
+    }
+    out
+}
+
 /// The file a plot goes to: `base` with the trace's stem and the config's name put before the
 /// extension, each only when there are several of them.
 pub fn plot_file(
@@ -380,6 +424,7 @@ mod tests {
             timer_ns: 20,
             wall_ns: 1,
             timeline: None,
+            marks: vec![],
         }
     }
 

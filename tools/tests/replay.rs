@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use glake_tools::{self as trace, configs, ReplayOptions};
+use glake_tools::{self as trace, configs, report, ReplayOptions};
 
 const MIB: u64 = 1 << 20;
 
@@ -318,6 +318,57 @@ fn the_waste_report_sorts_what_is_reserved_at_the_live_peak() {
     let line = out.lines().find(|l| l.contains("waste_at_peak")).unwrap();
     assert_eq!(number(line, "stranded_bytes"), MIB as f64, "{line}");
     assert_eq!(number(line, "stranded_blocks"), 2.0, "{line}");
+}
+
+/// The counters are read at each comment line of a trace: the stitches a stretch made are the
+/// difference between its two marks, and the end of the trace is a last point when no mark
+/// stands there. Sampling them leaves the replay as it is.
+#[test]
+fn marks_count_the_stitches_between_them() {
+    let text = synthetic();
+    let stretch = text.lines().count() / 2;
+    let marked: String = text
+        .lines()
+        .enumerate()
+        .map(|(i, line)| match i {
+            0 => format!("# first\n{line}\n"),
+            i if i == stretch => format!("# middle\n{line}\n"),
+            _ => format!("{line}\n"),
+        })
+        .collect();
+    let path = temp_path("marked.txt");
+    std::fs::write(&path, marked).unwrap();
+    let trace = trace::load(&path, 0).unwrap();
+    let labels: Vec<&str> = trace.marks.iter().map(|m| m.label.as_str()).collect();
+    assert_eq!(labels, ["first", "middle"]);
+    let stitch = configs::named("stitch").unwrap();
+    let r = trace::replay(&trace, &stitch, &ReplayOptions::default()).unwrap();
+    // (label, stitches and reuses so far): both halves stitch or reuse.
+    let points: Vec<(&str, u64)> = r
+        .marks
+        .iter()
+        .map(|m| (m.label.as_str(), m.stitches + m.reuse_hits))
+        .collect();
+    assert_eq!(points.len(), 3, "{points:?}");
+    assert_eq!(points[0], ("first", 0));
+    assert_eq!(points[2], ("end of the trace", r.stitches + r.reuse_hits));
+    assert!(0 < points[1].1 && points[1].1 < points[2].1, "{points:?}");
+    // The same replay as the unmarked trace's.
+    let plain = trace::load(&temp_path_with(&text, "unmarked.txt"), 0).unwrap();
+    let unmarked = trace::replay(&plain, &stitch, &ReplayOptions::default()).unwrap();
+    assert_eq!(
+        (unmarked.stitches, unmarked.peak_reserved_bytes),
+        (r.stitches, r.peak_reserved_bytes)
+    );
+    let line = report::json_line(&r);
+    assert!(line.contains("\"label\":\"middle\""), "{line}");
+    assert_eq!(report::marks_lines(&r).lines().count(), 2);
+}
+
+fn temp_path_with(text: &str, name: &str) -> PathBuf {
+    let path = temp_path(name);
+    std::fs::write(&path, text).unwrap();
+    path
 }
 
 #[test]

@@ -87,6 +87,9 @@ fn run(args: &Args) -> Result<(), String> {
         }
         if !args.json {
             print!("{}", report::table(&trace, &results));
+            for result in &results {
+                print!("{}", report::marks_lines(result));
+            }
         }
         if args.driver_calls {
             for result in &results {

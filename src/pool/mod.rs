@@ -732,13 +732,13 @@ impl Pool {
     /// reads this, so that sampling does not change where later requests are placed.
     pub fn footprint(&self) -> Footprint {
         let inner = lock(&self.inner);
-        let count = |v: i64| v.max(0) as usize;
         let stats = &inner.stats;
+        let count = |v: i64| v.max(0) as u64;
         Footprint {
-            reserved: count(stats.reserved_bytes.all.current),
-            stitched_mapped: count(stats.stitched_mapped_bytes.current),
-            stitches: count(stats.stitches) as u64,
-            stitch_reuse_hits: count(stats.stitch_reuse_hits) as u64,
+            reserved: count(stats.reserved_bytes.all.current) as usize,
+            stitched_mapped: count(stats.stitched_mapped_bytes.current) as usize,
+            stitches: count(stats.stitches),
+            stitch_reuse_hits: count(stats.stitch_reuse_hits),
         }
     }
 

@@ -202,9 +202,13 @@ impl Inner {
                         && neighbour.owner.is_none_or(|owner| owner == live.stream)
                 })
             };
-            let (before, after) = (loose(block.prev), loose(block.next));
-            let packable = live.size <= sizes::PACKED_REQUEST_MOST;
-            if (packable && before && after) || (live.size >= MERGE_FIRST && (before || after)) {
+            // Neighbours are read only for the sizes a rule covers, and only as far as needed.
+            let merges = if live.size <= sizes::PACKED_REQUEST_MOST {
+                loose(block.prev) && loose(block.next)
+            } else {
+                live.size >= MERGE_FIRST && (loose(block.prev) || loose(block.next))
+            };
+            if merges {
                 return false;
             }
         }

@@ -48,8 +48,9 @@ const PACK_MOST: usize = 16;
 /// request gets a segment of its own rounded up to whole granules, and the rest of the last
 /// granule serves no large request and no stitch while the allocation lives. A run of one size
 /// (a model's optimizer states or per-expert weights, made one after another and kept for the
-/// whole run) would leave one such rest per tensor: 800 tensors of 5.5 MiB left 0.5 MiB each
-/// on a recorded MoE trace. Once a run is long enough, a segment holds as many requests of the
+/// whole run) would leave one such rest per tensor: on a recorded MoE trace a burst of 720
+/// requests of 5.5 MiB left 0.5 MiB each, 293 MiB in 618 rests at the live peak. Once a run is
+/// long enough, a segment holds as many requests of the
 /// run as fill whole granules (see [`packed_segment`]), and the next ones take the rest of it
 /// as ordinary free memory.
 #[derive(Debug, Default, Clone, Copy)]

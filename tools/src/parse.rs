@@ -13,10 +13,10 @@ use flate2::bufread::MultiGzDecoder;
 use super::{pickle, Action, Result, Trace, TraceBuilder, TraceError};
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+const PICKLE_PROTO: u8 = 0x80;
 
 /// The column header of the text format (a comment, not a mark).
 const HEADER: &str = "action addr size stream";
-const PICKLE_PROTO: u8 = 0x80;
 
 /// Reads the trace at `path`; for a snapshot pickle, the trace of device `device`.
 pub fn load(path: &Path, device: usize) -> Result<Trace> {

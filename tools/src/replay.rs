@@ -15,6 +15,7 @@ use super::{NamedConfig, Op, Result, Trace, TraceError};
 use glake::device::host::{HostDevice, HostOptions};
 use glake::device::{DevicePtr, SharedDevice, Stream};
 use glake::error::ErrorKind;
+use glake::pool::snapshot::Snapshot;
 use glake::pool::Pool;
 
 /// Device memory of the host backend when no budget is given: far more than any trace needs.
@@ -53,6 +54,10 @@ pub struct ReplayOptions {
     pub budget: Option<usize>,
     /// Keep per-operation memory figures for plotting.
     pub timeline: bool,
+    /// Stop after this operation (an index into the trace's operations) with a snapshot of
+    /// the pool there, in [`ReplayResult::snapshot`]; the other figures then cover the
+    /// operations replayed so far.
+    pub snapshot_after: Option<usize>,
 }
 
 impl Default for ReplayOptions {
@@ -61,6 +66,7 @@ impl Default for ReplayOptions {
             backend: Backend::Host,
             budget: None,
             timeline: false,
+            snapshot_after: None,
         }
     }
 }
@@ -201,6 +207,8 @@ pub struct ReplayResult {
     /// The counters at each of the trace's marks, and at its end (labelled "end of the trace"
     /// unless a mark stands there).
     pub marks: Vec<MarkSample>,
+    /// The pool after [`ReplayOptions::snapshot_after`]'s operation, when it asked for one.
+    pub snapshot: Option<Snapshot>,
 }
 
 /// Opens the device a replay runs on.
@@ -271,7 +279,7 @@ pub fn replay(
     options: &ReplayOptions,
 ) -> Result<ReplayResult> {
     let measured = with_pool(trace, config, options, |pool, timed, streams| {
-        run(trace, pool, timed, streams, options.timeline)
+        run(trace, pool, timed, streams, options)
     })?;
     Ok(ReplayResult {
         trace: trace.name.clone(),
@@ -285,7 +293,7 @@ pub fn replay(
 
 /// Runs `work` on a new pool with `config` on the device `options` name, with one stream per
 /// stream of `trace` (index as in its operations), and tears the streams down afterwards.
-pub(crate) fn with_pool<T>(
+fn with_pool<T>(
     trace: &Trace,
     config: &NamedConfig,
     options: &ReplayOptions,
@@ -332,8 +340,10 @@ fn run(
     pool: &Pool,
     timed: &TimedDevice,
     streams: &[Stream],
-    keep_timeline: bool,
+    options: &ReplayOptions,
 ) -> Result<ReplayResult> {
+    let keep_timeline = options.timeline;
+    let mut snapshot = None;
     let mut slots = vec![Slot::default(); trace.allocs];
     let mut pairs = Vec::with_capacity(trace.frees);
     let mut pairs_excl = Vec::with_capacity(trace.frees);
@@ -431,13 +441,19 @@ fn run(
                 native.push(native_now);
             }
         }
+        if options.snapshot_after == Some(index) {
+            snapshot = Some(pool.snapshot());
+            break;
+        }
     }
     let wall_ns = wall.elapsed().as_nanos() as u64;
-    for mark in next_mark {
-        sample(&mark.label, trace.ops.len());
-    }
-    if trace.marks.last().is_none_or(|m| m.at < trace.ops.len()) {
-        sample("end of the trace", trace.ops.len());
+    if snapshot.is_none() {
+        for mark in next_mark {
+            sample(&mark.label, trace.ops.len());
+        }
+        if trace.marks.last().is_none_or(|m| m.at < trace.ops.len()) {
+            sample("end of the trace", trace.ops.len());
+        }
     }
     let stats = pool.stats();
     let driver_calls = timed.hook().calls() - calls_before;
@@ -492,6 +508,7 @@ fn run(
         wall_ns,
         timeline,
         marks,
+        snapshot,
     })
 }
 

@@ -425,6 +425,7 @@ mod tests {
             wall_ns: 1,
             timeline: None,
             marks: vec![],
+            snapshot: None,
         }
     }
 

@@ -1,22 +1,19 @@
 //! Where the memory a replay reserved beyond its live bytes sits when the live bytes peak: the
-//! answer to "why is utilization not 1". The replay runs twice: once to find the first
-//! operation at which the requested bytes of live allocations reach their peak (and the peak
-//! of reserved memory, sampled with `Pool::footprint`, which leaves parked blocks alone, so the
-//! sampling changes nothing), once more up to that operation, where a snapshot of the pool
-//! sorts every reserved byte into one of the kinds below.
+//! answer to "why is utilization not 1". The trace is replayed twice: once with a timeline,
+//! which finds the first operation at which the requested bytes of live allocations reach their
+//! peak (the timeline leaves parked blocks alone, so sampling changes nothing), and once up to
+//! that operation, where a snapshot of the pool sorts every reserved byte into one of the kinds
+//! below.
 //!
 //! Only whole physical chunks can be stitched (CUDA maps whole handles only), so free memory
 //! that shares a chunk with a live allocation serves only requests that fit in it; a free block
 //! no larger than `small_limit` at that point serves no large request at all.
 
-use glake::device::{DevicePtr, Stream};
-use glake::error::ErrorKind;
 use glake::pool::blocks::PoolKind;
 use glake::pool::snapshot::{BlockUse, SegmentInfo, Snapshot};
-use glake::pool::Pool;
 
-use super::replay::with_pool;
-use super::{NamedConfig, Op, ReplayOptions, Result, Trace, TraceError};
+use super::replay::replay;
+use super::{NamedConfig, ReplayOptions, Result, Trace, TraceError};
 
 /// The reserved bytes when the live bytes first peak, by kind. The kinds add up to
 /// `reserved`.
@@ -55,85 +52,53 @@ pub fn waste_at_peak(
     config: &NamedConfig,
     options: &ReplayOptions,
 ) -> Result<Waste> {
-    let (op, then, peak_reserved) = with_pool(trace, config, options, |pool, _, streams| {
-        let (mut op, mut then, mut peak_reserved) = (0, (0, 0), 0);
-        drive(
-            trace,
-            pool,
-            streams,
-            trace.ops.len(),
-            |index, reserved, live| {
-                if live > then.1 {
-                    (op, then) = (index, (reserved, live));
-                }
-                peak_reserved = peak_reserved.max(reserved);
-            },
-        )?;
-        Ok((op, then, peak_reserved))
-    })?;
-    with_pool(trace, config, options, |pool, _, streams| {
-        let mut requested = 0;
-        drive(trace, pool, streams, op + 1, |_, _, live| requested = live)?;
-        // Placement can follow addresses (which of two equal free blocks comes first), and a
-        // new device may map at other addresses: the second replay must reach the same state.
-        let again = (pool.footprint().reserved as u64, requested);
-        if again != then {
-            return Err(TraceError::new(format!(
-                "replaying up to operation {op} again gave {} reserved and {} live bytes, not \
-                 {} and {}: the replay's placements depend on addresses here",
-                again.0, again.1, then.0, then.1
-            )));
-        }
-        let small_limit = config.config.small_limit;
-        let mut waste = sort(&pool.snapshot(), op, requested, small_limit);
-        waste.peak_reserved = peak_reserved;
-        Ok(waste)
-    })
-}
-
-/// Replays the first `count` operations of `trace` (no timing), calling `sample` after each
-/// with its index, the reserved bytes and the live requested bytes.
-fn drive(
-    trace: &Trace,
-    pool: &Pool,
-    streams: &[Stream],
-    count: usize,
-    mut sample: impl FnMut(usize, u64, u64),
-) -> Result<()> {
-    let mut slots: Vec<(DevicePtr, u64)> = vec![(0, 0); trace.allocs];
-    let mut live = 0;
-    for (index, op) in trace.ops.iter().take(count).enumerate() {
-        match *op {
-            Op::Alloc { id, size, stream } => {
-                let stream = streams.get(stream as usize).copied().unwrap_or_default();
-                match pool.malloc(size as usize, stream) {
-                    Ok(ptr) => {
-                        if let Some(slot) = slots.get_mut(id as usize) {
-                            *slot = (ptr, size);
-                        }
-                        live += size;
-                    }
-                    // Skipped, as the replay skips it.
-                    Err(err) if err.kind() == ErrorKind::OutOfMemory => {}
-                    Err(err) => {
-                        return Err(TraceError::new(format!(
-                            "malloc({size}), op {index}: {err}"
-                        )))
-                    }
-                }
-            }
-            Op::Free { id } => {
-                if let Some(slot) = slots.get_mut(id as usize).filter(|s| s.0 != 0) {
-                    pool.free(slot.0)
-                        .map_err(|e| TraceError::new(format!("free, op {index}: {e}")))?;
-                    live -= slot.1;
-                    *slot = (0, 0);
-                }
-            }
-        }
-        sample(index, pool.footprint().reserved as u64, live);
+    let sampled = ReplayOptions {
+        timeline: true,
+        snapshot_after: None,
+        ..*options
+    };
+    let whole = replay(trace, config, &sampled)?;
+    let Some(timeline) = whole.timeline else {
+        return Err(TraceError::new("the replay kept no timeline"));
+    };
+    // The first operation at which the live bytes peak, and the reserved bytes then.
+    let Some((op, live)) = timeline
+        .live
+        .iter()
+        .copied()
+        .enumerate()
+        .rev()
+        .max_by_key(|&(_, live)| live)
+    else {
+        return Ok(Waste::default());
+    };
+    let then = (timeline.reserved[op], live);
+    let stopped = ReplayOptions {
+        snapshot_after: Some(op),
+        ..sampled
+    };
+    let again = replay(trace, config, &stopped)?;
+    // Placement can follow addresses (which of two equal free blocks comes first), and a new
+    // device may map at other addresses: the second replay must reach the same state.
+    let reached = again.timeline.as_ref().and_then(|t| {
+        let at = t.len().checked_sub(1)?;
+        Some((t.reserved[at], t.live[at]))
+    });
+    let (Some(snapshot), Some(reached)) = (again.snapshot, reached) else {
+        return Err(TraceError::new(format!(
+            "the replay did not stop after operation {op}"
+        )));
+    };
+    if reached != then {
+        return Err(TraceError::new(format!(
+            "replaying up to operation {op} again gave {} reserved and {} live bytes, not {} \
+             and {}: the replay's placements depend on addresses here",
+            reached.0, reached.1, then.0, then.1
+        )));
     }
-    Ok(())
+    let mut waste = sort(&snapshot, op, live, config.config.small_limit);
+    waste.peak_reserved = whole.peak_reserved_bytes;
+    Ok(waste)
 }
 
 /// Sorts the reserved bytes of `snapshot` (taken after operation `op`, with `requested` live

@@ -52,6 +52,7 @@ fn run(args: &Args) -> Result<(), String> {
         backend: args.backend,
         budget: args.budget,
         timeline: args.plot.is_some(),
+        snapshot_after: None,
     };
     let mut failed = false;
     for (index, path) in args.traces.iter().enumerate() {

@@ -57,7 +57,7 @@ pub struct Config {
     pub sleep_host: SleepHost,
     /// The sleep region of every allocation made outside another region
     /// (`GLAKE_SLEEP_REGION`): the whole process's memory can then sleep and wake as one,
-    /// without a code change; its allocations are not stitched.
+    /// without a code change (its allocations stitch the region's own free segments).
     pub default_region: Option<String>,
     /// Guard-page mode (`GLAKE_GUARD=1`), for finding out-of-bounds writes: every allocation of
     /// the shared pool gets memory of its own whose end meets an unmapped range, so a write

@@ -4,7 +4,7 @@
 //! attempt does lives with its concern; this file holds the order and the books of a new
 //! allocation.
 
-use super::blocks::{BlockId, PoolKind, Tag, SHARED};
+use super::blocks::{self, BlockId, PoolKind, Tag, SHARED};
 use super::{sizes, Inner, Live, Target};
 use crate::config::DefragLevel;
 use crate::device::{DevicePtr, Stream};
@@ -344,19 +344,20 @@ impl Inner {
         stream: Stream,
         tag: Tag,
     ) -> Result<Option<DevicePtr>> {
-        // A private pool maps nothing twice: its graph replays use fixed addresses.
-        let stitch = self.config.stitch && tag == SHARED;
+        // A private pool maps nothing twice: its graph replays use fixed addresses. A sleep
+        // region stitches its own free blocks only (its ranges sleep and wake with it).
+        let stitch = self.config.stitch && (tag == SHARED || blocks::is_region(tag));
         for attempt in 0..3 {
             if let Some(id) = self.best_fit(tag, PoolKind::Large, stream, size) {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
             }
             if stitch {
-                if let Some(ptr) = self.reuse_stitched(size, stream) {
+                if let Some(ptr) = self.reuse_stitched(size, stream, tag) {
                     return Ok(Some(ptr));
                 }
                 let eager = self.config.defrag_level == DefragLevel::BeforeGrow || attempt > 0;
                 if eager {
-                    if let Some(ptr) = self.stitch_new(device, size, stream)? {
+                    if let Some(ptr) = self.stitch_new(device, size, stream, tag)? {
                         return Ok(Some(ptr));
                     }
                     if self.planned.is_some() {
@@ -388,7 +389,7 @@ impl Inner {
                 return Ok(Some(self.allocate_block(id, size, stream, PoolKind::Large)));
             }
             if stitch && self.config.defrag_level == DefragLevel::WhenFull && attempt == 0 {
-                if let Some(ptr) = self.stitch_new(device, size, stream)? {
+                if let Some(ptr) = self.stitch_new(device, size, stream, tag)? {
                     return Ok(Some(ptr));
                 }
                 if self.planned.is_some() {

@@ -123,11 +123,11 @@ pub fn chunk_sizes(size: usize, unit: usize, limit: usize) -> Vec<usize> {
     sizes
 }
 
-/// The chunk lengths of a sleep region's segment of `size` bytes: one handle. A region's
-/// segments are never stitched, and mapping, granting access and unmapping cost CUDA about the
-/// same per handle whatever its size, so sleep and wake run fastest on the fewest handles (a
-/// 7B model's weights in chunks of at most 1/8 of each segment were 2113 handles, whose maps
-/// and unmaps took most of each sleep and wake).
+/// The chunk lengths of a sleep region's segment of `size` bytes: one handle. Mapping,
+/// granting access and unmapping cost CUDA about the same per handle whatever its size, so
+/// sleep and wake run fastest on the fewest handles (a 7B model's weights in chunks of at most
+/// 1/8 of each segment were 2113 handles, whose maps and unmaps took most of each sleep and
+/// wake). A stitch inside a region therefore takes whole free segments of it.
 pub fn region_chunks(size: usize) -> Vec<usize> {
     vec![size]
 }
@@ -547,11 +547,12 @@ impl BlockMap {
         best.map(|(_, _, id)| id)
     }
 
-    /// Free blocks of the shared `pool` usable on `stream`, of at least `min_size` bytes, as
+    /// Free blocks of `tag`'s `pool` usable on `stream`, of at least `min_size` bytes, as
     /// `(size, id)`, largest first (equal sizes by id, highest first). Lazy: a stitch needs
     /// only the few largest blocks, not all of them sorted.
     pub fn largest_free_blocks(
         &self,
+        tag: Tag,
         pool: PoolKind,
         stream: Stream,
         min_size: usize,
@@ -559,7 +560,7 @@ impl BlockMap {
         let sets = self
             .free
             .iter()
-            .filter(|(key, _)| serves(key, SHARED, pool, stream))
+            .filter(|(key, _)| serves(key, tag, pool, stream))
             .filter_map(|(_, index)| match index {
                 FreeIndex::Classes(classes) => {
                     let walk: Box<dyn Iterator<Item = Entry> + '_> =
@@ -1162,11 +1163,14 @@ mod tests {
             .map(|(id, b)| (b.size, id))
             .collect();
         expected.sort_unstable_by(|x, y| y.cmp(x));
-        let found: Vec<_> = m.largest_free_blocks(PoolKind::Large, S, 2048).collect();
+        let found: Vec<_> = m
+            .largest_free_blocks(SHARED, PoolKind::Large, S, 2048)
+            .collect();
         assert_eq!(found, expected);
         assert_eq!(found.len(), 4);
         assert_eq!(
-            m.largest_free_blocks(PoolKind::Large, S, 1 << 20).next(),
+            m.largest_free_blocks(SHARED, PoolKind::Large, S, 1 << 20)
+                .next(),
             None
         );
     }

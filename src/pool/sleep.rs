@@ -6,6 +6,9 @@
 //!
 //! A region's free memory is cached and released like the shared pool's, but never lent to
 //! other allocations or stitched with theirs: its segments are exactly the memory that sleeps.
+//! Its free segments are stitched for its own larger requests; such a range loses its
+//! mappings when the region sleeps (an idle one goes) and is mapped again, at its address,
+//! over its pieces' new memory when the region wakes.
 //!
 //! Sleep waits for the device, gives back the region's cached free segments, copies every
 //! allocated byte range to host buffers (pinned ones, copied by the device; or ordinary memory
@@ -260,7 +263,12 @@ impl Inner {
         self.regions[index].asleep = true;
         let result = self.sleep_segments(device, index, mode);
         if result.is_err() && self.regions[index].sleepers.is_empty() {
-            self.regions[index].asleep = false;
+            // Nothing slept: the stitched ranges come back too, or the region stays asleep
+            // for a wake to finish.
+            match self.wake_stitches(device, tag) {
+                Ok(()) => self.regions[index].asleep = false,
+                Err(err) => log::warn!("glake: mapping stitched ranges back failed: {err}"),
+            }
         }
         result
     }
@@ -283,6 +291,8 @@ impl Inner {
     ) -> Result<()> {
         let tag = self.regions[index].tag;
         let started = Instant::now();
+        // No stitched range may hold the region's memory once its segments give it back.
+        self.sleep_stitches(device, tag);
         // Cached free memory of the region goes back whole, range included.
         for segment in self.map.idle_segments() {
             if self.map.segments[segment].tag == tag {
@@ -641,6 +651,8 @@ impl Inner {
                 format!("region {name:?} is awake"),
             ));
         }
+        // Stitched ranges freed while asleep go before their pieces' segments may.
+        self.drop_freed_stitches(device, self.regions[index].tag);
         self.drop_freed_sleepers(device, index)?;
         let stream = self.sleep_stream(device)?;
         let mut waiting = std::mem::take(&mut self.regions[index].sleepers);
@@ -754,6 +766,9 @@ impl Inner {
         if let Some(err) = failure {
             return Err(err.context("waking a region"));
         }
+        let tag = self.regions[index].tag;
+        self.wake_stitches(device, tag)
+            .map_err(|err| err.context("waking a region"))?;
         self.regions[index].asleep = false;
         Ok(())
     }
@@ -864,7 +879,7 @@ impl Inner {
                 super::Target::Block(b) => {
                     self.map.segments[self.map.blocks[b].segment].tag == region.tag
                 }
-                super::Target::Stitched(_) => false,
+                super::Target::Stitched(id) => self.stitch_tag(id) == Some(region.tag),
             })
             .map(|l| l.size)
             .sum();
@@ -915,6 +930,17 @@ impl Inner {
             }
             if !region.asleep && !region.sleepers.is_empty() {
                 return Err(format!("region {:?} is awake with sleepers", region.name));
+            }
+        }
+        for (id, s) in self.stitch.blocks.iter() {
+            let region = self
+                .stitch_tag(id)
+                .and_then(|tag| self.regions.iter().find(|r| r.tag == tag));
+            if s.asleep && !region.is_some_and(|r| r.asleep) {
+                return Err(format!(
+                    "stitched range at {:#x} sleeps outside a sleeping region",
+                    s.va
+                ));
             }
         }
         for (id, s) in self.map.segments.iter() {

@@ -3,8 +3,8 @@
 //! stitched ranges live in [`crate::stitch`]; here blocks are taken from and given back to the
 //! block map, ranges are mapped, reused and collected, and the statistics kept.
 
-use super::blocks::{self, BlockId, BlockState, PoolKind, SHARED};
-use super::growth::{map_range, mappings, Zombie};
+use super::blocks::{self, BlockId, BlockState, PoolKind, Tag};
+use super::growth::{map_at, map_range, mappings, Zombie};
 use super::keymap::KeyMap;
 use super::{Inner, Target};
 use crate::device::{DevicePtr, PhysHandle, Stream};
@@ -18,6 +18,8 @@ use super::unlocked::{GrowthPlan, Planned};
 pub(super) struct StitchJob {
     size: usize,
     stream: Stream,
+    /// The pool (shared, or a sleep region) whose free blocks the pieces are.
+    tag: Tag,
     pieces: Vec<Piece>,
     ids: Vec<BlockId>,
     /// The segment to make for the bytes the free blocks lack.
@@ -130,22 +132,30 @@ impl Inner {
         })
     }
 
-    /// Serves `size` from an idle stitched range whose leading pieces are free for `stream`.
-    pub(super) fn reuse_stitched(&mut self, size: usize, stream: Stream) -> Option<DevicePtr> {
+    /// Serves `size` from an idle stitched range of `tag`'s blocks whose leading pieces are
+    /// free for `stream`.
+    pub(super) fn reuse_stitched(
+        &mut self,
+        size: usize,
+        stream: Stream,
+        tag: Tag,
+    ) -> Option<DevicePtr> {
         let max = ((size as f64) * self.config.reuse_limit) as usize;
         let found = self
             .stitch
             .idle_candidates(size, max.max(size))
             .take(REUSE_SCAN)
             .find(|&id| {
-                stitch::prefix(&self.stitch.blocks[id].pieces, size).all(|(addr, len)| {
-                    self.map.block_containing(addr).is_some_and(|b| {
-                        let b = &self.map.blocks[b];
-                        b.state == BlockState::Free
-                            && (b.owner.is_none() || b.owner == Some(stream))
-                            && addr + len as u64 <= b.addr + b.size as u64
+                !self.stitch.blocks[id].asleep
+                    && stitch::prefix(&self.stitch.blocks[id].pieces, size).all(|(addr, len)| {
+                        self.map.block_containing(addr).is_some_and(|b| {
+                            let b = &self.map.blocks[b];
+                            self.map.segments[b.segment].tag == tag
+                                && b.state == BlockState::Free
+                                && (b.owner.is_none() || b.owner == Some(stream))
+                                && addr + len as u64 <= b.addr + b.size as u64
+                        })
                     })
-                })
             })?;
         let mut ids = Vec::new();
         for (addr, len) in stitch::prefix(&self.stitch.blocks[found].pieces, size) {
@@ -161,8 +171,8 @@ impl Inner {
         Some(va)
     }
 
-    /// Builds a new stitched range of `size` bytes from free blocks of `stream`, creating new
-    /// physical memory for any shortfall. Only whole chunks map, so a free block offers the run
+    /// Builds a new stitched range of `size` bytes from free blocks of `tag` and `stream`,
+    /// creating new physical memory (of `tag`) for any shortfall. Only whole chunks map, so a free block offers the run
     /// of whole chunks inside it (at least `frag_limit` bytes); the last piece maps its last
     /// chunk whole but takes from the block only the bytes the request needs. In planning mode
     /// (see `unlocked`) the driver calls are left to be made outside the lock.
@@ -171,8 +181,9 @@ impl Inner {
         device: &dyn crate::device::Device,
         size: usize,
         stream: Stream,
+        tag: Tag,
     ) -> Result<Option<DevicePtr>> {
-        let Some(job) = self.prepare_stitch(device, size, stream)? else {
+        let Some(job) = self.prepare_stitch(device, size, stream, tag)? else {
             return Ok(None);
         };
         if self.planning && self.routing == 0 {
@@ -191,11 +202,12 @@ impl Inner {
         device: &dyn crate::device::Device,
         size: usize,
         stream: Stream,
+        tag: Tag,
     ) -> Result<Option<StitchJob>> {
         let min_piece = self.config.frag_limit.max(self.granularity);
         let map = &self.map;
         let candidates = map
-            .largest_free_blocks(PoolKind::Large, stream, min_piece)
+            .largest_free_blocks(tag, PoolKind::Large, stream, min_piece)
             .filter_map(|(_, id)| {
                 let (_, len) = map.whole_chunks_of(id)?;
                 (len >= min_piece).then_some((len, id))
@@ -248,11 +260,12 @@ impl Inner {
         }
         let shortfall = (grown > 0).then(|| {
             self.growing += grown;
-            GrowthPlan::new(self, PoolKind::Large, grown, SHARED)
+            GrowthPlan::new(self, PoolKind::Large, grown, tag)
         });
         Ok(Some(StitchJob {
             size,
             stream,
+            tag,
             pieces,
             ids,
             shortfall,
@@ -273,6 +286,7 @@ impl Inner {
         let StitchJob {
             size,
             stream,
+            tag,
             mut pieces,
             mut ids,
             shortfall,
@@ -326,7 +340,7 @@ impl Inner {
                 plan.size(),
                 chunks,
                 PoolKind::Large,
-                SHARED,
+                tag,
                 0,
             );
             self.map.take_front(id, shortfall_bytes, stream);
@@ -366,6 +380,134 @@ impl Inner {
             log::warn!("glake: collecting stitched blocks failed: {err}");
         }
         Ok(Some(va))
+    }
+
+    /// The pool (shared, or a sleep region) whose blocks stitched range `id` maps.
+    pub(super) fn stitch_tag(&self, id: StitchId) -> Option<Tag> {
+        let piece = self.stitch.blocks[id].pieces.first()?;
+        let block = self.map.block_containing(piece.addr)?;
+        Some(self.map.segments[self.map.blocks[block].segment].tag)
+    }
+
+    /// Region `tag` is going to sleep (the device is idle): its idle stitched ranges go, and
+    /// the ranges in use lose their mappings but keep their addresses, so that no mapping
+    /// holds the region's physical memory once its segments give it back. Their bytes live in
+    /// their pieces, which are allocated blocks of the region's segments: the sleep keeps them.
+    pub(super) fn sleep_stitches(&mut self, device: &dyn crate::device::Device, tag: Tag) {
+        let ids: Vec<StitchId> = self
+            .stitch
+            .blocks
+            .iter()
+            .filter(|(_, s)| !s.asleep)
+            .map(|(id, _)| id)
+            .filter(|&id| self.stitch_tag(id) == Some(tag))
+            .collect();
+        for id in ids {
+            let s = &self.stitch.blocks[id];
+            if s.in_use {
+                let unmaps = mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles));
+                self.stitch.blocks[id].asleep = true;
+                self.bury(
+                    device,
+                    Zombie {
+                        unmaps,
+                        handles: Vec::new(),
+                        reservation: None,
+                    },
+                );
+            } else {
+                self.drop_stitched(device, id);
+            }
+        }
+    }
+
+    /// Unmaps (unless asleep) and forgets idle stitched range `id`, its range freed.
+    fn drop_stitched(&mut self, device: &dyn crate::device::Device, id: StitchId) {
+        let s = self.stitch.remove(id);
+        self.stats.stitch_collections += 1;
+        self.stats.stitched_blocks.add(-1);
+        self.stats.stitched_mapped_bytes.add(-(s.size as i64));
+        let unmaps = if s.asleep {
+            Vec::new()
+        } else {
+            mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles))
+        };
+        let zombie = Zombie {
+            unmaps,
+            handles: Vec::new(),
+            reservation: Some((s.va, s.size)),
+        };
+        self.bury(device, zombie);
+    }
+
+    /// Region `tag`'s sleeping stitched ranges whose allocations were freed: their ranges go
+    /// (nothing maps them).
+    pub(super) fn drop_freed_stitches(&mut self, device: &dyn crate::device::Device, tag: Tag) {
+        let ids: Vec<StitchId> = self
+            .stitch
+            .blocks
+            .iter()
+            .filter(|(_, s)| s.asleep && !s.in_use)
+            .map(|(id, _)| id)
+            .filter(|&id| self.stitch_tag(id) == Some(tag))
+            .collect();
+        for id in ids {
+            self.drop_stitched(device, id);
+        }
+    }
+
+    /// Region `tag`'s segments hold memory again: its sleeping stitched ranges are mapped over
+    /// their pieces' new handles, at the addresses they had. On failure the ranges not yet
+    /// mapped stay asleep (and the region with them); calling again goes on from there.
+    pub(super) fn wake_stitches(
+        &mut self,
+        device: &dyn crate::device::Device,
+        tag: Tag,
+    ) -> Result<()> {
+        let ids: Vec<StitchId> = self
+            .stitch
+            .blocks
+            .iter()
+            .filter(|(_, s)| s.asleep && s.in_use)
+            .map(|(id, _)| id)
+            .filter(|&id| self.stitch_tag(id) == Some(tag))
+            .collect();
+        for id in ids {
+            let (va, size) = (self.stitch.blocks[id].va, self.stitch.blocks[id].size);
+            if self.unmap_pending(va, size) {
+                // Its old mappings must be gone before new ones take the range.
+                self.synchronize_all(device)?;
+                self.retry_zombies(device)?;
+            }
+            let mut pieces = Vec::with_capacity(self.stitch.blocks[id].pieces.len());
+            for piece in &self.stitch.blocks[id].pieces {
+                let handles = self
+                    .map
+                    .block_containing(piece.addr)
+                    .map(|b| &self.map.segments[self.map.blocks[b].segment])
+                    .map(|segment| {
+                        blocks::handle_layout(segment.chunks_covering(piece.addr, piece.len))
+                    })
+                    .unwrap_or_default();
+                if handles.iter().map(|&(_, len)| len).sum::<usize>() != piece.len {
+                    return Err(Error::internal(
+                        "a sleeping stitched range's piece is not whole chunks of an awake segment",
+                    ));
+                }
+                pieces.push(handles);
+            }
+            let handles: Vec<(PhysHandle, usize)> = pieces.iter().flatten().copied().collect();
+            if let Err((err, zombie)) = map_at(device, va, &handles, &self.access) {
+                self.bury(device, zombie);
+                return Err(err.context("mapping a stitched range back"));
+            }
+            let s = &mut self.stitch.blocks[id];
+            for (piece, handles) in s.pieces.iter_mut().zip(pieces) {
+                piece.handles = handles;
+            }
+            s.asleep = false;
+        }
+        Ok(())
     }
 
     /// Returns blocks taken for a stitch that did not happen to the free sets of `stream`.
@@ -415,16 +557,7 @@ impl Inner {
         device.synchronize_device()?;
         self.stats.num_sync_all_streams += 1;
         for id in victims {
-            let s = self.stitch.remove(id);
-            self.stats.stitch_collections += 1;
-            self.stats.stitched_blocks.add(-1);
-            self.stats.stitched_mapped_bytes.add(-(s.size as i64));
-            let zombie = Zombie {
-                unmaps: mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles)),
-                handles: Vec::new(),
-                reservation: Some((s.va, s.size)),
-            };
-            self.bury(device, zombie);
+            self.drop_stitched(device, id);
         }
         Ok(())
     }

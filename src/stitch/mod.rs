@@ -36,6 +36,10 @@ pub struct Stitched {
     pub stream: Stream,
     /// Logical time of the last use, for least-recently-used collection.
     pub last_use: u64,
+    /// Its pieces lie in a sleep region that sleeps: the range stays reserved with nothing
+    /// mapped, and is mapped again over the pieces' new memory when the region wakes (or
+    /// freed then, if its allocation was freed meanwhile).
+    pub asleep: bool,
 }
 
 /// Where an idle range sorts: by size, then most recently used first. A range whose pieces
@@ -64,6 +68,7 @@ impl StitchCache {
             in_use: true,
             stream,
             last_use: self.clock,
+            asleep: false,
         });
         self.by_va.insert(va, id);
         self.mapped_bytes += size;

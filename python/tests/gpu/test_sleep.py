@@ -64,6 +64,38 @@ def test_weights_sleep_and_wake_with_their_values_and_addresses():
     assert glake.torch.region_info("test-weights")["segments"] == 0
 
 
+def test_a_region_stitches_its_free_segments_and_the_stitched_tensor_wakes_with_its_values():
+    name = "test-stitch"
+    with glake.torch.region(name):
+        parts = [torch.empty(8 * MIB, dtype=torch.uint8, device="cuda") for _ in range(3)]
+        keep = parts[1].fill_(7)
+        del parts
+        stitches = glake.torch.stats()["glake.stitches"]
+        reserved = torch.cuda.memory_reserved()
+        # The two free 8 MiB segments of the region, side by side at a new address.
+        stitched = torch.empty(16 * MIB, dtype=torch.uint8, device="cuda")
+    assert glake.torch.stats()["glake.stitches"] == stitches + 1
+    assert torch.cuda.memory_reserved() == reserved
+    stitched.copy_(torch.arange(16 * MIB, device="cuda", dtype=torch.int64).to(torch.uint8))
+    expected = stitched.clone()
+    address = stitched.data_ptr()
+    region = glake.torch.region_info(name)
+    assert region["allocated_bytes"] == 24 * MIB, region
+    glake.torch.prepare_sleep(name)
+    for cycle in range(5):
+        before = free_bytes()
+        glake.torch.sleep(name)
+        # The stitched range maps none of the region's memory while it sleeps.
+        assert free_bytes() - before + TOOL_SLACK >= 0.99 * region["resident_bytes"], cycle
+        glake.torch.wake(name)
+        assert stitched.data_ptr() == address
+        assert torch.equal(stitched, expected), cycle
+        assert bool((keep == 7).all()), cycle
+    del stitched, keep, expected
+    torch.cuda.empty_cache()
+    assert glake.torch.region_info(name)["segments"] == 0
+
+
 def test_a_captured_graph_replays_after_a_wake():
     with glake.torch.region("test-graph"):
         w = torch.randn(1024, 1024, device="cuda")

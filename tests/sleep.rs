@@ -445,6 +445,7 @@ fn a_region_stitches_its_own_free_segments_and_they_sleep_and_wake_with_it() {
     pool.free(shared).expect("free");
 
     let stitches = pool.stats().stitched_blocks.current;
+    let mapped = pool.stats().stitched_mapped_bytes.current;
     for cycle in 0..20 {
         let created = host.created_bytes();
         let info = pool.region_info("kv").expect("info");
@@ -455,13 +456,15 @@ fn a_region_stitches_its_own_free_segments_and_they_sleep_and_wake_with_it() {
             created - info.resident_bytes,
             "cycle {cycle}: every byte of the region is back, stitched range included"
         );
+        // A sleeping range maps nothing: only the shared pool's ranges count as mapped.
+        assert!(pool.stats().stitched_mapped_bytes.current <= mapped - 16 * MIB as i64);
         pool.wake("kv").expect("wake");
         check(&pool);
         assert!(all_intact(), "cycle {cycle}: bytes differ");
     }
-    // Idle stitched ranges of the region went with its first sleep; the one in use stays.
-    assert!(pool.stats().stitched_blocks.current <= stitches);
-    assert!(pool.stats().stitched_blocks.current >= 1);
+    // The region's idle stitched range (the freed 14 MiB) went with its first sleep; the one
+    // in use stays.
+    assert_eq!(pool.stats().stitched_blocks.current, stitches - 1);
     // Written through the stitched range after a wake, read back after the next one: the
     // range maps the pieces the sleep saved.
     write_pattern(&device, stitched, 16 * MIB, 71);
@@ -487,6 +490,126 @@ fn a_region_stitches_its_own_free_segments_and_they_sleep_and_wake_with_it() {
     assert!(has_pattern(&device, kept[1].0, 8 * MIB, 61));
     assert!(has_pattern(&device, kept[3].0, 6 * MIB, 63));
     free_and_drop(pool, &host, vec![kept[1], kept[3]]);
+}
+
+/// A region serves a request from an idle stitched range only when the request reaches the
+/// range's last piece: a piece left free under a range in use could have its segment given
+/// back (by the sleep itself, or `empty_cache`) while the range maps it, and the wake could not
+/// map it again. Granting a peer access while the region sleeps leaves its sleeping range
+/// alone, and the wake maps it with that access.
+#[test]
+fn a_region_reuses_stitched_ranges_whole_and_its_sleeping_ranges_take_later_peer_access() {
+    let (host, raw, _fault, pool) = two_device_faulty_pool();
+    let kept = fill(&pool, &raw, "kv", &[8 * MIB, 8 * MIB, 8 * MIB, 6 * MIB], 80);
+    for &(p, _) in &kept[..3] {
+        pool.free(p).expect("free");
+    }
+    let (wide, pieces) = malloc_in_region(&pool, "kv", 24 * MIB);
+    assert_eq!(pieces, 3);
+    pool.free(wide).expect("free");
+    let (narrow, _) = malloc_in_region(&pool, "kv", 12 * MIB);
+    assert_ne!(
+        narrow, wide,
+        "the 24 MiB range would leave its last piece free"
+    );
+    write_pattern(&raw, narrow, 12 * MIB, 90);
+    check(&pool);
+    pool.sleep("kv", SleepMode::Keep).expect("sleep");
+    check(&pool);
+    pool.enable_peer_access(1)
+        .expect("peer access while asleep");
+    pool.wake("kv").expect("wake");
+    check(&pool);
+    assert!(has_pattern(&raw, narrow, 12 * MIB, 90));
+    assert!(has_pattern(&raw, kept[3].0, 6 * MIB, 83));
+    pool.empty_cache().expect("empty_cache");
+    check(&pool);
+    pool.sleep("kv", SleepMode::Drop).expect("sleep");
+    pool.wake("kv").expect("wake");
+    write_pattern(&raw, narrow, 12 * MIB, 91);
+    assert!(has_pattern(&raw, narrow, 12 * MIB, 91));
+    // A range of the size asked is reused whole.
+    pool.free(narrow).expect("free");
+    let (again, _) = malloc_in_region(&pool, "kv", 12 * MIB);
+    assert_eq!(again, narrow, "reused");
+    check(&pool);
+    free_and_drop(pool, &host, vec![(again, 12 * MIB), kept[3]]);
+}
+
+/// Holds every Map call while `hold` is set.
+#[derive(Default)]
+struct HeldMaps {
+    hold: std::sync::atomic::AtomicBool,
+    waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl glake::device::interpose::Interposer for HeldMaps {
+    fn around<T>(
+        &self,
+        kind: CallKind,
+        _site: &'static std::panic::Location<'static>,
+        call: impl FnOnce() -> glake::Result<T>,
+    ) -> glake::Result<T> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if kind == CallKind::Map {
+            self.waiting.fetch_add(1, SeqCst);
+            while self.hold.load(SeqCst) {
+                std::thread::yield_now();
+            }
+        }
+        call()
+    }
+}
+
+/// A sleep of a region asked for while another thread's stitch in that region is being
+/// mapped waits for it: the stitched allocation sleeps and wakes with the region (a stitch
+/// mapped outside the pool's lock would be booked awake in a sleeping region, over memory the
+/// sleep gave back).
+#[test]
+fn a_sleep_waits_for_a_stitch_of_its_region_in_progress() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let host = host_device(512 * MIB);
+    let held = Arc::new(glake::device::interpose::Interposed::with(
+        host.clone(),
+        HeldMaps::default(),
+    ));
+    let raw: SharedDevice = host.clone();
+    let pool = Arc::new(Pool::new(held.clone() as SharedDevice, Config::default()).expect("pool"));
+    let parts = fill(&pool, &raw, "kv", &[8 * MIB, 8 * MIB, 6 * MIB], 100);
+    pool.free(parts[0].0).expect("free");
+    pool.free(parts[1].0).expect("free");
+    held.hook().hold.store(true, SeqCst);
+    let stitcher = {
+        let pool = pool.clone();
+        // Two free 8 MiB segments and 4 MiB of new memory.
+        std::thread::spawn(move || malloc_in_region(&pool, "kv", 20 * MIB))
+    };
+    while held.hook().waiting.load(SeqCst) == 0 {
+        std::thread::yield_now();
+    }
+    let sleeper = {
+        let pool = pool.clone();
+        std::thread::spawn(move || pool.sleep("kv", SleepMode::Keep))
+    };
+    // Long enough for a sleep that did not wait to be over.
+    std::thread::sleep(Duration::from_millis(300));
+    held.hook().hold.store(false, SeqCst);
+    let (stitched, pieces) = stitcher.join().expect("stitcher");
+    assert!(pieces >= 2);
+    sleeper.join().expect("sleeper").expect("sleep");
+    check(&pool);
+    let info = pool.region_info("kv").expect("info");
+    assert!(info.asleep && info.resident_bytes == 0, "{info:?}");
+    pool.wake("kv").expect("wake");
+    write_pattern(&raw, stitched, 20 * MIB, 101);
+    pool.sleep("kv", SleepMode::Keep).expect("sleep");
+    pool.wake("kv").expect("wake");
+    check(&pool);
+    assert!(
+        has_pattern(&raw, stitched, 20 * MIB, 101),
+        "the stitched bytes slept"
+    );
+    assert!(has_pattern(&raw, parts[2].0, 6 * MIB, 102));
 }
 
 #[test]

@@ -175,10 +175,12 @@ impl Inner {
                 ranges.push((s.va, s.size, false));
             }
         }
+        // A sleeping region's stitched ranges map nothing; its wake grants the access of then.
         ranges.extend(
             self.stitch
                 .blocks
                 .iter()
+                .filter(|(_, s)| !s.asleep)
                 .map(|(_, s)| (s.va, s.size, false)),
         );
         for (va, size, read_only) in ranges {

@@ -942,6 +942,25 @@ impl Inner {
                     s.va
                 ));
             }
+            // A region's range in use maps only allocated memory of its region: a piece's
+            // segment given back under it could not be mapped again by a wake.
+            if let (Some(region), true) = (region, s.in_use) {
+                for piece in &s.pieces {
+                    let segment = self
+                        .map
+                        .block_containing(piece.addr)
+                        .map(|b| &self.map.segments[self.map.blocks[b].segment]);
+                    let held = segment.is_some_and(|g| {
+                        g.tag == region.tag && (s.asleep || !g.chunks().is_empty())
+                    });
+                    if !held {
+                        return Err(format!(
+                            "stitched range at {:#x} of region {:?} maps a piece at {:#x} outside its awake segments",
+                            s.va, region.name, piece.addr
+                        ));
+                    }
+                }
+            }
         }
         for (id, s) in self.map.segments.iter() {
             if !blocks::is_region(s.tag) || !s.chunks().is_empty() {

@@ -3,7 +3,7 @@
 //! stitched ranges live in [`crate::stitch`]; here blocks are taken from and given back to the
 //! block map, ranges are mapped, reused and collected, and the statistics kept.
 
-use super::blocks::{self, BlockId, BlockState, PoolKind, Tag};
+use super::blocks::{self, BlockId, BlockState, PoolKind, Tag, SHARED};
 use super::growth::{map_at, map_range, mappings, Zombie};
 use super::keymap::KeyMap;
 use super::{Inner, Target};
@@ -146,7 +146,14 @@ impl Inner {
             .idle_candidates(size, max.max(size))
             .take(REUSE_SCAN)
             .find(|&id| {
-                !self.stitch.blocks[id].asleep
+                let pieces = &self.stitch.blocks[id].pieces;
+                // In a region every piece of a range in use must stay allocated: a free one's
+                // segment could be given back while the range maps it, and a wake could not map
+                // it again.
+                let whole = !blocks::is_region(tag)
+                    || pieces.iter().rev().skip(1).map(|p| p.len).sum::<usize>() < size;
+                whole
+                    && !self.stitch.blocks[id].asleep
                     && stitch::prefix(&self.stitch.blocks[id].pieces, size).all(|(addr, len)| {
                         self.map.block_containing(addr).is_some_and(|b| {
                             let b = &self.map.blocks[b];
@@ -186,7 +193,9 @@ impl Inner {
         let Some(job) = self.prepare_stitch(device, size, stream, tag)? else {
             return Ok(None);
         };
-        if self.planning && self.routing == 0 {
+        // A region's stitch is made under the lock, as its growth is: a sleep of the region
+        // cannot come between taking its pieces and mapping them.
+        if self.planning && self.routing == 0 && tag == SHARED {
             self.planned = Some(Planned::Stitch(job));
             return Ok(None);
         }
@@ -406,7 +415,8 @@ impl Inner {
             let s = &self.stitch.blocks[id];
             if s.in_use {
                 let unmaps = mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles));
-                self.stitch.blocks[id].asleep = true;
+                self.stats.stitched_mapped_bytes.add(-(s.size as i64));
+                self.stitch.set_asleep(id, true);
                 self.bury(
                     device,
                     Zombie {
@@ -426,10 +436,10 @@ impl Inner {
         let s = self.stitch.remove(id);
         self.stats.stitch_collections += 1;
         self.stats.stitched_blocks.add(-1);
-        self.stats.stitched_mapped_bytes.add(-(s.size as i64));
         let unmaps = if s.asleep {
             Vec::new()
         } else {
+            self.stats.stitched_mapped_bytes.add(-(s.size as i64));
             mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles))
         };
         let zombie = Zombie {
@@ -505,7 +515,8 @@ impl Inner {
             for (piece, handles) in s.pieces.iter_mut().zip(pieces) {
                 piece.handles = handles;
             }
-            s.asleep = false;
+            self.stats.stitched_mapped_bytes.add(size as i64);
+            self.stitch.set_asleep(id, false);
         }
         Ok(())
     }

@@ -109,8 +109,25 @@ impl StitchCache {
         let s = self.blocks.remove(id);
         self.idle_by_size.remove(&(s.size, Reverse(s.last_use), id));
         self.by_va.remove(&s.va);
-        self.mapped_bytes -= s.size;
+        if !s.asleep {
+            self.mapped_bytes -= s.size;
+        }
         s
+    }
+
+    /// Marks a range asleep (its mappings gone, its address kept) or awake again (mapped),
+    /// keeping [`StitchCache::mapped_bytes`] to what is mapped.
+    pub fn set_asleep(&mut self, id: StitchId, asleep: bool) {
+        let s = &mut self.blocks[id];
+        if s.asleep == asleep {
+            return;
+        }
+        s.asleep = asleep;
+        if asleep {
+            self.mapped_bytes -= s.size;
+        } else {
+            self.mapped_bytes += s.size;
+        }
     }
 
     /// Idle ranges whose size lies in `[min, max]`, smallest first, and of one size the most

@@ -1358,3 +1358,43 @@ fn access_granted_during_a_stitch_reaches_its_memory() {
         }
     }
 }
+
+/// A smaller request served by a larger cached stitched range leaves the range's last piece
+/// free but mapped; `empty_cache` keeps that segment (the driver could not have it back while
+/// the range maps it) and counts it, and gives it back once the range is gone.
+#[test]
+fn empty_cache_keeps_a_free_segment_that_a_stitched_range_in_use_maps() {
+    let (host, _device, p) = common::host_pool(512 * MIB);
+    let parts: Vec<u64> = [12 * MIB, 10 * MIB, 8 * MIB]
+        .iter()
+        .map(|&n| p.malloc(n, Stream::DEFAULT).expect("malloc"))
+        .collect();
+    for &ptr in &parts {
+        p.free(ptr).expect("free");
+    }
+    let (wide, pieces) = p
+        .malloc_in_with_pieces(30 * MIB, Stream::DEFAULT, None)
+        .expect("stitch");
+    assert_eq!(pieces, 3);
+    p.free(wide).expect("free");
+    // 21 MiB: the 12 MiB piece and 9 MiB of the 10 MiB one; the 8 MiB piece stays free.
+    let (narrow, _) = p
+        .malloc_in_with_pieces(21 * MIB, Stream::DEFAULT, None)
+        .expect("reuse");
+    assert_eq!(narrow, wide, "the cached range serves the smaller request");
+    p.empty_cache().expect("empty_cache");
+    common::check(&p);
+    assert_eq!(
+        p.stats().reserved_bytes.all.current as usize,
+        host.created_bytes(),
+        "reserved bytes are the memory the device holds"
+    );
+    assert!(
+        host.created_bytes() >= 30 * MIB,
+        "the mapped piece's segment stays"
+    );
+    p.free(narrow).expect("free");
+    p.empty_cache().expect("empty_cache");
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+    assert_eq!(host.created_bytes(), 0);
+}

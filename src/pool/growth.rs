@@ -311,6 +311,13 @@ impl Inner {
         }
         self.collect_stitched(device, true)?;
         for segment in self.map.idle_segments() {
+            // A stitched range in use may map a free segment past the part its allocation
+            // takes (a smaller request served by a larger cached range): the driver would keep
+            // that memory until the range goes, so it stays cached, and counted, until then.
+            let s = &self.map.segments[segment];
+            if self.stitched_over(s.va, s.size) {
+                continue;
+            }
             self.release_segment(device, segment)?;
         }
         self.retry_zombies(device)

@@ -421,26 +421,19 @@ fn a_region_stitches_its_own_free_segments_and_they_sleep_and_wake_with_it() {
     let shared_a = pool.malloc(8 * MIB, S).expect("shared");
     let shared_b = pool.malloc(8 * MIB, S).expect("shared");
     pool.free(loose).expect("free");
-    let reserved = pool.stats().reserved_bytes.all.current;
-    let (shared, _) = pool
-        .malloc_in_with_pieces(16 * MIB, S, None)
-        .expect("shared");
-    assert_eq!(
-        pool.stats().reserved_bytes.all.current,
-        reserved + 16 * MIB as i64,
-        "the region's free 12 MiB segment is not the shared pool's"
-    );
+    let reserved = || pool.stats().reserved_bytes.all.current as usize;
+    let before = reserved();
+    let shared = pool.malloc(16 * MIB, S).expect("shared");
+    let why = "the region's free 12 MiB segment is not the shared pool's";
+    assert_eq!(reserved(), before + 16 * MIB, "{why}");
     pool.free(shared_a).expect("free");
     pool.free(shared_b).expect("free");
-    let reserved = pool.stats().reserved_bytes.all.current;
+    let before = reserved();
     // The region's free 12 MiB segment and 2 MiB of new memory, not the shared free 16 MiB.
     let (region_only, pieces) = malloc_in_region(&pool, "kv", 14 * MIB);
     assert_eq!(pieces, 2);
-    assert_eq!(
-        pool.stats().reserved_bytes.all.current,
-        reserved + 2 * MIB as i64,
-        "the shared pool's free 16 MiB is not the region's"
-    );
+    let why = "the shared pool's free 16 MiB is not the region's";
+    assert_eq!(reserved(), before + 2 * MIB, "{why}");
     pool.free(region_only).expect("free");
     pool.free(shared).expect("free");
 

@@ -557,7 +557,10 @@ impl Inner {
             if !all && mapped <= self.config.auto_gc_bytes && idle <= keep_idle {
                 break;
             }
-            mapped -= self.stitch.blocks[id].size;
+            // A range freed while its region sleeps maps nothing.
+            if !self.stitch.blocks[id].asleep {
+                mapped -= self.stitch.blocks[id].size;
+            }
             idle -= 1;
             victims.push(id);
         }

@@ -179,9 +179,10 @@ impl Inner {
     }
 
     /// Builds a new stitched range of `size` bytes from free blocks of `tag` and `stream`,
-    /// creating new physical memory (of `tag`) for any shortfall. Only whole chunks map, so a free block offers the run
-    /// of whole chunks inside it (at least `frag_limit` bytes); the last piece maps its last
-    /// chunk whole but takes from the block only the bytes the request needs. In planning mode
+    /// creating new physical memory (of `tag`) for any shortfall. Only whole chunks map, so a
+    /// free block offers the run of whole chunks inside it (at least `frag_limit` bytes); the
+    /// last piece maps its last chunk whole but takes from the block only the bytes the
+    /// request needs. In planning mode
     /// (see `unlocked`) the driver calls are left to be made outside the lock.
     pub(super) fn stitch_new(
         &mut self,

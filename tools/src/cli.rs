@@ -29,8 +29,9 @@ options:
   --plot FILE.svg|.png   memory timeline per trace and configuration (the names are
                          inserted before the extension when there are several)
   --driver-calls         also print the time per kind of driver call
-  --waste                where the reserved memory beyond the live bytes sits at the peak
-                         (free whole chunks, stranded sub-chunk rests, ...; replays again)
+  --waste                where the reserved memory beyond the live bytes sits at the live
+                         peak and at the reserved peak (free whole chunks, stranded
+                         sub-chunk rests, ...; replays again)
   --list-configs         list the named configurations and exit
   -h, --help             this text
 ";

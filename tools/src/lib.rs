@@ -24,7 +24,7 @@ pub use configs::NamedConfig;
 pub use parse::{load, read_trace};
 pub use replay::{replay, Backend, MarkSample, ReplayOptions, ReplayResult};
 pub use timed::{timed, TimedDevice};
-pub use waste::{waste_at_peak, Waste};
+pub use waste::{waste_at, Moment, Waste};
 
 /// Why a trace could not be read or replayed.
 #[derive(Debug, Clone, PartialEq, Eq)]

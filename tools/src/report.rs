@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::budget::BudgetSearch;
 use super::replay::ReplayResult;
-use super::waste::Waste;
+use super::waste::{Moment, Waste};
 use super::Trace;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -283,19 +283,28 @@ pub fn budget_json(search: &BudgetSearch) -> String {
     )
 }
 
-/// Where the reserved memory sat when the live bytes peaked (see [`Waste`]), as one line per
-/// trace and configuration: GiB of each kind and its share of the reserved bytes then.
+/// What a [`Moment`] is called in a report line, and its key in JSON.
+fn moment_names(at: Moment) -> (&'static str, &'static str) {
+    match at {
+        Moment::LivePeak => ("the live peak", "waste_at_peak"),
+        Moment::ReservedPeak => ("the reserved peak", "waste_at_reserved_peak"),
+    }
+}
+
+/// Where the reserved memory sat at a moment of the replay (see [`Waste`]), as one line per
+/// trace, configuration and moment: GiB of each kind and its share of the reserved bytes then.
 pub fn waste_line(trace: &str, config: &str, w: &Waste) -> String {
     let share = |bytes: u64| {
         let of = w.reserved.max(1) as f64;
         format!("{} ({:.2}%)", gib(bytes), 100.0 * bytes as f64 / of)
     };
     format!(
-        "{trace} / {config}: at the live peak (after operation {}) {} GiB reserved (peak \
-         {}): requested {}, \
+        "{trace} / {config}: at {} (after operation {}) {} GiB reserved (peak {}): requested \
+         {}, \
          rounding {}, small pool free {}, large pool free in whole chunks {}, stranded in \
          {} free blocks of at most small_limit sharing a chunk {}, other partial chunks {}, \
          other {}",
+        moment_names(w.at).0,
         w.op,
         gib(w.reserved),
         gib(w.peak_reserved),
@@ -313,9 +322,10 @@ pub fn waste_line(trace: &str, config: &str, w: &Waste) -> String {
 /// [`waste_line`] as a single-line JSON object.
 pub fn waste_json(trace: &str, config: &str, w: &Waste) -> String {
     format!(
-        "{{\"trace\":{},\"config\":{},\"waste_at_peak\":{{\"op\":{},\"reserved_bytes\":{},\"peak_reserved_bytes\":{},\"requested_bytes\":{},\"rounding_bytes\":{},\"small_free_bytes\":{},\"whole_chunk_free_bytes\":{},\"stranded_bytes\":{},\"stranded_blocks\":{},\"partial_chunk_free_bytes\":{},\"other_bytes\":{}}}}}",
+        "{{\"trace\":{},\"config\":{},\"{}\":{{\"op\":{},\"reserved_bytes\":{},\"peak_reserved_bytes\":{},\"requested_bytes\":{},\"rounding_bytes\":{},\"small_free_bytes\":{},\"whole_chunk_free_bytes\":{},\"stranded_bytes\":{},\"stranded_blocks\":{},\"partial_chunk_free_bytes\":{},\"other_bytes\":{}}}}}",
         json_string(trace),
         json_string(config),
+        moment_names(w.at).1,
         w.op,
         w.reserved,
         w.peak_reserved,

@@ -1,9 +1,10 @@
-//! Where the memory a replay reserved beyond its live bytes sits when the live bytes peak: the
-//! answer to "why is utilization not 1". The trace is replayed twice: once with a timeline,
-//! which finds the first operation at which the requested bytes of live allocations reach their
-//! peak (the timeline leaves parked blocks alone, so sampling changes nothing), and once up to
-//! that operation, where a snapshot of the pool sorts every reserved byte into one of the kinds
-//! below.
+//! Where the memory a replay reserved beyond its live bytes sits when the live bytes peak, and
+//! when the reserved bytes do: the answer to "why is utilization not 1" (utilization is the
+//! live peak over the reserved peak, and the two may come at different times). The trace is
+//! replayed once with a timeline, which finds the first operation at which each reaches its
+//! peak (the timeline leaves parked blocks alone, so sampling changes nothing), and once more
+//! up to each of those operations, where a snapshot of the pool sorts every reserved byte into
+//! one of the kinds below.
 //!
 //! Only whole physical chunks can be stitched (CUDA maps whole handles only), so free memory
 //! that shares a chunk with a live allocation serves only requests that fit in it; a free block
@@ -15,11 +16,23 @@ use glake::pool::snapshot::{BlockUse, SegmentInfo, Snapshot};
 use super::replay::replay;
 use super::{NamedConfig, ReplayOptions, Result, Trace, TraceError};
 
-/// The reserved bytes when the live bytes first peak, by kind. The kinds add up to
-/// `reserved`.
+/// The point of a replay whose reserved bytes are sorted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Moment {
+    /// The first operation after which the live bytes reach their peak.
+    #[default]
+    LivePeak,
+    /// The first operation after which the reserved bytes reach their peak: what the pool
+    /// held beyond the live bytes when its footprint was set.
+    ReservedPeak,
+}
+
+/// The reserved bytes at a [`Moment`], by kind. The kinds add up to `reserved`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Waste {
-    /// Index of the operation after which the live bytes first reached their peak.
+    /// Which point of the replay this is.
+    pub at: Moment,
+    /// Index of the operation after which the moment came.
     pub op: usize,
     /// Reserved bytes then.
     pub reserved: u64,
@@ -46,12 +59,13 @@ pub struct Waste {
     pub other: u64,
 }
 
-/// Sorts the reserved memory of `trace` replayed with `config` when its live bytes peak.
-pub fn waste_at_peak(
+/// Sorts the reserved memory of `trace` replayed with `config` at each of `moments`.
+pub fn waste_at(
     trace: &Trace,
     config: &NamedConfig,
     options: &ReplayOptions,
-) -> Result<Waste> {
+    moments: &[Moment],
+) -> Result<Vec<Waste>> {
     let sampled = ReplayOptions {
         timeline: true,
         snapshot_after: None,
@@ -61,21 +75,47 @@ pub fn waste_at_peak(
     let Some(timeline) = whole.timeline else {
         return Err(TraceError::new("the replay kept no timeline"));
     };
-    // The first operation at which the live bytes peak, and the reserved bytes then.
-    let Some((op, live)) = timeline
-        .live
+    moments
         .iter()
-        .copied()
-        .enumerate()
-        .rev()
-        .max_by_key(|&(_, live)| live)
-    else {
-        return Ok(Waste::default());
-    };
-    let then = (timeline.reserved[op], live);
+        .map(|&at| {
+            let series = match at {
+                Moment::LivePeak => &timeline.live,
+                Moment::ReservedPeak => &timeline.reserved,
+            };
+            // The first operation at which the series peaks.
+            let Some((op, _)) = series
+                .iter()
+                .copied()
+                .enumerate()
+                .rev()
+                .max_by_key(|&(_, bytes)| bytes)
+            else {
+                return Ok(Waste {
+                    at,
+                    ..Waste::default()
+                });
+            };
+            let then = (timeline.reserved[op], timeline.live[op]);
+            let mut waste = sorted_after(trace, config, &sampled, op, then)?;
+            waste.at = at;
+            waste.peak_reserved = whole.peak_reserved_bytes;
+            Ok(waste)
+        })
+        .collect()
+}
+
+/// Replays `trace` up to operation `op`, which the sampled replay reached with `then`
+/// (reserved and live bytes), and sorts the reserved bytes there.
+fn sorted_after(
+    trace: &Trace,
+    config: &NamedConfig,
+    sampled: &ReplayOptions,
+    op: usize,
+    then: (u64, u64),
+) -> Result<Waste> {
     let stopped = ReplayOptions {
         snapshot_after: Some(op),
-        ..sampled
+        ..*sampled
     };
     let again = replay(trace, config, &stopped)?;
     // Placement can follow addresses (which of two equal free blocks comes first), and a new
@@ -96,9 +136,7 @@ pub fn waste_at_peak(
             reached.0, reached.1, then.0, then.1
         )));
     }
-    let mut waste = sort(&snapshot, op, live, config.config.small_limit);
-    waste.peak_reserved = whole.peak_reserved_bytes;
-    Ok(waste)
+    Ok(sort(&snapshot, op, then.1, config.config.small_limit))
 }
 
 /// Sorts the reserved bytes of `snapshot` (taken after operation `op`, with `requested` live

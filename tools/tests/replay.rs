@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use glake_tools::{self as trace, configs, report, ReplayOptions};
+use glake_tools::{self as trace, configs, report, Moment, ReplayOptions};
 
 const MIB: u64 = 1 << 20;
 
@@ -294,8 +294,22 @@ fn the_waste_report_sorts_what_is_reserved_at_the_live_peak() {
     std::fs::write(&path, text).unwrap();
     let trace = trace::load(&path, 0).unwrap();
     let stitch = configs::named("stitch").unwrap();
-    let w = trace::waste_at_peak(&trace, &stitch, &ReplayOptions::default()).unwrap();
-    assert_eq!((w.op, w.requested), (2, big + odd + other), "{w:?}");
+    let moments = [Moment::LivePeak, Moment::ReservedPeak];
+    let sorted = trace::waste_at(&trace, &stitch, &ReplayOptions::default(), &moments).unwrap();
+    let (w, at_reserved) = (sorted[0], sorted[1]);
+    // The reserved bytes peak with the live ones here: the first operation of that peak.
+    assert_eq!(at_reserved.at, Moment::ReservedPeak);
+    assert_eq!(
+        (at_reserved.op, at_reserved.reserved),
+        (2, 30 * MIB),
+        "{at_reserved:?}"
+    );
+    assert_eq!(at_reserved.stranded, w.stranded);
+    assert_eq!(
+        (w.at, w.op, w.requested),
+        (Moment::LivePeak, 2, big + odd + other),
+        "{w:?}"
+    );
     assert_eq!((w.reserved, w.peak_reserved), (30 * MIB, 30 * MIB), "{w:?}");
     assert_eq!((w.stranded, w.stranded_blocks), (MIB, 2), "{w:?}");
     assert_eq!((w.whole_chunks, w.partial_chunks), (0, 0), "{w:?}");
@@ -318,6 +332,41 @@ fn the_waste_report_sorts_what_is_reserved_at_the_live_peak() {
     let line = out.lines().find(|l| l.contains("waste_at_peak")).unwrap();
     assert_eq!(number(line, "stranded_bytes"), MIB as f64, "{line}");
     assert_eq!(number(line, "stranded_blocks"), 2.0, "{line}");
+    let line = out
+        .lines()
+        .find(|l| l.contains("waste_at_reserved_peak"))
+        .unwrap();
+    assert_eq!(number(line, "reserved_bytes"), (30 * MIB) as f64, "{line}");
+}
+
+/// Reserved bytes can peak after the live bytes do: two 16 MiB allocations, one freed, then a
+/// small request that needs a small-pool segment. The report sorts both moments: at the
+/// reserved peak the freed 16 MiB sit in whole chunks.
+#[test]
+fn the_waste_report_sorts_the_reserved_peak_too() {
+    let (big, small) = (16 * MIB, MIB / 2);
+    let text = format!(
+        "alloc 1 {big} 0\nalloc 2 {big} 0\nfree_completed 1 {big} 0\nalloc 3 {small} 0\n\
+         free_completed 3 {small} 0\nfree_completed 2 {big} 0\n"
+    );
+    let path = temp_path("waste-later.txt");
+    std::fs::write(&path, text).unwrap();
+    let trace = trace::load(&path, 0).unwrap();
+    let stitch = configs::named("stitch").unwrap();
+    let moments = [Moment::LivePeak, Moment::ReservedPeak];
+    let sorted = trace::waste_at(&trace, &stitch, &ReplayOptions::default(), &moments).unwrap();
+    let (live, reserved) = (sorted[0], sorted[1]);
+    assert_eq!(
+        (live.op, live.requested, live.reserved),
+        (1, 2 * big, 2 * big),
+        "{live:?}"
+    );
+    assert_eq!(reserved.op, 3, "{reserved:?}");
+    assert_eq!(reserved.requested, big + small, "{reserved:?}");
+    assert_eq!(reserved.reserved, 2 * big + 2 * MIB, "{reserved:?}");
+    assert_eq!(reserved.peak_reserved, reserved.reserved);
+    assert_eq!(reserved.whole_chunks, big, "{reserved:?}");
+    assert_eq!(reserved.small_free, 2 * MIB - small, "{reserved:?}");
 }
 
 /// The counters are read at each comment line of a trace: the stitches a stretch made are the

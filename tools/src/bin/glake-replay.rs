@@ -11,7 +11,7 @@ use glake_tools::budget::find_min_budget;
 use glake_tools::cli::{parse_args, Args, USAGE};
 use glake_tools::replay::Sample;
 use glake_tools::{
-    configs, load, replay, report, waste_at_peak, ReplayOptions, ReplayResult, Trace,
+    configs, load, replay, report, waste_at, Moment, ReplayOptions, ReplayResult, Trace,
 };
 use plotters::prelude::*;
 
@@ -99,11 +99,20 @@ fn run(args: &Args) -> Result<(), String> {
         }
         if args.waste {
             for config in &replayed {
-                match waste_at_peak(&trace, config, &options) {
-                    Ok(w) if args.json => {
-                        println!("{}", report::waste_json(&trace.name, &config.name, &w))
+                let moments = [Moment::LivePeak, Moment::ReservedPeak];
+                match waste_at(&trace, config, &options, &moments) {
+                    Ok(sorted) => {
+                        for w in sorted {
+                            println!(
+                                "{}",
+                                if args.json {
+                                    report::waste_json(&trace.name, &config.name, &w)
+                                } else {
+                                    report::waste_line(&trace.name, &config.name, &w)
+                                }
+                            );
+                        }
                     }
-                    Ok(w) => println!("{}", report::waste_line(&trace.name, &config.name, &w)),
                     Err(err) => {
                         eprintln!("glake-replay: {} with {}: {err}", trace.name, config.name);
                         failed = true;

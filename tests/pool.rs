@@ -1398,3 +1398,40 @@ fn empty_cache_keeps_a_free_segment_that_a_stitched_range_in_use_maps() {
     assert_eq!(p.stats().reserved_bytes.all.current, 0);
     assert_eq!(host.created_bytes(), 0);
 }
+
+/// A small-pool segment that would raise the peak of reserved memory takes the place of an
+/// idle large-pool segment of at most twice its size, given back first; a larger idle segment
+/// stays cached and the peak rises.
+#[test]
+fn a_small_segment_past_the_peak_replaces_a_small_idle_large_segment() {
+    for (large, given_back) in [(4 * MIB, true), (8 * MIB, false)] {
+        let (host, _device, p) = common::host_pool(256 * MIB);
+        let big = p.malloc(large, Stream::DEFAULT).expect("large");
+        let smalls: Vec<u64> = (0..4)
+            .map(|_| p.malloc(MIB / 2, Stream::DEFAULT).expect("small"))
+            .collect();
+        let peak = large + 2 * MIB;
+        assert_eq!(p.stats().reserved_bytes.all.peak as usize, peak);
+        p.free(big).expect("free");
+        // Reading the statistics settles parked blocks: the large segment is idle.
+        let _ = p.stats();
+        let one_more = p.malloc(MIB / 2, Stream::DEFAULT).expect("small");
+        let stats = p.stats();
+        if given_back {
+            assert_eq!(stats.reserved_bytes.all.peak as usize, peak, "no new peak");
+            assert_eq!(stats.reserved_bytes.all.current as usize, 4 * MIB);
+        } else {
+            assert_eq!(stats.reserved_bytes.all.peak as usize, peak + 2 * MIB);
+        }
+        assert_eq!(
+            stats.reserved_bytes.all.current as usize,
+            host.created_bytes()
+        );
+        common::check(&p);
+        for ptr in smalls.into_iter().chain([one_more]) {
+            p.free(ptr).expect("free");
+        }
+        p.empty_cache().expect("empty_cache");
+        assert_eq!(host.created_bytes(), 0);
+    }
+}

@@ -354,17 +354,12 @@ impl Inner {
         }
         let smallest_idle = |inner: &Self| {
             inner
-                .map
-                .idle_segments()
-                .into_iter()
-                .filter(|&id| {
-                    let s = &inner.map.segments[id];
+                .releasable_segments(|s| {
                     s.tag == SHARED
                         && s.pool == PoolKind::Large
-                        && s.size >= bytes
-                        && s.size <= ROOM_FROM_IDLE_MOST * bytes
-                        && !inner.stitched_over(s.va, s.size)
+                        && (bytes..=ROOM_FROM_IDLE_MOST * bytes).contains(&s.size)
                 })
+                .into_iter()
                 .min_by_key(|&id| inner.map.segments[id].size)
         };
         if smallest_idle(self).is_none() {

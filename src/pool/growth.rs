@@ -310,17 +310,28 @@ impl Inner {
             self.finish_swap_outs(device, true)?;
         }
         self.collect_stitched(device, true)?;
-        for segment in self.map.idle_segments() {
-            // A stitched range in use may map a free segment past the part its allocation
-            // takes (a smaller request served by a larger cached range): the driver would keep
-            // that memory until the range goes, so it stays cached, and counted, until then.
-            let s = &self.map.segments[segment];
-            if self.stitched_over(s.va, s.size) {
-                continue;
-            }
+        for segment in self.releasable_segments(|_| true) {
             self.release_segment(device, segment)?;
         }
         self.retry_zombies(device)
+    }
+
+    /// Idle segments that `keep` selects and no stitched range maps. A range in use may map a
+    /// free segment past the part its allocation takes (a smaller request served by a larger
+    /// cached range): the driver would keep that memory until the range goes, so the segment
+    /// stays cached, and counted, until then.
+    pub(super) fn releasable_segments(
+        &self,
+        keep: impl Fn(&blocks::Segment) -> bool,
+    ) -> Vec<SegmentId> {
+        self.map
+            .idle_segments()
+            .into_iter()
+            .filter(|&id| {
+                let s = &self.map.segments[id];
+                keep(s) && !self.stitched_over(s.va, s.size)
+            })
+            .collect()
     }
 
     /// Releases everything: called when the pool is dropped.

@@ -733,12 +733,13 @@ impl Pool {
     pub fn footprint(&self) -> Footprint {
         let inner = lock(&self.inner);
         let stats = &inner.stats;
-        let count = |v: i64| v.max(0) as u64;
+        let bytes = |v: i64| v.max(0) as usize;
+        let times = |v: i64| v.max(0) as u64;
         Footprint {
-            reserved: count(stats.reserved_bytes.all.current) as usize,
-            stitched_mapped: count(stats.stitched_mapped_bytes.current) as usize,
-            stitches: count(stats.stitches),
-            stitch_reuse_hits: count(stats.stitch_reuse_hits),
+            reserved: bytes(stats.reserved_bytes.all.current),
+            stitched_mapped: bytes(stats.stitched_mapped_bytes.current),
+            stitches: times(stats.stitches),
+            stitch_reuse_hits: times(stats.stitch_reuse_hits),
         }
     }
 

@@ -399,25 +399,37 @@ impl Inner {
         Some(self.map.segments[self.map.blocks[block].segment].tag)
     }
 
+    /// The stitched ranges of `tag`'s blocks that `keep` selects.
+    fn stitches_of(&self, tag: Tag, keep: impl Fn(&stitch::Stitched) -> bool) -> Vec<StitchId> {
+        self.stitch
+            .blocks
+            .iter()
+            .filter(|(_, s)| keep(s))
+            .map(|(id, _)| id)
+            .filter(|&id| self.stitch_tag(id) == Some(tag))
+            .collect()
+    }
+
+    /// Marks stitched range `id` asleep (unmapped, its address kept) or awake (mapped again),
+    /// in the cache and in the statistics of mapped bytes.
+    fn set_stitch_asleep(&mut self, id: StitchId, asleep: bool) {
+        let size = self.stitch.blocks[id].size as i64;
+        self.stats
+            .stitched_mapped_bytes
+            .add(if asleep { -size } else { size });
+        self.stitch.set_asleep(id, asleep);
+    }
+
     /// Region `tag` is going to sleep (the device is idle): its idle stitched ranges go, and
     /// the ranges in use lose their mappings but keep their addresses, so that no mapping
     /// holds the region's physical memory once its segments give it back. Their bytes live in
     /// their pieces, which are allocated blocks of the region's segments: the sleep keeps them.
     pub(super) fn sleep_stitches(&mut self, device: &dyn crate::device::Device, tag: Tag) {
-        let ids: Vec<StitchId> = self
-            .stitch
-            .blocks
-            .iter()
-            .filter(|(_, s)| !s.asleep)
-            .map(|(id, _)| id)
-            .filter(|&id| self.stitch_tag(id) == Some(tag))
-            .collect();
-        for id in ids {
+        for id in self.stitches_of(tag, |s| !s.asleep) {
             let s = &self.stitch.blocks[id];
             if s.in_use {
                 let unmaps = mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles));
-                self.stats.stitched_mapped_bytes.add(-(s.size as i64));
-                self.stitch.set_asleep(id, true);
+                self.set_stitch_asleep(id, true);
                 self.bury(
                     device,
                     Zombie {
@@ -454,15 +466,7 @@ impl Inner {
     /// Region `tag`'s sleeping stitched ranges whose allocations were freed: their ranges go
     /// (nothing maps them).
     pub(super) fn drop_freed_stitches(&mut self, device: &dyn crate::device::Device, tag: Tag) {
-        let ids: Vec<StitchId> = self
-            .stitch
-            .blocks
-            .iter()
-            .filter(|(_, s)| s.asleep && !s.in_use)
-            .map(|(id, _)| id)
-            .filter(|&id| self.stitch_tag(id) == Some(tag))
-            .collect();
-        for id in ids {
+        for id in self.stitches_of(tag, |s| s.asleep && !s.in_use) {
             self.drop_stitched(device, id);
         }
     }
@@ -475,15 +479,7 @@ impl Inner {
         device: &dyn crate::device::Device,
         tag: Tag,
     ) -> Result<()> {
-        let ids: Vec<StitchId> = self
-            .stitch
-            .blocks
-            .iter()
-            .filter(|(_, s)| s.asleep && s.in_use)
-            .map(|(id, _)| id)
-            .filter(|&id| self.stitch_tag(id) == Some(tag))
-            .collect();
-        for id in ids {
+        for id in self.stitches_of(tag, |s| s.asleep && s.in_use) {
             let (va, size) = (self.stitch.blocks[id].va, self.stitch.blocks[id].size);
             if self.unmap_pending(va, size) {
                 // Its old mappings must be gone before new ones take the range.
@@ -516,8 +512,7 @@ impl Inner {
             for (piece, handles) in s.pieces.iter_mut().zip(pieces) {
                 piece.handles = handles;
             }
-            self.stats.stitched_mapped_bytes.add(size as i64);
-            self.stitch.set_asleep(id, false);
+            self.set_stitch_asleep(id, false);
         }
         Ok(())
     }

@@ -279,6 +279,18 @@ fn a_timeline_does_not_change_the_replay() {
     assert_eq!(timeline.reserved.iter().max(), Some(&(3 * four)));
 }
 
+/// Writes `text` to a trace file named `name` and sorts its reserved memory with the stitch
+/// configuration at the live peak and at the reserved peak.
+fn waste_of(name: &str, text: &str) -> (PathBuf, [trace::Waste; 2]) {
+    let path = temp_path(name);
+    std::fs::write(&path, text).unwrap();
+    let trace = trace::load(&path, 0).unwrap();
+    let stitch = configs::named("stitch").unwrap();
+    let moments = [Moment::LivePeak, Moment::ReservedPeak];
+    let sorted = trace::waste_at(&trace, &stitch, &ReplayOptions::default(), &moments).unwrap();
+    (path, [sorted[0], sorted[1]])
+}
+
 /// Requests of 5.5 and 7.5 MiB made while a 16 MiB one is live get a segment each of whole
 /// granules: each leaves a free half MiB that shares its chunk with the allocation, which no
 /// stitch can map and no large request fits. Live bytes peak then; afterwards the 16 MiB
@@ -290,13 +302,7 @@ fn the_waste_report_sorts_what_is_reserved_at_the_live_peak() {
         "alloc 1 {big} 0\nalloc 2 {odd} 0\nalloc 3 {other} 0\nfree_completed 1 {big} 0\n\
          alloc 4 {odd} 0\nfree_completed 4 {odd} 0\n"
     );
-    let path = temp_path("waste.txt");
-    std::fs::write(&path, text).unwrap();
-    let trace = trace::load(&path, 0).unwrap();
-    let stitch = configs::named("stitch").unwrap();
-    let moments = [Moment::LivePeak, Moment::ReservedPeak];
-    let sorted = trace::waste_at(&trace, &stitch, &ReplayOptions::default(), &moments).unwrap();
-    let (w, at_reserved) = (sorted[0], sorted[1]);
+    let (path, [w, at_reserved]) = waste_of("waste.txt", &text);
     // The reserved bytes peak with the live ones here: the first operation of that peak.
     assert_eq!(at_reserved.at, Moment::ReservedPeak);
     assert_eq!(
@@ -349,13 +355,7 @@ fn the_waste_report_sorts_the_reserved_peak_too() {
         "alloc 1 {big} 0\nalloc 2 {big} 0\nfree_completed 1 {big} 0\nalloc 3 {small} 0\n\
          free_completed 3 {small} 0\nfree_completed 2 {big} 0\n"
     );
-    let path = temp_path("waste-later.txt");
-    std::fs::write(&path, text).unwrap();
-    let trace = trace::load(&path, 0).unwrap();
-    let stitch = configs::named("stitch").unwrap();
-    let moments = [Moment::LivePeak, Moment::ReservedPeak];
-    let sorted = trace::waste_at(&trace, &stitch, &ReplayOptions::default(), &moments).unwrap();
-    let (live, reserved) = (sorted[0], sorted[1]);
+    let (_, [live, reserved]) = waste_of("waste-later.txt", &text);
     assert_eq!(
         (live.op, live.requested, live.reserved),
         (1, 2 * big, 2 * big),

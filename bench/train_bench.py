@@ -30,8 +30,10 @@ inside glake's malloc and free per step.
 
 With --lockstep the allocators' processes run side by side, one step each in turn (the order
 rotating every step), so that slow drifts of the machine (clocks, other load) fall on all of
-them alike; their memory must fit on the GPU together (not so for llama-ft on one H200), and
-the driver's view is not reported (cudaMemGetInfo sees every process).
+them alike, and the driver's view is not reported (cudaMemGetInfo sees every process). Their
+memory must fit on the GPU together: a workload whose processes would not, by the peaks
+measured on an H200 (PEAK_GIB: llama-ft, mix and lora-vocab on one H200), runs one allocator
+after another, and says so.
 
 Child processes are pinned to the CPUs next to the GPU (when sysfs tells which), so that no
 run pays for launching kernels from the far socket. With several rounds, a second table gives,
@@ -54,6 +56,13 @@ DEFAULT_STEPS = {"opt-lora": 30, "llama-ft": 25, "moe": 25, "generate": 8, "mix"
                  "lora-vocab": 25}
 WARMUP = 3
 GIB = 2**30
+# Peak reserved GiB measured on one H200 (BENCHMARKS.md, "Allocator v2"): PyTorch's native
+# allocator, and the tighter of expandable_segments and glake. In lock step every allocator's
+# process holds its memory at once; a workload whose processes would not fit the GPU together
+# runs one allocator after another instead.
+PEAK_GIB = {"opt-lora": (62.0, 27.2), "llama-ft": (126.5, 79.5), "moe": (16.6, 15.2),
+            "generate": (2.9, 2.7), "mix": (133.6, 63.2), "vision": (11.6, 8.4),
+            "lora-vocab": (130.5, 69.5)}
 
 
 def child(allocator, workload, steps, seed, lockstep=False):
@@ -200,6 +209,25 @@ def run(spec, workload, steps, seed, cpus):
         return result
     tail = (done.stdout + done.stderr)[-3000:]
     return {"workload": workload, "allocator": spec, "error": f"exit {done.returncode}: {tail}"}
+
+
+def gpu_memory_gib():
+    """The GPU's memory in GiB as nvidia-smi reports it (None when it cannot say)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+                              "--id=0"], capture_output=True, text=True, check=True).stdout
+        return int(out.split()[0]) / 1024
+    except (OSError, ValueError, IndexError, subprocess.CalledProcessError):
+        return None
+
+
+def lockstep_gib(workload, specs):
+    """The GiB the processes of `specs` would hold together in lock step on `workload`, from
+    PEAK_GIB (None for a workload not measured)."""
+    peaks = PEAK_GIB.get(workload)
+    if peaks is None:
+        return None
+    return sum(peaks[0] if parse_allocator(spec)[0] == "native" else peaks[1] for spec in specs)
 
 
 def wait_for(process, token):
@@ -360,12 +388,19 @@ def main():
     print(f"children pinned to {len(cpus)} CPUs near the GPU" if cpus else "children not pinned",
           flush=True)
     results = []
+    total_gib = gpu_memory_gib() if args.lockstep else None
     for workload in args.workloads.split(","):
         steps = args.steps or DEFAULT_STEPS[workload]
+        lockstep = args.lockstep
+        need = lockstep_gib(workload, allocators) if lockstep else None
+        if need is not None and total_gib is not None and need > 0.95 * total_gib:
+            print(f"{workload}: its processes would hold about {need:.0f} GiB together, more "
+                  f"than this GPU's {total_gib:.0f} GiB: one allocator after another", flush=True)
+            lockstep = False
         for round_index in range(args.rounds):
             shift = round_index % len(allocators)
             order = allocators[shift:] + allocators[:shift]
-            if args.lockstep:
+            if lockstep:
                 batch = run_lockstep(order, workload, steps, args.seed, cpus)
             else:
                 batch = [run(a, workload, steps, args.seed, cpus) for a in order]

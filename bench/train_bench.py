@@ -57,9 +57,9 @@ DEFAULT_STEPS = {"opt-lora": 30, "llama-ft": 25, "moe": 25, "generate": 8, "mix"
 WARMUP = 3
 GIB = 2**30
 # Peak reserved GiB measured on one H200 (BENCHMARKS.md, "Allocator v2"): PyTorch's native
-# allocator, and the tighter of expandable_segments and glake. In lock step every allocator's
-# process holds its memory at once; a workload whose processes would not fit the GPU together
-# runs one allocator after another instead.
+# allocator, and the larger of expandable_segments' and glake's (every allocator but native is
+# counted at it). In lock step every allocator's process holds its memory at once; a workload
+# whose processes would not fit the GPU together runs one allocator after another instead.
 PEAK_GIB = {"opt-lora": (62.0, 27.2), "llama-ft": (126.5, 79.5), "moe": (16.6, 15.2),
             "generate": (2.9, 2.7), "mix": (133.6, 63.2), "vision": (11.6, 8.4),
             "lora-vocab": (130.5, 69.5)}

@@ -43,8 +43,9 @@ impl Inner {
         Ok(())
     }
 
+    /// Whether [`Inner::release_cached`] would give anything back.
     fn has_cached_memory(&self) -> bool {
-        self.stitch.idle_count() > 0 || !self.map.idle_segments().is_empty()
+        self.stitch.idle_count() > 0 || !self.releasable_segments(|_| true).is_empty()
     }
 
     /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`] and

@@ -413,11 +413,12 @@ impl Inner {
     /// Marks stitched range `id` asleep (unmapped, its address kept) or awake (mapped again),
     /// in the cache and in the statistics of mapped bytes.
     fn set_stitch_asleep(&mut self, id: StitchId, asleep: bool) {
-        let size = self.stitch.blocks[id].size as i64;
-        self.stats
-            .stitched_mapped_bytes
-            .add(if asleep { -size } else { size });
-        self.stitch.set_asleep(id, asleep);
+        if self.stitch.set_asleep(id, asleep) {
+            let size = self.stitch.blocks[id].size as i64;
+            self.stats
+                .stitched_mapped_bytes
+                .add(if asleep { -size } else { size });
+        }
     }
 
     /// Region `tag` is going to sleep (the device is idle): its idle stitched ranges go, and
@@ -481,11 +482,7 @@ impl Inner {
     ) -> Result<()> {
         for id in self.stitches_of(tag, |s| s.asleep && s.in_use) {
             let (va, size) = (self.stitch.blocks[id].va, self.stitch.blocks[id].size);
-            if self.unmap_pending(va, size) {
-                // Its old mappings must be gone before new ones take the range.
-                self.synchronize_all(device)?;
-                self.retry_zombies(device)?;
-            }
+            self.clear_old_mappings(device, va, size)?;
             let mut pieces = Vec::with_capacity(self.stitch.blocks[id].pieces.len());
             for piece in &self.stitch.blocks[id].pieces {
                 let handles = self

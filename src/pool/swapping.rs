@@ -80,15 +80,16 @@ impl Inner {
         // a training loop's next iteration makes again) is taken as it is: no new memory. Not
         // one a cached stitched range maps: swapping out would release physical memory that
         // range still maps.
-        let idle = self.map.idle_segments().into_iter().find(|&seg| {
-            let segment = &self.map.segments[seg];
-            let owner = self.map.blocks[segment.first].owner;
-            segment.tag == SHARED
-                && segment.size == rounded
-                && segment.pool == PoolKind::Large
-                && owner.is_none_or(|s| s == stream)
-                && !self.stitched_over(segment.va, segment.size)
-        });
+        let idle = self
+            .releasable_segments(|segment| {
+                let owner = self.map.blocks[segment.first].owner;
+                segment.tag == SHARED
+                    && segment.size == rounded
+                    && segment.pool == PoolKind::Large
+                    && owner.is_none_or(|s| s == stream)
+            })
+            .first()
+            .copied();
         if let Some(seg) = idle {
             let id = self.map.segments[seg].first;
             return Ok(self.take_swappable(id, rounded, size, stream));
@@ -204,7 +205,7 @@ impl Inner {
     }
 
     /// Whether a teardown still to be retried unmaps part of `[va, va+size)`.
-    pub(super) fn unmap_pending(&self, va: DevicePtr, size: usize) -> bool {
+    fn unmap_pending(&self, va: DevicePtr, size: usize) -> bool {
         let end = va + size as u64;
         self.zombies
             .iter()
@@ -270,23 +271,35 @@ impl Inner {
         ptr: DevicePtr,
         size: usize,
     ) -> Result<()> {
-        if self.unmap_pending(ptr, size) {
-            // Its old mappings must be gone before new ones take the range, and a copy that
-            // could not be waited for may still use them: wait for the device first.
-            self.synchronize_all(device)?;
-            let _ = self.retry_zombies(device);
-            if self.unmap_pending(ptr, size) {
-                return Err(Error::driver(format!(
-                    "the old mappings of {ptr:#x} could not be unmapped yet; try again later"
-                )));
-            }
-        }
+        self.clear_old_mappings(device, ptr, size)?;
         self.respect_soft_limit(device, size)?;
         if !self.fits_cap(size) {
             self.release_cached(device)?;
         }
         if !self.fits_cap(size) {
             return Err(self.remap_out_of_memory(device, size));
+        }
+        Ok(())
+    }
+
+    /// Makes sure no earlier mapping of `[ptr, ptr+size)` is still waiting to be unmapped
+    /// before new ones take the range: a copy that could not be waited for may still use them,
+    /// so the device is waited for first. An error when they still could not be unmapped.
+    pub(super) fn clear_old_mappings(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+        size: usize,
+    ) -> Result<()> {
+        if !self.unmap_pending(ptr, size) {
+            return Ok(());
+        }
+        self.synchronize_all(device)?;
+        let _ = self.retry_zombies(device);
+        if self.unmap_pending(ptr, size) {
+            return Err(Error::driver(format!(
+                "the old mappings of {ptr:#x} could not be unmapped yet; try again later"
+            )));
         }
         Ok(())
     }

@@ -116,11 +116,11 @@ impl StitchCache {
     }
 
     /// Marks a range asleep (its mappings gone, its address kept) or awake again (mapped),
-    /// keeping [`StitchCache::mapped_bytes`] to what is mapped.
-    pub fn set_asleep(&mut self, id: StitchId, asleep: bool) {
+    /// keeping [`StitchCache::mapped_bytes`] to what is mapped. Returns whether it changed.
+    pub fn set_asleep(&mut self, id: StitchId, asleep: bool) -> bool {
         let s = &mut self.blocks[id];
         if s.asleep == asleep {
-            return;
+            return false;
         }
         s.asleep = asleep;
         if asleep {
@@ -128,6 +128,7 @@ impl StitchCache {
         } else {
             self.mapped_bytes += s.size;
         }
+        true
     }
 
     /// Idle ranges whose size lies in `[min, max]`, smallest first, and of one size the most
@@ -296,6 +297,24 @@ mod tests {
         assert_eq!(c.containing(203), Some(b));
         let removed = c.remove(b);
         assert_eq!(removed.va, 200);
+        assert_eq!(c.mapped_bytes, 8);
+    }
+
+    #[test]
+    fn a_sleeping_range_counts_no_mapped_bytes_and_is_marked_once() {
+        let mut c = StitchCache::default();
+        let a = c.insert(100, vec![piece(0), piece(8)], Stream(1));
+        let b = c.insert(200, vec![piece(16)], Stream(1));
+        assert_eq!(c.mapped_bytes, 12);
+        assert!(c.set_asleep(a, true));
+        assert!(!c.set_asleep(a, true), "already asleep: nothing changes");
+        assert_eq!(c.mapped_bytes, 4);
+        assert!(c.set_asleep(a, false));
+        assert!(!c.set_asleep(a, false));
+        assert_eq!(c.mapped_bytes, 12);
+        // A range removed while asleep takes no mapped bytes with it.
+        assert!(c.set_asleep(b, true));
+        c.remove(b);
         assert_eq!(c.mapped_bytes, 8);
     }
 }

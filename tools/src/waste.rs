@@ -75,33 +75,39 @@ pub fn waste_at(
     let Some(timeline) = whole.timeline else {
         return Err(TraceError::new("the replay kept no timeline"));
     };
-    moments
-        .iter()
-        .map(|&at| {
-            let series = match at {
-                Moment::LivePeak => &timeline.live,
-                Moment::ReservedPeak => &timeline.reserved,
-            };
-            // The first operation at which the series peaks.
-            let Some((op, _)) = series
-                .iter()
-                .copied()
-                .enumerate()
-                .rev()
-                .max_by_key(|&(_, bytes)| bytes)
-            else {
-                return Ok(Waste {
-                    at,
-                    ..Waste::default()
-                });
-            };
-            let then = (timeline.reserved[op], timeline.live[op]);
-            let mut waste = sorted_after(trace, config, &sampled, op, then)?;
-            waste.at = at;
-            waste.peak_reserved = whole.peak_reserved_bytes;
-            Ok(waste)
-        })
-        .collect()
+    // Moments that fall on one operation share its replay.
+    let mut sorted: Vec<Waste> = Vec::with_capacity(moments.len());
+    for &at in moments {
+        let series = match at {
+            Moment::LivePeak => &timeline.live,
+            Moment::ReservedPeak => &timeline.reserved,
+        };
+        // The first operation at which the series peaks.
+        let Some((op, _)) = series
+            .iter()
+            .copied()
+            .enumerate()
+            .rev()
+            .max_by_key(|&(_, bytes)| bytes)
+        else {
+            sorted.push(Waste {
+                at,
+                ..Waste::default()
+            });
+            continue;
+        };
+        let mut waste = match sorted.iter().find(|w| w.op == op) {
+            Some(&same) => same,
+            None => {
+                let then = (timeline.reserved[op], timeline.live[op]);
+                sorted_after(trace, config, &sampled, op, then)?
+            }
+        };
+        waste.at = at;
+        waste.peak_reserved = whole.peak_reserved_bytes;
+        sorted.push(waste);
+    }
+    Ok(sorted)
 }
 
 /// Replays `trace` up to operation `op`, which the sampled replay reached with `then`

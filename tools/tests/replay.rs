@@ -310,7 +310,6 @@ fn the_waste_report_sorts_what_is_reserved_at_the_live_peak() {
         (2, 30 * MIB),
         "{at_reserved:?}"
     );
-    assert_eq!(at_reserved.stranded, w.stranded);
     assert_eq!(
         (w.at, w.op, w.requested),
         (Moment::LivePeak, 2, big + odd + other),

@@ -15,6 +15,14 @@ a stitch's driver calls could be taken off the launching thread; if they stall f
 the driver serialises them and only fewer handles help.
 
     python3 bench/vmm_calls.py --overlap [--total-mib 1024] [--repeats 5]
+
+With --deferred-grant it asks whether a range may be handed out mapped but not yet granted:
+work on it is enqueued behind a stream wait on a host flag, a helper thread grants access and
+then sets the flag. It prints what the driver answers for pointer queries, memsets and copies
+enqueued before the grant, whether the bytes arrive, and how long the launching thread and the
+helper each took.
+
+    python3 bench/vmm_calls.py --deferred-grant [--total-mib 1024]
 """
 import argparse
 import ctypes
@@ -179,14 +187,114 @@ def overlap(ctx, total, repeats):
         check(cuda.cuMemRelease(h), "cuMemRelease")
 
 
+def deferred_grant(ctx, total):
+    """Work enqueued on a mapped, not yet granted range behind a flag (see the module text)."""
+    size = 2 << 20
+    count = total // size
+    handles = [create(size) for _ in range(count)]
+    va = reserve(count * size)
+    dev = ctypes.c_int()
+    check(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    for name, attr in (("stream memory operations", 92), ("wait NOR", 94)):
+        v = ctypes.c_int()
+        rc = cuda.cuDeviceGetAttribute(ctypes.byref(v), attr, dev)
+        print(f"attribute {name}: rc {rc} value {v.value}")
+    flag_host = ctypes.c_void_p()
+    check(cuda.cuMemHostAlloc(ctypes.byref(flag_host), ctypes.c_size_t(4), ctypes.c_uint(3)),
+          "cuMemHostAlloc")
+    ctypes.memset(flag_host, 0, 4)
+    flag_dev = ctypes.c_ulonglong()
+    check(cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(flag_dev), flag_host, 0),
+          "cuMemHostGetDevicePointer")
+    src_host = ctypes.c_void_p()
+    check(cuda.cuMemHostAlloc(ctypes.byref(src_host), ctypes.c_size_t(1 << 20), ctypes.c_uint(1)),
+          "cuMemHostAlloc")
+    ctypes.memset(src_host, 0x5A, 1 << 20)
+    other = ctypes.c_ulonglong()
+    check(cuda.cuMemAlloc_v2(ctypes.byref(other), ctypes.c_size_t(1 << 20)), "cuMemAlloc")
+    check(cuda.cuMemsetD8_v2(other, ctypes.c_ubyte(0x3C), ctypes.c_size_t(1 << 20)), "cuMemsetD8")
+    stream = ctypes.c_void_p()
+    check(cuda.cuStreamCreate(ctypes.byref(stream), ctypes.c_uint(1)), "cuStreamCreate")
+
+    t0 = time.perf_counter()
+    map_all(va, handles, size)
+    mapped_ms = (time.perf_counter() - t0) * 1e3
+    for name, attr in (("context", 1), ("memory type", 2), ("device ordinal", 9),
+                       ("range start", 11), ("mapped", 16)):
+        v = ctypes.c_ulonglong()
+        rc = cuda.cuPointerGetAttribute(ctypes.byref(v), attr, ctypes.c_ulonglong(va + size))
+        print(f"before the grant, pointer attribute {name}: rc {rc} value {v.value:#x}")
+    t1 = time.perf_counter()
+    rc = cuda.cuStreamWaitValue32_v2(stream, flag_dev, ctypes.c_uint(1), ctypes.c_uint(0), 0)
+    print(f"cuStreamWaitValue32_v2 (GEQ) enqueue: rc {rc}")
+    last = va + (count - 1) * size
+    ops = (
+        ("cuMemsetD8Async over the range", lambda: cuda.cuMemsetD8Async(
+            ctypes.c_ulonglong(va), ctypes.c_ubyte(7), ctypes.c_size_t(count * size), stream)),
+        ("cuMemcpyHtoDAsync to the last handle", lambda: cuda.cuMemcpyHtoDAsync_v2(
+            ctypes.c_ulonglong(last), src_host, ctypes.c_size_t(1 << 20), stream)),
+        ("cuMemcpyDtoDAsync to the first handle", lambda: cuda.cuMemcpyDtoDAsync_v2(
+            ctypes.c_ulonglong(va), other, ctypes.c_size_t(1 << 20), stream)),
+        ("cuMemcpyAsync (unified) to the second handle", lambda: cuda.cuMemcpyAsync(
+            ctypes.c_ulonglong(va + size), other, ctypes.c_size_t(1 << 20), stream)),
+    )
+    for name, op in ops:
+        print(f"before the grant, {name}: rc {op()}")
+    enqueued_ms = (time.perf_counter() - t1) * 1e3
+    rc = cuda.cuStreamQuery(stream)
+    print(f"stream query while the flag is down: rc {rc} (600 = not ready)")
+    granted = []
+
+    def helper():
+        check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        t = time.perf_counter()
+        grant(va, count * size)
+        granted.append((time.perf_counter() - t) * 1e3)
+        ctypes.memmove(flag_host, ctypes.byref(ctypes.c_uint32(1)), 4)
+
+    worker = threading.Thread(target=helper)
+    worker.start()
+    t2 = time.perf_counter()
+    rc = cuda.cuStreamSynchronize(stream)
+    waited_ms = (time.perf_counter() - t2) * 1e3
+    worker.join()
+    print(f"stream synchronize after the helper's grant: rc {rc}")
+    out = (ctypes.c_ubyte * 16)()
+    for name, addr, want in (("third handle (memset)", va + 2 * size, 7),
+                             ("last handle (host copy)", last, 0x5A),
+                             ("first handle (device copy)", va, 0x3C),
+                             ("second handle (unified copy)", va + size, 0x3C)):
+        check(cuda.cuMemcpyDtoH_v2(out, ctypes.c_ulonglong(addr + 4096), ctypes.c_size_t(16)),
+              "cuMemcpyDtoH")
+        print(f"bytes of the {name}: {'as written' if all(b == want for b in out) else list(out)}")
+    print(f"| handles | map ms | enqueue of 5 operations ms | helper's grant ms | launching "
+          f"thread's wait for the stream ms |")
+    print("|---|---|---|---|---|")
+    print(f"| {count} | {mapped_ms:.2f} | {enqueued_ms:.3f} | {granted[0]:.2f} | {waited_ms:.2f} |")
+    unmap(va, count * size)
+    check(cuda.cuStreamDestroy_v2(stream), "cuStreamDestroy")
+    check(cuda.cuMemFree_v2(other), "cuMemFree")
+    check(cuda.cuMemFreeHost(src_host), "cuMemFreeHost")
+    check(cuda.cuMemFreeHost(flag_host), "cuMemFreeHost")
+    check(cuda.cuMemAddressFree(ctypes.c_ulonglong(va), ctypes.c_size_t(count * size)),
+          "cuMemAddressFree")
+    for h in handles:
+        check(cuda.cuMemRelease(h), "cuMemRelease")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--total-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--overlap", action="store_true",
                         help="enqueue times beside a helper thread's map and grant")
+    parser.add_argument("--deferred-grant", action="store_true",
+                        help="work enqueued on a mapped range before its access is granted")
     args = parser.parse_args()
     ctx = setup()
+    if args.deferred_grant:
+        deferred_grant(ctx, args.total_mib << 20)
+        return
     if args.overlap:
         overlap(ctx, args.total_mib << 20, args.repeats)
         return

@@ -288,11 +288,17 @@ fn stitched_bytes_are_the_bytes_of_the_pieces() {
         p.free(b).unwrap();
     }
     p.check_invariants().unwrap();
+    let waits = p.stats().num_sync_all_streams;
     p.empty_cache().unwrap();
     let stats = p.stats();
     assert_eq!(stats.reserved_bytes.all.current, 0);
     assert_eq!(stats.stitched_blocks.current, 0);
     assert_eq!(stats.stitch_collections, 1);
+    assert_eq!(
+        stats.num_sync_all_streams,
+        waits + 1,
+        "one wait for the device covers the idle stitched range and the segments"
+    );
 }
 
 /// Stitched ranges that went stale one after another: `holes` 6 MiB holes, each filled; every

@@ -900,9 +900,9 @@ fn drop_run(kind: CallKind, n: u64, then: Option<u64>) -> Arc<FaultDevice> {
     fault.clear();
     let what = format!("{kind:?} #{n} (then call {then:?} after it) of the drop");
     let failed: Vec<CallKind> = fault.sites_failed().iter().map(|s| s.kind).collect();
-    // When two waits for the device fail in a row (the tear-down's own two, or its first
-    // and the one before collecting stitched ranges), whether queued work still uses the
-    // memory cannot be known: it is left to the driver, by design.
+    // When two waits for the device fail in a row (the tear-down's release and its retry),
+    // whether queued work still uses the memory cannot be known: it is left to the driver, by
+    // design.
     let device_lost =
         fault.injected() == 2 && failed.iter().all(|&k| k == CallKind::SynchronizeDevice);
     if !device_lost {

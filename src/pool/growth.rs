@@ -310,7 +310,7 @@ impl Inner {
         if self.swaps_leaving() {
             self.finish_swap_outs(device, true)?;
         }
-        self.collect_stitched(device, true)?;
+        self.drop_all_idle_stitched(device);
         for segment in self.releasable_segments(|_| true) {
             self.release_segment(device, segment)?;
         }

@@ -533,6 +533,33 @@ impl Inner {
         if self.routing > 0 {
             return Ok(());
         }
+        let victims = self.stitched_victims(all);
+        if victims.is_empty() {
+            return Ok(());
+        }
+        // The ranges were last used on some stream whose work may still be queued.
+        device.synchronize_device()?;
+        self.stats.num_sync_all_streams += 1;
+        self.drop_idle_stitched(device, victims);
+        Ok(())
+    }
+
+    /// Unmaps every idle stitched range, right after a wait for the whole device (which no
+    /// queued work can outlast), so without another one.
+    pub(super) fn drop_all_idle_stitched(&mut self, device: &dyn crate::device::Device) {
+        let victims = self.stitched_victims(true);
+        self.drop_idle_stitched(device, victims);
+    }
+
+    fn drop_idle_stitched(&mut self, device: &dyn crate::device::Device, victims: Vec<StitchId>) {
+        for id in victims {
+            self.drop_stitched(device, id);
+        }
+    }
+
+    /// The idle stitched ranges [`Inner::collect_stitched`] would unmap, least recently used
+    /// first.
+    fn stitched_victims(&self, all: bool) -> Vec<StitchId> {
         let over_bytes = self.stitch.mapped_bytes > self.config.auto_gc_bytes;
         let over_count = self.stitch.idle_count() > MAX_IDLE_STITCHED;
         let keep_idle = if over_count {
@@ -541,7 +568,7 @@ impl Inner {
             MAX_IDLE_STITCHED
         };
         if !all && !over_bytes && !over_count {
-            return Ok(());
+            return Vec::new();
         }
         let mut victims = Vec::new();
         let mut mapped = self.stitch.mapped_bytes;
@@ -557,15 +584,6 @@ impl Inner {
             idle -= 1;
             victims.push(id);
         }
-        if victims.is_empty() {
-            return Ok(());
-        }
-        // The ranges were last used on some stream whose work may still be queued.
-        device.synchronize_device()?;
-        self.stats.num_sync_all_streams += 1;
-        for id in victims {
-            self.drop_stitched(device, id);
-        }
-        Ok(())
+        victims
     }
 }

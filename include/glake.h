@@ -365,6 +365,10 @@ typedef struct glake_stats {
   // The same: bytes the device would hold more without sharing (each shared range times
   // the number of processes mapping it, less one).
   int64_t device_saved_bytes;
+  // Idle segments of small handles a stitch released to make their bytes again in large
+  // handles, and the handles they had.
+  int64_t gathered_segments;
+  int64_t gathered_handles;
 } glake_stats;
 
 // One op of the profiled iteration, in execution order.

@@ -53,6 +53,10 @@ pub struct Config {
     /// segment of 512 MiB or more is never cut into more than 32 handles this way (up to
     /// `max_chunk`).
     pub chunk_divisor: usize,
+    /// A stitch that would map a whole idle segment of handles smaller than the pool now
+    /// makes releases it and makes its bytes again in large handles (`GLAKE_GATHER`): each
+    /// later stitch over that memory grants fewer handles (see `pool::gather`).
+    pub gather: bool,
     /// Where a sleeping region's bytes wait on the host (`GLAKE_SLEEP_HOST`).
     pub sleep_host: SleepHost,
     /// The sleep region of every allocation made outside another region
@@ -97,6 +101,7 @@ impl Default for Config {
             max_stitch_pieces: 256,
             max_chunk: 32 * MIB,
             chunk_divisor: 2048,
+            gather: true,
             sleep_host: SleepHost::Pinned,
             default_region: None,
             guard: false,
@@ -155,6 +160,9 @@ const MAX_CHUNK: Var = Var {
 };
 const CHUNK_DIVISOR: Var = Var {
     names: &["GLAKE_CHUNK_DIVISOR"],
+};
+const GATHER: Var = Var {
+    names: &["GLAKE_GATHER"],
 };
 const SLEEP_HOST: Var = Var {
     names: &["GLAKE_SLEEP_HOST"],
@@ -315,6 +323,12 @@ impl Config {
             match value.trim().parse::<usize>() {
                 Ok(n) if n >= 1 => self.chunk_divisor = n,
                 _ => warn_bad_value(name, &value, &self.chunk_divisor.to_string()),
+            }
+        }
+        if let Some((name, value)) = GATHER.lookup() {
+            match parse_bool(&value) {
+                Some(on) => self.gather = on,
+                None => warn_bad_value(name, &value, &format!("{}", self.gather as u8)),
             }
         }
         if let Some((name, value)) = SLEEP_HOST.lookup() {

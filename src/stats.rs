@@ -168,6 +168,10 @@ pub struct MemoryStats {
     /// The same: bytes the device would hold more without sharing (each shared range times
     /// the number of processes mapping it, less one).
     pub device_saved_bytes: i64,
+    /// Idle segments of small handles a stitch released to make their bytes again in large
+    /// handles, and the handles they had.
+    pub gathered_segments: i64,
+    pub gathered_handles: i64,
 }
 
 impl MemoryStats {
@@ -200,6 +204,8 @@ impl MemoryStats {
         self.stitched_pieces = 0;
         self.stitch_reuse_hits = 0;
         self.stitch_collections = 0;
+        self.gathered_segments = 0;
+        self.gathered_handles = 0;
     }
 
     fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
@@ -282,6 +288,8 @@ impl MemoryStats {
             ("glake.offered_bytes", self.offered_bytes),
             ("glake.device_shared_bytes", self.device_shared_bytes),
             ("glake.device_saved_bytes", self.device_saved_bytes),
+            ("glake.gathered_segments", self.gathered_segments),
+            ("glake.gathered_handles", self.gathered_handles),
         ];
         out.extend(counters.iter().map(|(k, v)| (k.to_string(), *v)));
         out

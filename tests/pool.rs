@@ -1441,3 +1441,121 @@ fn a_small_segment_past_the_peak_replaces_a_small_idle_large_segment() {
         assert_eq!(host.created_bytes(), 0);
     }
 }
+
+/// Stitch #2 of [`gather_small_segments`]: its allocation, the stitched range's pieces and
+/// handles, and the gathered segments.
+struct Gathering {
+    ptr: u64,
+    pieces: usize,
+    handles: usize,
+    gathered: i64,
+    reserved_before: i64,
+    reserved_after: i64,
+}
+
+/// A pool of large handles (a 256 MiB allocation, handles up to 1/1 of the pool) holding six
+/// small-handle segments freed early and two more freed for a first stitch, which records the
+/// stream's fence. A second stitch then maps all eight whole. With `gate`, the default stream
+/// is held busy from before the first stitch until after the second, so that fence has not
+/// passed. Always on the host backend (a gated stream).
+fn gather_small_segments(gate: bool) -> (Arc<glake::device::host::HostDevice>, Pool, Gathering) {
+    let host = common::host_device(4 << 30);
+    let shared: SharedDevice = host.clone();
+    let config = Config {
+        chunk_divisor: 1,
+        ..Config::default()
+    };
+    let p = Pool::new(shared.clone(), config).unwrap();
+    let _filler = p.malloc(256 * MIB, Stream::DEFAULT).unwrap();
+    let first: Vec<u64> = [40, 42]
+        .iter()
+        .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    let small: Vec<u64> = [20, 22, 24, 26]
+        .iter()
+        .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    for &s in &small {
+        p.free(s).unwrap();
+    }
+    let open = gate.then(|| {
+        let (open, wait) = std::sync::mpsc::channel::<()>();
+        host.enqueue_host_fn(
+            Stream::DEFAULT,
+            Box::new(move || {
+                let _ = wait.recv();
+            }),
+        )
+        .unwrap();
+        open
+    });
+    for &f in &first {
+        p.free(f).unwrap();
+    }
+    // Stitch #1 (40 + 42 MiB): no fence yet, so nothing is gathered; it records one.
+    let one = p.malloc(82 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(p.stats().stitches, 1);
+    assert_eq!(p.stats().gathered_segments, 0, "no fence has passed yet");
+    p.free(one).unwrap();
+    if !gate {
+        // The work queued before the fence is done (as a step's end would see on a GPU).
+        shared.synchronize_stream(Stream::DEFAULT).unwrap();
+    }
+    let reserved_before = p.stats().reserved_bytes.all.current;
+    // Stitch #2 maps every free segment whole: the two of stitch #1's idle range stay pieces.
+    let ptr = p.malloc(174 * MIB, Stream::DEFAULT).unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.stitches, 2);
+    if let Some(open) = open {
+        open.send(()).unwrap();
+        shared.synchronize_stream(Stream::DEFAULT).unwrap();
+    }
+    let snap = p.snapshot();
+    let stitched = snap.stitched.iter().find(|s| s.address == ptr).unwrap();
+    let gathering = Gathering {
+        ptr,
+        pieces: stitched.pieces.len(),
+        handles: stitched.handle_count,
+        gathered: stats.gathered_segments,
+        reserved_before,
+        reserved_after: stats.reserved_bytes.all.current,
+    };
+    (host, p, gathering)
+}
+
+/// Checks the bytes of a stitched allocation of `len` bytes, then frees everything.
+fn check_and_release(host: &Arc<glake::device::host::HostDevice>, p: Pool, ptr: u64, len: usize) {
+    let shared: SharedDevice = host.clone();
+    common::write_pattern(&shared, ptr, len, 7);
+    assert!(common::has_pattern(&shared, ptr, len, 7));
+    p.free(ptr).unwrap();
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn a_stitch_gathers_idle_small_handle_segments_into_large_handles() {
+    let (host, p, g) = gather_small_segments(false);
+    // The four small segments (20-26 MiB, 2 MiB handles: 46) went back to the device and
+    // their 92 MiB came again in 8 MiB handles; the pool holds the same bytes.
+    assert_eq!(g.gathered, 4);
+    assert_eq!(p.stats().gathered_handles, 46);
+    assert_eq!(g.reserved_after, g.reserved_before);
+    assert_eq!(g.pieces, 3, "stitch #1's two pieces and the new memory");
+    assert!(g.handles < 40, "{} handles mapped", g.handles);
+    let stats = p.stats();
+    assert_eq!(
+        host.live_objects().0 as i64,
+        stats.num_device_alloc - stats.num_device_free,
+        "every released handle is gone from the device"
+    );
+    check_and_release(&host, p, g.ptr, 174 * MIB);
+}
+
+#[test]
+fn segments_freed_before_a_fence_still_queued_are_not_gathered() {
+    let (host, p, g) = gather_small_segments(true);
+    assert_eq!(g.gathered, 0, "the stream may still read them");
+    assert_eq!(g.pieces, 6);
+    assert_eq!(g.reserved_after, g.reserved_before);
+    check_and_release(&host, p, g.ptr, 174 * MIB);
+}

@@ -116,7 +116,7 @@ pub struct glake_config {
 const_assert_eq!(std::mem::size_of::<glake_config>(), 72);
 assert_eq_size!(Stat, [i64; 4]);
 assert_eq_size!(StatArray, [i64; 12]);
-const_assert_eq!(std::mem::size_of::<MemoryStats>(), (9 * 12 + 15 + 12) * 8);
+const_assert_eq!(std::mem::size_of::<MemoryStats>(), (9 * 12 + 17 + 12) * 8);
 
 impl glake_config {
     fn from_config(config: &Config) -> Self {

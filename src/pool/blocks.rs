@@ -149,6 +149,9 @@ pub struct Segment {
     pub first: BlockId,
     /// Bytes reserved after the segment and never mapped (guard-page mode), freed with it.
     pub guard: usize,
+    /// The [`BlockMap::epoch`] of the segment's last free: work queued before it may still use
+    /// the segment until a fence of a later epoch has passed (see `pool::gather`).
+    pub freed_at: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -191,6 +194,9 @@ pub struct BlockMap {
     pub inactive_split: SplitDelta,
     /// The same, per pool (indexed by `PoolKind as usize`).
     pub inactive_split_by_pool: [SplitDelta; 2],
+    /// Stamped on a segment at each free; fences on the streams advance it (see
+    /// `pool::gather`).
+    pub epoch: u64,
 }
 
 type FreeKey = (Tag, PoolKind, Owner);
@@ -322,7 +328,11 @@ impl Segment {
 
 impl BlockMap {
     pub fn new() -> Self {
-        Self::default()
+        // Epoch 0 is the one no fence has closed: every free starts after it.
+        Self {
+            epoch: 1,
+            ..Self::default()
+        }
     }
 
     /// The position in `free` of the set of `key`, made if missing; `hint` (a block's last set)
@@ -423,6 +433,7 @@ impl BlockMap {
             tag,
             first: usize::MAX,
             guard: 0,
+            freed_at: self.epoch,
         });
         let block = self.blocks.insert(Block {
             addr: va,
@@ -728,6 +739,8 @@ impl BlockMap {
             block.state = BlockState::Free;
             block.owner = owner;
         }
+        let segment = self.blocks[id].segment;
+        self.segments[segment].freed_at = self.epoch;
         let id = self.merge_neighbours(id);
         self.link_free(id);
         id

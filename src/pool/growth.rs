@@ -202,6 +202,18 @@ impl Inner {
         device: &dyn crate::device::Device,
         segment: SegmentId,
     ) -> Result<()> {
+        let zombie = self.retire_segment(device, segment)?;
+        self.bury(device, zombie);
+        Ok(())
+    }
+
+    /// Takes idle segment `segment` off the books: what is left is the driver's part, returned
+    /// to be done now or outside the lock.
+    pub(super) fn retire_segment(
+        &mut self,
+        device: &dyn crate::device::Device,
+        segment: SegmentId,
+    ) -> Result<Zombie> {
         let Some(removed) = self.map.remove_segment(segment) else {
             return Err(Error::internal("released a segment that is in use"));
         };
@@ -221,12 +233,10 @@ impl Inner {
         self.stats.num_device_free += removed.chunks().len() as i64;
         self.forget_shared(removed.chunks());
         self.sync_split_stats();
-        let zombie = Zombie {
+        Ok(Zombie {
             reservation: Some((removed.va, removed.size + removed.guard)),
             ..Zombie::mapped(removed.va, removed.chunks())
-        };
-        self.bury(device, zombie);
-        Ok(())
+        })
     }
 
     /// Gives segment `segment`'s physical memory back to the device while its range stays
@@ -364,6 +374,7 @@ impl Inner {
         for event in self.idle_events.drain(..) {
             undo(device.destroy_event(event));
         }
+        self.drop_fences(device);
         released
     }
 }

@@ -37,6 +37,7 @@ pub mod snapshot;
 mod alloc;
 mod bins;
 mod dedup;
+mod gather;
 pub use dedup::ShareReport;
 mod growth;
 mod guard;
@@ -171,6 +172,11 @@ struct Inner {
     growth_run: sizes::GrowthRun,
     /// Freed blocks kept for the next request of their size on their stream (see `parked`).
     parked: parked::Parked,
+    /// Per stream, the event that tells when its frees of an epoch are settled (see `gather`).
+    fences: Vec<gather::Fence>,
+    /// Frees stamped with this epoch or an earlier one are settled on every stream (the
+    /// device was waited for).
+    settled_epoch: u64,
 }
 
 /// Fills the device-wide dedup statistics from `sharing`'s index: a file, read without the
@@ -289,6 +295,8 @@ impl Pool {
                 request: 0,
                 growth_run: sizes::GrowthRun::default(),
                 parked: parked::Parked::default(),
+                fences: Vec::new(),
+                settled_epoch: 0,
             }),
         };
         if let Some(name) = default_region {
@@ -363,7 +371,7 @@ impl Pool {
                 inner.adopt(device, plan, made)?;
                 inner.malloc_in(device, size, stream, private)
             }
-            unlocked::Planned::Stitch(job) => {
+            unlocked::Planned::Stitch(mut job) => {
                 let made = job.make(device);
                 let mut inner = lock(&self.inner);
                 match inner.finish_stitch(device, job, made)? {

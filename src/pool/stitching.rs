@@ -27,6 +27,9 @@ pub(super) struct StitchJob {
     shortfall_bytes: usize,
     access: Vec<i32>,
     granularity: usize,
+    /// Segments the stitch gathered, off the books: torn down before the shortfall is made,
+    /// which takes their bytes.
+    gathered: Vec<Zombie>,
 }
 
 /// A segment just made: its range and chunks.
@@ -49,9 +52,15 @@ pub(super) struct StitchMade {
 }
 
 impl StitchJob {
-    /// The driver's part: the shortfall's segment made, then every piece mapped side by side.
-    pub(super) fn make(&self, device: &dyn crate::device::Device) -> StitchMade {
+    /// The driver's part: the gathered segments torn down, the shortfall's segment made, then
+    /// every piece mapped side by side.
+    pub(super) fn make(&mut self, device: &dyn crate::device::Device) -> StitchMade {
         let mut leftovers = Vec::new();
+        for mut zombie in std::mem::take(&mut self.gathered) {
+            if zombie.finish(device).is_err() {
+                leftovers.push(zombie);
+            }
+        }
         let segment: Option<NewSegment> = match &self.shortfall {
             None => None,
             Some(plan) => {
@@ -191,7 +200,7 @@ impl Inner {
         stream: Stream,
         tag: Tag,
     ) -> Result<Option<DevicePtr>> {
-        let Some(job) = self.prepare_stitch(device, size, stream, tag)? else {
+        let Some(mut job) = self.prepare_stitch(device, size, stream, tag)? else {
             return Ok(None);
         };
         // A region's stitch is made under the lock, as its growth is: a sleep of the region
@@ -222,7 +231,7 @@ impl Inner {
                 let (_, len) = map.whole_chunks_of(id)?;
                 (len >= min_piece).then_some((len, id))
             });
-        let plan = match stitch::plan(candidates, size, self.config.max_stitch_pieces) {
+        let mut plan = match stitch::plan(candidates, size, self.config.max_stitch_pieces) {
             Some(plan) => plan,
             None => return Ok(None),
         };
@@ -232,6 +241,14 @@ impl Inner {
         if grown > 0 && !self.fits_cap(grown) {
             return Ok(None);
         }
+        // Gathered segments leave the books now (their bytes join the shortfall, the cap sees
+        // no change); their memory goes back to the device before the shortfall is made.
+        let gathered = if self.config.gather && tag == SHARED && self.routing == 0 {
+            self.gather(device, &mut plan, size, stream)?
+        } else {
+            super::gather::Gathered::default()
+        };
+        let grown = grown + gathered.bytes;
         // Where each planned piece lies and what maps it, before taking splits the blocks.
         let mut pieces: Vec<Piece> = Vec::with_capacity(plan.take.len() + 1);
         for &(id, bytes) in &plan.take {
@@ -253,6 +270,7 @@ impl Inner {
                 Some(id) => ids.push(id),
                 None => {
                     self.give_back(&ids, stream);
+                    self.bury_all(device, gathered.zombies);
                     return Err(Error::internal("a planned stitch piece is not free"));
                 }
             }
@@ -265,6 +283,7 @@ impl Inner {
                 .map(|()| self.fits_cap(grown));
             if room != Ok(true) {
                 self.give_back(&ids, stream);
+                self.bury_all(device, gathered.zombies);
                 return room.map(|_| None);
             }
         }
@@ -282,7 +301,15 @@ impl Inner {
             shortfall_bytes: plan.shortfall,
             access: self.access.clone(),
             granularity: self.granularity,
+            gathered: gathered.zombies,
         }))
+    }
+
+    /// Tears down `zombies` now, keeping what fails for a retry.
+    fn bury_all(&mut self, device: &dyn crate::device::Device, zombies: Vec<Zombie>) {
+        for zombie in zombies {
+            self.bury(device, zombie);
+        }
     }
 
     /// The last part of a stitch, under the lock: the shortfall's segment booked, the range

@@ -243,6 +243,7 @@ impl Inner {
             self.finish_free(pending.live, None);
         }
         self.sync_split_stats();
+        self.settled_epoch = self.close_epoch();
         Ok(())
     }
 }

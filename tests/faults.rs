@@ -738,8 +738,8 @@ fault_tests! {
 }
 
 /// A stitch that gathers small-handle segments (the scenario of tests/pool.rs: six whole idle
-/// segments of 2 MiB handles, four of them freed before a passed fence and mapped by no stitched
-/// range, released and made again in large handles) on a fault device. Returns the device and
+/// segments, four of them of 16 MiB handles, freed before a passed fence and mapped by no
+/// stitched range, released and made again in 32 MiB handles) on a fault device. Returns the device and
 /// the segments gathered; checks that nothing is left once the pool is dropped and that the
 /// stitched allocation, where it was made, holds its bytes.
 fn gathering_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
@@ -747,7 +747,7 @@ fn gathering_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
         HostDevice::new(
             0,
             HostOptions {
-                total_memory: 1 << 30,
+                total_memory: 4 << 30,
                 ..HostOptions::default()
             },
         )
@@ -771,15 +771,15 @@ fn gathering_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
             }
         };
         let filler = malloc(256);
-        let first: Vec<_> = [40, 42].map(malloc).into();
-        let small: Vec<_> = [20, 22, 24, 26].map(malloc).into();
+        let first: Vec<_> = [400, 420].map(malloc).into();
+        let small: Vec<_> = [160, 180, 200, 220].map(malloc).into();
         small.into_iter().for_each(free);
         first.into_iter().for_each(free);
-        free(malloc(82));
+        free(malloc(820));
         bytes.synchronize_stream(Stream::DEFAULT).expect("sync");
-        if let Some(big) = malloc(174) {
-            common::write_pattern(&bytes, big, 174 * MIB, 3);
-            assert!(common::has_pattern(&bytes, big, 174 * MIB, 3), "{plan:?}");
+        if let Some(big) = malloc(1580) {
+            common::write_pattern(&bytes, big, 1580 * MIB, 3);
+            assert!(common::has_pattern(&bytes, big, 1580 * MIB, 3), "{plan:?}");
             free(Some(big));
         }
         free(filler);

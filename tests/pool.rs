@@ -1449,15 +1449,18 @@ struct Gathering {
     pieces: usize,
     handles: usize,
     gathered: i64,
+    /// Handles of the four small segments, counted before stitch #2.
+    small_handles: usize,
     reserved_before: i64,
     reserved_after: i64,
 }
 
-/// A pool of large handles (a 256 MiB allocation, handles up to 1/1 of the pool) holding six
-/// small-handle segments freed early and two more freed for a first stitch, which records the
-/// stream's fence. A second stitch then maps all eight whole. With `gate`, the default stream
-/// is held busy from before the first stitch until after the second, so that fence has not
-/// passed. Always on the host backend (a gated stream).
+/// A pool whose new segments get handles up to 32 MiB (`chunk_divisor` 1) holding four
+/// segments of smaller handles freed early, and two more freed for a first stitch (820 MiB,
+/// below the size that gathers), which records the stream's fence. A second stitch (1580 MiB)
+/// then maps all six whole. With `gate`, the default stream is held busy from before the first
+/// stitch until after the second, so that fence has not passed. Always on the host backend (a
+/// gated stream).
 fn gather_small_segments(gate: bool) -> (Arc<glake::device::host::HostDevice>, Pool, Gathering) {
     let host = common::host_device(4 << 30);
     let shared: SharedDevice = host.clone();
@@ -1467,11 +1470,11 @@ fn gather_small_segments(gate: bool) -> (Arc<glake::device::host::HostDevice>, P
     };
     let p = Pool::new(shared.clone(), config).unwrap();
     let _filler = p.malloc(256 * MIB, Stream::DEFAULT).unwrap();
-    let first: Vec<u64> = [40, 42]
+    let first: Vec<u64> = [400, 420]
         .iter()
         .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
         .collect();
-    let small: Vec<u64> = [20, 22, 24, 26]
+    let small: Vec<u64> = [160, 180, 200, 220]
         .iter()
         .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
         .collect();
@@ -1492,8 +1495,15 @@ fn gather_small_segments(gate: bool) -> (Arc<glake::device::host::HostDevice>, P
     for &f in &first {
         p.free(f).unwrap();
     }
-    // Stitch #1 (40 + 42 MiB): no fence yet, so nothing is gathered; it records one.
-    let one = p.malloc(82 * MIB, Stream::DEFAULT).unwrap();
+    let small_handles: usize = p
+        .snapshot()
+        .segments
+        .iter()
+        .filter(|s| small.contains(&s.address))
+        .map(|s| s.chunk_sizes.len())
+        .sum();
+    // Stitch #1 (400 + 420 MiB): no fence yet, so nothing is gathered; it records one.
+    let one = p.malloc(820 * MIB, Stream::DEFAULT).unwrap();
     assert_eq!(p.stats().stitches, 1);
     assert_eq!(p.stats().gathered_segments, 0, "no fence has passed yet");
     p.free(one).unwrap();
@@ -1503,7 +1513,7 @@ fn gather_small_segments(gate: bool) -> (Arc<glake::device::host::HostDevice>, P
     }
     let reserved_before = p.stats().reserved_bytes.all.current;
     // Stitch #2 maps every free segment whole: the two of stitch #1's idle range stay pieces.
-    let ptr = p.malloc(174 * MIB, Stream::DEFAULT).unwrap();
+    let ptr = p.malloc(1580 * MIB, Stream::DEFAULT).unwrap();
     let stats = p.stats();
     assert_eq!(stats.stitches, 2);
     if let Some(open) = open {
@@ -1517,6 +1527,7 @@ fn gather_small_segments(gate: bool) -> (Arc<glake::device::host::HostDevice>, P
         pieces: stitched.pieces.len(),
         handles: stitched.handle_count,
         gathered: stats.gathered_segments,
+        small_handles,
         reserved_before,
         reserved_after: stats.reserved_bytes.all.current,
     };
@@ -1535,20 +1546,25 @@ fn check_and_release(host: &Arc<glake::device::host::HostDevice>, p: Pool, ptr: 
 #[test]
 fn a_stitch_gathers_idle_small_handle_segments_into_large_handles() {
     let (host, p, g) = gather_small_segments(false);
-    // The four small segments (20-26 MiB, 2 MiB handles: 46) went back to the device and
-    // their 92 MiB came again in 8 MiB handles; the pool holds the same bytes.
+    // The four small segments (160-220 MiB in 16 MiB handles) went back to the device and
+    // their 760 MiB came again in 32 MiB handles; the pool holds the same bytes.
     assert_eq!(g.gathered, 4);
-    assert_eq!(p.stats().gathered_handles, 46);
+    assert_eq!(p.stats().gathered_handles, g.small_handles as i64);
     assert_eq!(g.reserved_after, g.reserved_before);
     assert_eq!(g.pieces, 3, "stitch #1's two pieces and the new memory");
-    assert!(g.handles < 40, "{} handles mapped", g.handles);
+    let pieces_of_one = 2 * 14; // 400 and 420 MiB in 32 MiB handles, the rest in one more
+    assert!(
+        g.handles <= pieces_of_one + 760usize.div_ceil(32),
+        "{} handles mapped",
+        g.handles
+    );
     let stats = p.stats();
     assert_eq!(
         host.live_objects().0 as i64,
         stats.num_device_alloc - stats.num_device_free,
         "every released handle is gone from the device"
     );
-    check_and_release(&host, p, g.ptr, 174 * MIB);
+    check_and_release(&host, p, g.ptr, 1580 * MIB);
 }
 
 #[test]
@@ -1557,5 +1573,5 @@ fn segments_freed_before_a_fence_still_queued_are_not_gathered() {
     assert_eq!(g.gathered, 0, "the stream may still read them");
     assert_eq!(g.pieces, 6);
     assert_eq!(g.reserved_after, g.reserved_before);
-    check_and_release(&host, p, g.ptr, 174 * MIB);
+    check_and_release(&host, p, g.ptr, 1580 * MIB);
 }

@@ -20,6 +20,12 @@ use crate::device::{Device, Event, Stream};
 use crate::error::Result;
 use crate::stitch::StitchPlan;
 
+/// Stitches from this size on gather. Below it the gathered memory's large handles are later
+/// split by small allocations, whose gaps strand partial handles: with stitches of any size,
+/// swap_moe's replayed peak rose 0.7% (its 999 MiB logits stitches gathered), while
+/// lora_vocab's and mix's 6-8 GB stitches gather the same either way.
+const GATHER_FROM: usize = 1 << 30;
+
 /// An event recorded on `stream` after every free stamped with an epoch up to `epoch`.
 #[derive(Debug)]
 pub(super) struct Fence {
@@ -102,6 +108,9 @@ impl Inner {
         stream: Stream,
     ) -> Result<Gathered> {
         let settled = self.settled_epoch(device, stream);
+        if size < GATHER_FROM {
+            return Ok(Gathered::default());
+        }
         let limit = blocks::chunk_limit(
             self.reserved(),
             size,

@@ -134,7 +134,8 @@ def child(allocator, workload, steps, seed, lockstep=False):
     if allocator == "glake":
         result["stitches_per_step"] = per_step(stitches)
         for key in ("glake.stitches", "glake.stitch_reuse_hits", "glake.stitched_allocations",
-                    "glake.stitched_mapped_bytes.peak", "num_device_alloc"):
+                    "glake.stitched_mapped_bytes.peak", "glake.gathered_segments",
+                    "glake.gathered_handles", "num_device_alloc"):
             result[key] = stats.get(key, 0)
     print("RESULT " + json.dumps(result), flush=True)
 

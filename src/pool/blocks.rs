@@ -734,13 +734,19 @@ impl BlockMap {
     /// Returns block `id` to the free sets, owned by `owner`, and merges it with free neighbours
     /// of a compatible owner. Returns the id of the resulting block.
     pub fn release(&mut self, id: BlockId, owner: Owner) -> BlockId {
+        self.release_freed_in(id, owner, self.epoch)
+    }
+
+    /// [`BlockMap::release`] of a block its user freed in epoch `freed_in` (it was kept apart
+    /// since, parked): the segment's stamp is that epoch, unless a later free set a later one.
+    pub fn release_freed_in(&mut self, id: BlockId, owner: Owner, freed_in: u64) -> BlockId {
         {
             let block = &mut self.blocks[id];
             block.state = BlockState::Free;
             block.owner = owner;
         }
-        let segment = self.blocks[id].segment;
-        self.segments[segment].freed_at = self.epoch;
+        let segment = &mut self.segments[self.blocks[id].segment];
+        segment.freed_at = segment.freed_at.max(freed_in);
         let id = self.merge_neighbours(id);
         self.link_free(id);
         id

@@ -48,6 +48,8 @@ struct ParkedBlock {
     pool: PoolKind,
     /// When it was parked, counted in parks.
     parked_at: u64,
+    /// The block map's epoch when it was freed: the work that used it was queued before.
+    freed_in: u64,
 }
 
 /// Parks after which a block not taken back returns to the free lists: a size that stops
@@ -220,6 +222,7 @@ impl Inner {
             stream: live.stream,
             pool: live.pool,
             parked_at: 0,
+            freed_in: self.map.epoch,
         };
         if self.parked.push(parked) {
             let stale = self.parked.take_stale();
@@ -345,7 +348,8 @@ impl Inner {
 
     fn release_parked_block(&mut self, block: ParkedBlock) {
         self.map.blocks[block.id].parked = false;
-        self.map.release(block.id, Some(block.stream));
+        self.map
+            .release_freed_in(block.id, Some(block.stream), block.freed_in);
     }
 
     /// Returns block `id`, being freed, to the free lists owned by `owner`, after its parked
@@ -383,6 +387,7 @@ mod tests {
             stream: Stream(stream),
             pool: PoolKind::Large,
             parked_at: 0,
+            freed_in: 0,
         }
     }
 

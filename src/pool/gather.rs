@@ -26,13 +26,21 @@ use crate::stitch::StitchPlan;
 /// lora_vocab's and mix's 6-8 GB stitches gather the same either way.
 const GATHER_FROM: usize = 1 << 30;
 
-/// An event recorded on `stream` after every free stamped with an epoch up to `epoch`.
+/// An event recorded on `stream` after every free stamped with an epoch up to `epoch`; `passed`
+/// is the epoch of the last of its recordings seen complete (0: none yet).
 #[derive(Debug)]
 pub(super) struct Fence {
     stream: Stream,
     event: Event,
     epoch: u64,
+    passed: u64,
 }
+
+/// Frees between two looks at the freeing stream's fence. Looking only at stitches left the
+/// line a stitch apart: on the GPU, where the host runs ahead, a training run's stitches (a few
+/// a step, every few steps) saw only segments freed steps before, and gathered none. A look
+/// costs an event query and, when the fence has passed, a record: a few ns a free.
+const FENCE_EVERY: u32 = 256;
 
 /// Segments a stitch gathered: taken off the books, their driver teardown still to do.
 #[derive(Debug, Default)]
@@ -42,11 +50,30 @@ pub(super) struct Gathered {
 }
 
 impl Inner {
-    /// The newest epoch whose frees on `stream` no queued work can still touch. Passed fences
-    /// are recorded again (closing the current epoch), so that each stitch moves the line on.
-    /// A fence's driver call that fails costs only gathering (logged): the stitch goes on.
+    /// The newest epoch whose frees on `stream` no queued work can still touch.
     fn settled_epoch(&mut self, device: &dyn Device, stream: Stream) -> u64 {
-        let settled = self.settled_epoch;
+        let passed = self
+            .advance_fence(device, stream)
+            .map_or(0, |at| self.fences[at].passed);
+        self.settled_epoch.max(passed)
+    }
+
+    /// Counts a free on `stream`; every [`FENCE_EVERY`] frees, looks at that stream's fence.
+    #[inline]
+    pub(super) fn count_free_for_fence(&mut self, device: &dyn Device, stream: Stream) {
+        self.frees_since_fence += 1;
+        if self.frees_since_fence >= FENCE_EVERY {
+            self.frees_since_fence = 0;
+            if self.config.gather && self.routing == 0 {
+                self.advance_fence(device, stream);
+            }
+        }
+    }
+
+    /// Looks at `stream`'s fence (made on first use): once passed, it notes the epoch it closed
+    /// and is recorded again, closing the current one. Returns the fence's place, if there is
+    /// one. A fence's driver call that fails costs only gathering (logged).
+    fn advance_fence(&mut self, device: &dyn Device, stream: Stream) -> Option<usize> {
         let Some(at) = self.fences.iter().position(|f| f.stream == stream) else {
             match device.create_event() {
                 Ok(event) => match device.record_event(event, stream) {
@@ -56,7 +83,9 @@ impl Inner {
                             stream,
                             event,
                             epoch,
+                            passed: 0,
                         });
+                        return Some(self.fences.len() - 1);
                     }
                     Err(err) => {
                         log::warn!("glake: no fence on stream {:#x}: {err}", stream.0);
@@ -65,27 +94,30 @@ impl Inner {
                 },
                 Err(err) => log::warn!("glake: no fence event: {err}"),
             }
-            return settled;
+            return None;
         };
         let fence = &self.fences[at];
         match device.query_event(fence.event) {
             Ok(true) => {}
-            Ok(false) => return settled,
+            Ok(false) => return Some(at),
             Err(err) => {
                 log::warn!("glake: a fence could not be queried: {err}");
-                return settled;
+                return Some(at);
             }
         }
-        let (event, passed) = (fence.event, fence.epoch);
+        let (event, closed) = (fence.event, fence.epoch);
         if let Err(err) = device.record_event(event, stream) {
             // The stream is gone (or the device failed): this fence closes nothing more.
             log::warn!("glake: a fence on stream {:#x} ends: {err}", stream.0);
             self.fences.swap_remove(at);
             destroy_fence_event(device, event);
-        } else {
-            self.fences[at].epoch = self.close_epoch();
+            return None;
         }
-        settled.max(passed)
+        let epoch = self.close_epoch();
+        let fence = &mut self.fences[at];
+        fence.passed = closed;
+        fence.epoch = epoch;
+        Some(at)
     }
 
     /// Ends the current epoch (a fence was just recorded, or the device waited for): returns

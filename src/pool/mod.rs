@@ -177,6 +177,8 @@ struct Inner {
     /// Frees stamped with this epoch or an earlier one are settled on every stream (the
     /// device was waited for).
     settled_epoch: u64,
+    /// Frees since a stream's fence was last looked at (see `gather`).
+    frees_since_fence: u32,
 }
 
 /// Fills the device-wide dedup statistics from `sharing`'s index: a file, read without the
@@ -297,6 +299,7 @@ impl Pool {
                 parked: parked::Parked::default(),
                 fences: Vec::new(),
                 settled_epoch: 0,
+                frees_since_fence: 0,
             }),
         };
         if let Some(name) = default_region {

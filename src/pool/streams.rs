@@ -79,6 +79,7 @@ impl Inner {
             }
         }
         let live = self.unregister(ptr)?;
+        self.count_free_for_fence(device, live.stream);
         if live.extra_streams.is_empty() {
             if !self.park(ptr, &live) {
                 let stream = live.stream;

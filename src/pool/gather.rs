@@ -161,7 +161,6 @@ impl Inner {
                 && b.size == s.size
                 && bytes == s.size
                 && small
-                && s.freed_at <= settled
                 && !chunks.iter().any(|c| inner.shared.contains_key(&c.handle)))
             .then_some(b.segment)
         };
@@ -174,8 +173,19 @@ impl Inner {
         if picked.is_empty() {
             return Ok(Gathered::default());
         }
+        let whole = picked.len();
+        picked.retain(|&(_, s)| self.map.segments[s].freed_at <= settled);
+        let settled_count = picked.len();
         let mapped = self.stitched_over_any(picked.iter().map(|&(_, s)| s));
         picked.retain(|(_, segment)| !mapped.contains(segment));
+        log::debug!(
+            "glake: a stitch of {size} bytes plans {} pieces: {whole} whole idle segments of small \
+             handles, {settled_count} of them freed by epoch {settled} (now {}), {} of those \
+             mapped by no stitched range",
+            plan.take.len(),
+            self.map.epoch,
+            picked.len()
+        );
         // A stitch keeps at least one piece of its own (else it would map new memory twice).
         if picked.len() == plan.take.len() {
             picked.remove(0);

@@ -101,6 +101,14 @@ def unmap(va, length):
     check(cuda.cuMemUnmap(ctypes.c_ulonglong(va), ctypes.c_size_t(length)), "cuMemUnmap")
 
 
+def release(va, length, handles):
+    """Frees an unmapped range and its handles."""
+    check(cuda.cuMemAddressFree(ctypes.c_ulonglong(va), ctypes.c_size_t(length)),
+          "cuMemAddressFree")
+    for h in handles:
+        check(cuda.cuMemRelease(h), "cuMemRelease")
+
+
 def grant_threads(ctx, va, count, size, threads):
     """The range's handles split into `threads` equal runs, each granted on its own thread."""
     per = (count + threads - 1) // threads
@@ -181,10 +189,7 @@ def overlap(ctx, total, repeats):
         summary("beside the helper", times, took[0] if took else None)
     check(cuda.cuStreamDestroy_v2(stream), "cuStreamDestroy")
     check(cuda.cuMemFree_v2(buf), "cuMemFree")
-    check(cuda.cuMemAddressFree(ctypes.c_ulonglong(va), ctypes.c_size_t(count * size)),
-          "cuMemAddressFree")
-    for h in handles:
-        check(cuda.cuMemRelease(h), "cuMemRelease")
+    release(va, count * size, handles)
 
 
 def deferred_grant(ctx, total):
@@ -276,10 +281,7 @@ def deferred_grant(ctx, total):
     check(cuda.cuMemFree_v2(other), "cuMemFree")
     check(cuda.cuMemFreeHost(src_host), "cuMemFreeHost")
     check(cuda.cuMemFreeHost(flag_host), "cuMemFreeHost")
-    check(cuda.cuMemAddressFree(ctypes.c_ulonglong(va), ctypes.c_size_t(count * size)),
-          "cuMemAddressFree")
-    for h in handles:
-        check(cuda.cuMemRelease(h), "cuMemRelease")
+    release(va, count * size, handles)
 
 
 def main():
@@ -327,10 +329,7 @@ def main():
         print(f"| {handle_mib} | {count} | {med['map']:.2f} | {med['one']:.2f} | {med['each']:.2f} "
               f"| {med['t2']:.2f} | {med['t4']:.2f} | {med['t8']:.2f} | {med['unmap']:.2f} |",
               flush=True)
-        check(cuda.cuMemAddressFree(ctypes.c_ulonglong(va), ctypes.c_size_t(count * size)),
-              "cuMemAddressFree")
-        for h in handles:
-            check(cuda.cuMemRelease(h), "cuMemRelease")
+        release(va, count * size, handles)
 
 
 if __name__ == "__main__":

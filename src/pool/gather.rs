@@ -13,7 +13,7 @@
 
 use std::collections::HashSet;
 
-use super::blocks::{self, SegmentId, SHARED};
+use super::blocks::{SegmentId, SHARED};
 use super::growth::Zombie;
 use super::Inner;
 use crate::device::{Device, Event, Stream};
@@ -143,13 +143,7 @@ impl Inner {
         if size < GATHER_FROM {
             return Ok(Gathered::default());
         }
-        let limit = blocks::chunk_limit(
-            self.reserved(),
-            size,
-            self.granularity,
-            self.config.max_chunk,
-            self.config.chunk_divisor,
-        );
+        let limit = self.chunk_limit(size);
         let whole_small = |inner: &Inner, block: usize, bytes: usize| -> Option<SegmentId> {
             let b = &inner.map.blocks[block];
             let s = &inner.map.segments[b.segment];

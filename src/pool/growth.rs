@@ -122,14 +122,18 @@ impl Inner {
         if blocks::is_region(tag) {
             return blocks::region_chunks(size);
         }
-        let limit = blocks::chunk_limit(
+        blocks::chunk_sizes(size, self.granularity, self.chunk_limit(size))
+    }
+
+    /// The largest handle a new shared-pool segment of `size` bytes gets now.
+    pub(super) fn chunk_limit(&self, size: usize) -> usize {
+        blocks::chunk_limit(
             self.reserved(),
             size,
             self.granularity,
             self.config.max_chunk,
             self.config.chunk_divisor,
-        );
-        blocks::chunk_sizes(size, self.granularity, limit)
+        )
     }
 
     /// Creates one physical chunk of each length in `sizes`, laid out one after another from

@@ -1579,7 +1579,8 @@ fn segments_freed_before_a_fence_still_queued_are_not_gathered() {
 /// Frees move a stream's fence on, not only stitches: segments freed after the last stitch
 /// are gathered by the next one once enough frees have looked at the fence (on a GPU the
 /// host runs ahead, so the fence a stitch records has rarely passed by the next stitch of the
-/// same step). Host backend, where an event recorded on an idle stream completes at once.
+/// same step). They were parked until that stitch, and count as freed when their user freed
+/// them. Host backend, where an event recorded on an idle stream completes at once.
 #[test]
 fn frees_move_the_fence_so_segments_freed_after_a_stitch_are_gathered() {
     for churn in [0, 600] {
@@ -1591,12 +1592,16 @@ fn frees_move_the_fence_so_segments_freed_after_a_stitch_are_gathered() {
         };
         let p = Pool::new(shared, config).unwrap();
         let malloc = |mib: usize| p.malloc(mib * MIB, Stream::DEFAULT).unwrap();
+        // A parked small block: the churn below takes it back each time, unparking nothing.
+        p.free(p.malloc(4096, Stream::DEFAULT).unwrap()).unwrap();
         let filler = malloc(256);
         let first = [400, 420].map(malloc);
         let small = [160, 180, 200, 220].map(malloc);
         first.iter().for_each(|&f| p.free(f).unwrap());
         let one = malloc(820);
         p.free(one).unwrap();
+        // Parked when freed; the stitch below unparks them, after the churn's fences: they
+        // count as freed now, not then.
         small.iter().for_each(|&s| p.free(s).unwrap());
         for _ in 0..churn {
             let x = p.malloc(4096, Stream::DEFAULT).unwrap();

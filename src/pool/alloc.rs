@@ -359,7 +359,6 @@ impl Inner {
                         && s.pool == PoolKind::Large
                         && (bytes..=ROOM_FROM_IDLE_MOST * bytes).contains(&s.size)
                 })
-                .into_iter()
                 .min_by_key(|&id| inner.map.segments[id].size)
         };
         if smallest_idle(self).is_none() {

@@ -152,6 +152,9 @@ pub struct Segment {
     /// The [`BlockMap::epoch`] of the segment's last free: work queued before it may still use
     /// the segment until a fence of a later epoch has passed (see `pool::gather`).
     pub freed_at: u64,
+    /// The epoch the segment moved to its pool in (0: made there). Work of the pool it left (a
+    /// graph's replays, on any stream) may still use it until the device is waited for.
+    pub joined_at: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -434,6 +437,7 @@ impl BlockMap {
             first: usize::MAX,
             guard: 0,
             freed_at: self.epoch,
+            joined_at: 0,
         });
         let block = self.blocks.insert(Block {
             addr: va,
@@ -818,7 +822,9 @@ impl BlockMap {
         for &b in &free {
             self.unlink_free(b);
         }
-        self.segments[segment].tag = to;
+        let moved = &mut self.segments[segment];
+        moved.tag = to;
+        moved.joined_at = self.epoch;
         for b in free {
             self.link_free(b);
         }

@@ -9,11 +9,13 @@
 //! A release takes effect at once, while work queued on the stream may still read the segment.
 //! So every free stamps its segment with the block map's epoch, and a fence (an event recorded
 //! on the stitching stream) closes the epoch it was recorded in. Only a segment freed in an epoch
-//! that a passed fence, or a wait for the whole device, closed is gathered.
+//! that a passed fence, or a wait for the whole device, closed is gathered; one whose free block
+//! no stream owns, or that came from another pool (a graph's), only after a wait for the whole
+//! device.
 
 use std::collections::HashSet;
 
-use super::blocks::{SegmentId, SHARED};
+use super::blocks::{self, SegmentId};
 use super::growth::Zombie;
 use super::Inner;
 use crate::device::{Device, Event, Stream};
@@ -38,9 +40,13 @@ pub(super) struct Fence {
 
 /// Frees between two looks at the freeing stream's fence. Looking only at stitches left the
 /// line a stitch apart: on the GPU, where the host runs ahead, a training run's stitches (a few
-/// a step, every few steps) saw only segments freed steps before, and gathered none. A look
-/// costs an event query and, when the fence has passed, a record: a few ns a free.
+/// a step, every few steps) saw only segments freed steps before. A look is an event query and,
+/// once the fence has passed, a record.
 const FENCE_EVERY: u32 = 256;
+
+/// Most fences kept: a program that makes a stream per request would otherwise gather one
+/// event per stream it ever freed on. The fence looked at longest ago goes first.
+const MAX_FENCES: usize = 32;
 
 /// Segments a stitch gathered: taken off the books, their driver teardown still to do.
 #[derive(Debug, Default)]
@@ -51,7 +57,7 @@ pub(super) struct Gathered {
 
 impl Inner {
     /// The newest epoch whose frees on `stream` no queued work can still touch.
-    fn settled_epoch(&mut self, device: &dyn Device, stream: Stream) -> u64 {
+    fn settled_on(&mut self, device: &dyn Device, stream: Stream) -> u64 {
         let passed = self
             .advance_fence(device, stream)
             .map_or(0, |at| self.fences[at].passed);
@@ -61,40 +67,26 @@ impl Inner {
     /// Counts a free on `stream`; every [`FENCE_EVERY`] frees, looks at that stream's fence.
     #[inline]
     pub(super) fn count_free_for_fence(&mut self, device: &dyn Device, stream: Stream) {
+        if !self.config.gather {
+            return;
+        }
         self.frees_since_fence += 1;
         if self.frees_since_fence >= FENCE_EVERY {
             self.frees_since_fence = 0;
-            if self.config.gather && self.routing == 0 {
+            if self.routing == 0 {
                 self.advance_fence(device, stream);
             }
         }
     }
 
-    /// Looks at `stream`'s fence (made on first use): once passed, it notes the epoch it closed
-    /// and is recorded again, closing the current one. Returns the fence's place, if there is
-    /// one. A fence's driver call that fails costs only gathering (logged).
+    /// Looks at `stream`'s fence (made on first use, its event from the pool's idle ones):
+    /// once passed, it notes the epoch it closed and is recorded again, closing the current
+    /// one. Returns the fence's place, if there is one. Fences are looked at only for a stream
+    /// the caller uses now, so no event is recorded on a stream that may be gone. A driver call
+    /// that fails costs only gathering (logged).
     fn advance_fence(&mut self, device: &dyn Device, stream: Stream) -> Option<usize> {
         let Some(at) = self.fences.iter().position(|f| f.stream == stream) else {
-            match device.create_event() {
-                Ok(event) => match device.record_event(event, stream) {
-                    Ok(()) => {
-                        let epoch = self.close_epoch();
-                        self.fences.push(Fence {
-                            stream,
-                            event,
-                            epoch,
-                            passed: 0,
-                        });
-                        return Some(self.fences.len() - 1);
-                    }
-                    Err(err) => {
-                        log::warn!("glake: no fence on stream {:#x}: {err}", stream.0);
-                        destroy_fence_event(device, event);
-                    }
-                },
-                Err(err) => log::warn!("glake: no fence event: {err}"),
-            }
-            return None;
+            return self.new_fence(device, stream);
         };
         let fence = &self.fences[at];
         match device.query_event(fence.event) {
@@ -107,17 +99,52 @@ impl Inner {
         }
         let (event, closed) = (fence.event, fence.epoch);
         if let Err(err) = device.record_event(event, stream) {
-            // The stream is gone (or the device failed): this fence closes nothing more.
             log::warn!("glake: a fence on stream {:#x} ends: {err}", stream.0);
-            self.fences.swap_remove(at);
-            destroy_fence_event(device, event);
+            self.fences.remove(at);
+            self.idle_events.push(event);
             return None;
         }
         let epoch = self.close_epoch();
-        let fence = &mut self.fences[at];
+        // The fence looked at last goes to the end: the first is the one to drop.
+        let mut fence = self.fences.remove(at);
         fence.passed = closed;
         fence.epoch = epoch;
-        Some(at)
+        self.fences.push(fence);
+        Some(self.fences.len() - 1)
+    }
+
+    /// A fence for `stream`, recorded now; the oldest goes when there are [`MAX_FENCES`].
+    fn new_fence(&mut self, device: &dyn Device, stream: Stream) -> Option<usize> {
+        // Not `take_event`: a fence's failures are quiet, and the fault sweeps tell call sites
+        // apart by where the driver is called.
+        let event = match self
+            .idle_events
+            .pop()
+            .map_or_else(|| device.create_event(), Ok)
+        {
+            Ok(event) => event,
+            Err(err) => {
+                log::warn!("glake: no fence event: {err}");
+                return None;
+            }
+        };
+        if let Err(err) = device.record_event(event, stream) {
+            log::warn!("glake: no fence on stream {:#x}: {err}", stream.0);
+            self.idle_events.push(event);
+            return None;
+        }
+        if self.fences.len() >= MAX_FENCES {
+            let oldest = self.fences.remove(0);
+            self.idle_events.push(oldest.event);
+        }
+        let epoch = self.close_epoch();
+        self.fences.push(Fence {
+            stream,
+            event,
+            epoch,
+            passed: 0,
+        });
+        Some(self.fences.len() - 1)
     }
 
     /// Ends the current epoch (a fence was just recorded, or the device waited for): returns
@@ -130,29 +157,30 @@ impl Inner {
 
     /// Takes out of `plan` the pieces worth gathering (whole idle segments of the shared pool,
     /// of handles smaller than a new segment of `size` bytes would get, freed before a passed
-    /// fence, mapped by no stitched range) when the stitch then maps fewer handles, and takes
-    /// their segments off the books. Their bytes join the plan's shortfall.
+    /// fence, mapped by no stitched range) when the stitch's new memory, `grown` bytes without
+    /// them, then has fewer handles, and takes their segments off the books. Their bytes join
+    /// the plan's shortfall. The caller has checked that the stitch is of the shared pool.
     pub(super) fn gather(
         &mut self,
         device: &dyn Device,
         plan: &mut StitchPlan,
         size: usize,
+        grown: usize,
         stream: Stream,
     ) -> Result<Gathered> {
-        let settled = self.settled_epoch(device, stream);
+        // Looked at on every stitch, so that the line moves on with stitches too.
+        let on_stream = self.settled_on(device, stream);
         if size < GATHER_FROM {
             return Ok(Gathered::default());
         }
         let limit = self.chunk_limit(size);
+        let device_wide = self.settled_epoch;
         let whole_small = |inner: &Inner, block: usize, bytes: usize| -> Option<SegmentId> {
             let b = &inner.map.blocks[block];
             let s = &inner.map.segments[b.segment];
             let chunks = s.chunks();
             let small = !chunks.is_empty() && chunks.iter().all(|c| c.len < limit);
-            (s.tag == SHARED
-                && s.guard == 0
-                && b.addr == s.va
-                && b.size == s.size
+            (b.size == s.size
                 && bytes == s.size
                 && small
                 && !chunks.iter().any(|c| inner.shared.contains_key(&c.handle)))
@@ -161,21 +189,30 @@ impl Inner {
         let mut picked: Vec<(usize, SegmentId)> = plan
             .take
             .iter()
-            .enumerate()
-            .filter_map(|(i, &(block, bytes))| Some((i, whole_small(self, block, bytes)?)))
+            .map(|&(block, bytes)| (block, whole_small(self, block, bytes)))
+            .filter_map(|(block, segment)| Some((block, segment?)))
             .collect();
         if picked.is_empty() {
             return Ok(Gathered::default());
         }
         let whole = picked.len();
-        picked.retain(|&(_, s)| self.map.segments[s].freed_at <= settled);
-        let settled_count = picked.len();
+        // A block no stream owns was last used on any stream: only a device-wide wait settles
+        // it; so it does a segment another pool used.
+        picked.retain(|&(block, s)| {
+            let segment = &self.map.segments[s];
+            let line = match self.map.blocks[block].owner {
+                Some(_) => on_stream,
+                None => device_wide,
+            };
+            segment.freed_at <= line && segment.joined_at <= device_wide
+        });
+        let settled = picked.len();
         let mapped = self.stitched_over_any(picked.iter().map(|&(_, s)| s));
         picked.retain(|(_, segment)| !mapped.contains(segment));
         log::debug!(
             "glake: a stitch of {size} bytes plans {} pieces: {whole} whole idle segments of small \
-             handles, {settled_count} of them freed by epoch {settled} (now {}), {} of those \
-             mapped by no stitched range",
+             handles, {settled} of them settled (epoch {on_stream} on the stream, {device_wide} \
+             everywhere, now {}), {} of those mapped by no stitched range",
             plan.take.len(),
             self.map.epoch,
             picked.len()
@@ -189,28 +226,37 @@ impl Inner {
             .map(|&(_, s)| self.map.segments[s].chunks().len())
             .sum();
         let bytes: usize = picked.iter().map(|&(_, s)| self.map.segments[s].size).sum();
-        // The handles of the new memory with and without the gathered bytes.
-        let grown = super::sizes::large_segment(plan.shortfall, self.granularity)?;
-        let new_handles = |bytes: usize| match bytes {
+        // The new memory's handles with and without the gathered bytes, as the shortfall's
+        // segment will be laid out: after the gathered segments have left the pool.
+        let reserved = self.reserved() - bytes;
+        let new_handles = |total: usize| match total {
             0 => 0,
-            _ => self.segment_chunks(bytes, SHARED).len(),
+            _ => blocks::chunk_sizes(
+                total,
+                self.granularity,
+                self.chunk_limit_at(reserved, total),
+            )
+            .len(),
         };
         if new_handles(grown + bytes) >= new_handles(grown) + handles {
             return Ok(Gathered::default());
         }
         let mut gathered = Gathered::default();
         for &(_, segment) in &picked {
-            gathered.zombies.push(self.retire_segment(device, segment)?);
+            match self.retire_segment(device, segment) {
+                Ok(zombie) => gathered.zombies.push(zombie),
+                Err(err) => {
+                    // Those retired already are off the books: torn down now.
+                    self.bury_all(device, gathered.zombies);
+                    return Err(err);
+                }
+            }
         }
         gathered.bytes = bytes;
         self.stats.gathered_segments += picked.len() as i64;
         self.stats.gathered_handles += handles as i64;
-        let taken: HashSet<usize> = picked.iter().map(|&(i, _)| i).collect();
-        let mut index = 0;
-        plan.take.retain(|_| {
-            index += 1;
-            !taken.contains(&(index - 1))
-        });
+        plan.take
+            .retain(|&(block, _)| !picked.iter().any(|&(taken, _)| taken == block));
         plan.shortfall += bytes;
         Ok(gathered)
     }
@@ -239,16 +285,79 @@ impl Inner {
         mapped
     }
 
-    /// Gives the fences' events back (the pool is going).
-    pub(super) fn drop_fences(&mut self, device: &dyn Device) {
-        for fence in self.fences.drain(..) {
-            destroy_fence_event(device, fence.event);
-        }
+    /// Returns the fences' events to the pool's idle ones (destroyed with them).
+    pub(super) fn drop_fences(&mut self) {
+        let events = self.fences.drain(..).map(|f| f.event);
+        self.idle_events.extend(events);
     }
 }
 
-fn destroy_fence_event(device: &dyn Device, event: Event) {
-    if let Err(err) = device.destroy_event(event) {
-        log::warn!("glake: a fence event was not destroyed: {err}");
+#[cfg(test)]
+mod tests {
+    use crate::device::Stream;
+
+    const MIB: usize = 1 << 20;
+
+    fn host_pool() -> crate::Pool {
+        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
+        crate::Pool::new(device, crate::Config::default()).unwrap()
+    }
+
+    /// A wait for the whole device settles every free made before it, on every stream.
+    #[test]
+    fn a_device_wide_wait_settles_the_frees_before_it() {
+        let pool = host_pool();
+        let a = pool.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+        pool.free(a).unwrap();
+        let mut inner = crate::sync::lock(&pool.inner);
+        inner.unpark_all();
+        let freed = inner
+            .map
+            .segments
+            .iter()
+            .map(|(_, s)| s.freed_at)
+            .max()
+            .unwrap();
+        assert!(freed > inner.settled_epoch, "not settled before the wait");
+        inner.synchronize_all(&*pool.device).unwrap();
+        assert!(freed <= inner.settled_epoch);
+    }
+
+    /// A segment that moves to another pool counts as joining it then: only a later wait for
+    /// the whole device settles it, whatever its frees' epochs.
+    #[test]
+    fn a_segment_joins_its_new_pool_at_the_current_epoch() {
+        let pool = host_pool();
+        pool.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+        let mut inner = crate::sync::lock(&pool.inner);
+        let segment = inner.map.segments.iter().next().map(|(id, _)| id).unwrap();
+        assert_eq!(inner.map.segments[segment].joined_at, 0, "made in its pool");
+        let tag = inner.map.segments[segment].tag;
+        inner.close_epoch();
+        let now = inner.map.epoch;
+        inner.map.retag_segment(segment, tag + 100);
+        assert_eq!(inner.map.segments[segment].joined_at, now);
+        inner.map.retag_segment(segment, tag);
+    }
+
+    /// Fences are kept for at most [`super::MAX_FENCES`] streams; the one looked at longest ago
+    /// goes, its event back among the idle ones.
+    #[test]
+    fn fences_are_kept_for_a_bounded_number_of_streams() {
+        let pool = host_pool();
+        let streams: Vec<Stream> = (0..super::MAX_FENCES + 3)
+            .map(|_| pool.device.create_stream().unwrap())
+            .collect();
+        let mut inner = crate::sync::lock(&pool.inner);
+        for &stream in &streams {
+            inner.advance_fence(&*pool.device, stream);
+        }
+        assert_eq!(inner.fences.len(), super::MAX_FENCES);
+        assert_eq!(inner.fences[0].stream, streams[3]);
+        // The first evicted event served the next new fence, and so on: one is left idle.
+        assert_eq!(inner.idle_events.len(), 1);
+        // Looked at again, a fence moves to the back of the line.
+        inner.advance_fence(&*pool.device, streams[3]);
+        assert_eq!(inner.fences.last().map(|f| f.stream), Some(streams[3]));
     }
 }

@@ -45,7 +45,7 @@ impl Inner {
 
     /// Whether [`Inner::release_cached`] would give anything back.
     fn has_cached_memory(&self) -> bool {
-        self.stitch.idle_count() > 0 || !self.releasable_segments(|_| true).is_empty()
+        self.stitch.idle_count() > 0 || self.releasable_segments(|_| true).next().is_some()
     }
 
     /// Creates a segment of `size` bytes from physical chunks (see [`blocks::chunk_sizes`] and
@@ -127,8 +127,13 @@ impl Inner {
 
     /// The largest handle a new shared-pool segment of `size` bytes gets now.
     pub(super) fn chunk_limit(&self, size: usize) -> usize {
+        self.chunk_limit_at(self.reserved(), size)
+    }
+
+    /// The same, were the pool holding `reserved` bytes.
+    pub(super) fn chunk_limit_at(&self, reserved: usize, size: usize) -> usize {
         blocks::chunk_limit(
-            self.reserved(),
+            reserved,
             size,
             self.granularity,
             self.config.max_chunk,
@@ -325,7 +330,8 @@ impl Inner {
             self.finish_swap_outs(device, true)?;
         }
         self.drop_all_idle_stitched(device);
-        for segment in self.releasable_segments(|_| true) {
+        let idle: Vec<SegmentId> = self.releasable_segments(|_| true).collect();
+        for segment in idle {
             self.release_segment(device, segment)?;
         }
         self.retry_zombies(device)
@@ -335,18 +341,15 @@ impl Inner {
     /// free segment past the part its allocation takes (a smaller request served by a larger
     /// cached range): the driver would keep that memory until the range goes, so the segment
     /// stays cached, and counted, until then.
-    pub(super) fn releasable_segments(
-        &self,
-        keep: impl Fn(&blocks::Segment) -> bool,
-    ) -> Vec<SegmentId> {
-        self.map
-            .idle_segments()
-            .into_iter()
-            .filter(|&id| {
-                let s = &self.map.segments[id];
-                keep(s) && !self.stitched_over(s.va, s.size)
-            })
-            .collect()
+    /// Lazy: a caller that needs one looks no further.
+    pub(super) fn releasable_segments<'a>(
+        &'a self,
+        keep: impl Fn(&blocks::Segment) -> bool + 'a,
+    ) -> impl Iterator<Item = SegmentId> + 'a {
+        self.map.idle_segments().into_iter().filter(move |&id| {
+            let s = &self.map.segments[id];
+            keep(s) && !self.stitched_over(s.va, s.size)
+        })
     }
 
     /// Releases everything: called when the pool is dropped.
@@ -375,10 +378,10 @@ impl Inner {
         let released = self
             .release_cached(device)
             .or_else(|_| self.release_cached(device));
+        self.drop_fences();
         for event in self.idle_events.drain(..) {
             undo(device.destroy_event(event));
         }
-        self.drop_fences(device);
         released
     }
 }

@@ -244,7 +244,7 @@ impl Inner {
         // Gathered segments leave the books now (their bytes join the shortfall, the cap sees
         // no change); their memory goes back to the device before the shortfall is made.
         let gathered = if self.config.gather && tag == SHARED && self.routing == 0 {
-            self.gather(device, &mut plan, size, stream)?
+            self.gather(device, &mut plan, size, grown, stream)?
         } else {
             super::gather::Gathered::default()
         };
@@ -253,6 +253,7 @@ impl Inner {
         let mut pieces: Vec<Piece> = Vec::with_capacity(plan.take.len() + 1);
         for &(id, bytes) in &plan.take {
             let Some((start, _)) = self.map.whole_chunks_of(id) else {
+                self.bury_all(device, gathered.zombies);
                 return Err(Error::internal("a planned stitch piece has no whole chunk"));
             };
             let segment = &self.map.segments[self.map.blocks[id].segment];
@@ -306,7 +307,7 @@ impl Inner {
     }
 
     /// Tears down `zombies` now, keeping what fails for a retry.
-    fn bury_all(&mut self, device: &dyn crate::device::Device, zombies: Vec<Zombie>) {
+    pub(super) fn bury_all(&mut self, device: &dyn crate::device::Device, zombies: Vec<Zombie>) {
         for zombie in zombies {
             self.bury(device, zombie);
         }

@@ -88,8 +88,7 @@ impl Inner {
                     && segment.pool == PoolKind::Large
                     && owner.is_none_or(|s| s == stream)
             })
-            .first()
-            .copied();
+            .next();
         if let Some(seg) = idle {
             let id = self.map.segments[seg].first;
             return Ok(self.take_swappable(id, rounded, size, stream));

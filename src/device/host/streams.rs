@@ -318,27 +318,24 @@ impl HostDevice {
         };
         // An event recorded on an idle stream completes at once, as on a GPU: a replay, which
         // queues no work, then sees the same completions on every run.
-        let queued = self.enqueue_unless_idle(
-            stream,
-            Op::Record {
-                event: event.0,
-                generation,
-            },
-            true,
-        );
-        if queued == Ok(true) {
-            self.events.complete(event.0, generation);
-        }
-        let queued = queued.map(|_| ());
-        if queued.is_err() {
-            // Nothing will complete this generation: take it back, or waits would hang.
-            if let Some(state) = lock(&self.events.states).get_mut(&event.0) {
-                if state.recorded == generation {
-                    state.recorded -= 1;
+        let op = Op::Record {
+            event: event.0,
+            generation,
+        };
+        match self.enqueue_unless_idle(stream, op, true) {
+            Ok(true) => self.events.complete(event.0, generation),
+            Ok(false) => {}
+            Err(err) => {
+                // Nothing will complete this generation: take it back, or waits would hang.
+                if let Some(state) = lock(&self.events.states).get_mut(&event.0) {
+                    if state.recorded == generation {
+                        state.recorded -= 1;
+                    }
                 }
+                return Err(err);
             }
         }
-        queued
+        Ok(())
     }
 
     /// [`Device::query_event`](crate::device::Device::query_event).

@@ -298,10 +298,7 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
-    fn host_pool() -> crate::Pool {
-        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
-        crate::Pool::new(device, crate::Config::default()).unwrap()
-    }
+    use crate::pool::host_pool;
 
     /// A wait for the whole device settles every free made before it, on every stream.
     #[test]

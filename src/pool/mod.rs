@@ -38,6 +38,13 @@ mod alloc;
 mod bins;
 mod dedup;
 mod gather;
+
+/// A pool with default settings on a host device, for the unit tests of the pool's modules.
+#[cfg(test)]
+fn host_pool() -> Pool {
+    let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
+    Pool::new(device, Config::default()).unwrap()
+}
 pub use dedup::ShareReport;
 mod growth;
 mod guard;

@@ -374,10 +374,7 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
-    fn host_pool() -> crate::Pool {
-        let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
-        crate::Pool::new(device, crate::Config::default()).unwrap()
-    }
+    use crate::pool::host_pool;
 
     fn block(id: BlockId, size: usize, stream: u64) -> ParkedBlock {
         ParkedBlock {

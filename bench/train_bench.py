@@ -358,6 +358,25 @@ def pooled_table(results):
     return "\n".join(lines)
 
 
+def pooled_files(paths):
+    """The per-run and pooled tables of results read from `paths`. A round is known by its file
+    and its index there, so that rounds of several calls pool without meeting each other's
+    native runs."""
+    results = []
+    for number, path in enumerate(paths):
+        rounds = {}
+        for line in pathlib.Path(path).read_text().splitlines():
+            if not line.startswith("{"):
+                continue
+            result = json.loads(line)
+            if "workload" not in result or "allocator" not in result:
+                continue
+            key = rounds.setdefault(result.get("round", 0), len(rounds))
+            result["round"] = f"{number}.{key}"
+            results.append(result)
+    return table(results) + "\n\n" + pooled_table(results)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default="opt-lora,llama-ft,moe,generate")
@@ -371,9 +390,18 @@ def main():
     parser.add_argument("--lockstep", action="store_true",
                         help="run the allocators' processes side by side, one step each in turn "
                              "(their memory must fit on the GPU together)")
+    parser.add_argument("--first-round", type=int, default=0,
+                        help="index of the first round: a later call goes on with the rotation "
+                             "of allocators where an earlier one stopped")
+    parser.add_argument("--pool", nargs="+", metavar="JSONL",
+                        help="run nothing: print the tables of the results in these files "
+                             "(--jsonl outputs of several calls), their rounds pooled")
     parser.add_argument("--child", nargs=2, metavar=("ALLOCATOR", "WORKLOAD"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pool:
+        print(pooled_files(args.pool))
+        return
     if args.child:
         allocator, workload = args.child
         child(allocator, workload, args.steps or DEFAULT_STEPS[workload], args.seed,
@@ -398,7 +426,7 @@ def main():
             print(f"{workload}: its processes would hold about {need:.0f} GiB together, more "
                   f"than this GPU's {total_gib:.0f} GiB: one allocator after another", flush=True)
             lockstep = False
-        for round_index in range(args.rounds):
+        for round_index in range(args.first_round, args.first_round + args.rounds):
             shift = round_index % len(allocators)
             order = allocators[shift:] + allocators[:shift]
             if lockstep:
@@ -406,7 +434,7 @@ def main():
             else:
                 batch = [run(a, workload, steps, args.seed, cpus) for a in order]
             for result in batch:
-                if args.rounds > 1:
+                if args.rounds > 1 or args.first_round > 0:
                     result["round"] = round_index
                 results.append(result)
                 print(json.dumps(result), flush=True)

@@ -1379,13 +1379,13 @@ fn empty_cache_keeps_a_free_segment_that_a_stitched_range_in_use_maps() {
         p.free(ptr).expect("free");
     }
     let (wide, pieces) = p
-        .malloc_in_with_pieces(30 * MIB, Stream::DEFAULT, None)
+        .malloc_in_with_pieces(30 * MIB, 30 * MIB, Stream::DEFAULT, None)
         .expect("stitch");
     assert_eq!(pieces, 3);
     p.free(wide).expect("free");
     // 21 MiB: the 12 MiB piece and 9 MiB of the 10 MiB one; the 8 MiB piece stays free.
     let (narrow, _) = p
-        .malloc_in_with_pieces(21 * MIB, Stream::DEFAULT, None)
+        .malloc_in_with_pieces(21 * MIB, 21 * MIB, Stream::DEFAULT, None)
         .expect("reuse");
     assert_eq!(narrow, wide, "the cached range serves the smaller request");
     p.empty_cache().expect("empty_cache");
@@ -1614,4 +1614,59 @@ fn frees_move_the_fence_so_segments_freed_after_a_stitch_are_gathered() {
         p.free(filler).unwrap();
         p.check_invariants().unwrap();
     }
+}
+
+/// A request its caller rounded up (PyTorch's `roundup_power2_divisions`) books the bytes asked
+/// for as requested on every path: new memory, a stitch, a reused stitched range, a parked
+/// block. More asked for than allocated is refused, with nothing changed.
+#[test]
+fn bytes_asked_for_are_booked_as_requested_on_every_path() {
+    let (_host, _device, p) = common::host_pool(512 * MIB);
+    let requested = |p: &Pool| p.stats().requested_bytes.all.current as usize;
+    let fresh = p
+        .malloc_asked(12 * MIB, 11 * MIB, Stream::DEFAULT, None)
+        .expect("new memory");
+    assert_eq!(requested(&p), 11 * MIB);
+    let others: Vec<u64> = [10 * MIB, 8 * MIB]
+        .iter()
+        .map(|&n| p.malloc(n, Stream::DEFAULT).expect("malloc"))
+        .collect();
+    p.free(fresh).expect("free");
+    for &ptr in &others {
+        p.free(ptr).expect("free");
+    }
+    assert_eq!(requested(&p), 0);
+    let (wide, pieces) = p
+        .malloc_in_with_pieces(30 * MIB, 25 * MIB, Stream::DEFAULT, None)
+        .expect("stitch");
+    assert_eq!(pieces, 3, "a stitched range");
+    assert_eq!(requested(&p), 25 * MIB);
+    assert_eq!(p.stats().active_bytes.all.current as usize, 30 * MIB);
+    p.free(wide).expect("free");
+    let again = p
+        .malloc_asked(30 * MIB, 29 * MIB, Stream::DEFAULT, None)
+        .expect("reuse");
+    assert_eq!(again, wide, "the cached stitched range");
+    assert_eq!(requested(&p), 29 * MIB);
+    p.free(again).expect("free");
+    let small = p
+        .malloc_asked(4096, 3000, Stream::DEFAULT, None)
+        .expect("small");
+    p.free(small).expect("free");
+    let parked = p
+        .malloc_asked(4096, 2000, Stream::DEFAULT, None)
+        .expect("parked");
+    assert_eq!(parked, small, "the parked block");
+    assert_eq!(requested(&p), 2000);
+    p.free(parked).expect("free");
+    let before = p.stats();
+    let err = p
+        .malloc_asked(MIB, MIB + 1, Stream::DEFAULT, None)
+        .expect_err("more asked for than allocated");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        p.stats().allocation.all.allocated,
+        before.allocation.all.allocated
+    );
+    common::check(&p);
 }

@@ -363,7 +363,9 @@ fn regions_sleep_apart_and_drop_mode_keeps_no_bytes() {
 /// stitched).
 fn malloc_in_region(pool: &Pool, name: &str, size: usize) -> (DevicePtr, u32) {
     pool.begin_region(name).expect("begin");
-    let made = pool.malloc_in_with_pieces(size, S, None).expect("malloc");
+    let made = pool
+        .malloc_in_with_pieces(size, size, S, None)
+        .expect("malloc");
     pool.end_region().expect("end");
     made
 }

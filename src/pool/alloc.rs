@@ -32,10 +32,13 @@ impl Inner {
         self.stats.reserved_bytes.all.current as usize
     }
 
+    /// Allocates `size` bytes of `tag`'s pool for `stream`, booking `asked` (at most `size`)
+    /// as requested.
     pub(super) fn malloc(
         &mut self,
         device: &dyn crate::device::Device,
         size: usize,
+        asked: usize,
         stream: Stream,
         tag: Tag,
     ) -> Result<DevicePtr> {
@@ -47,9 +50,9 @@ impl Inner {
         // after a relock for driver work, blocks parked meanwhile by other threads are left).
         let missed_parked = self.takes_plain_requests();
         self.admit(device, size, rounded)?;
-        self.request = size;
+        self.request = asked;
         let parked = match tag {
-            SHARED if !missed_parked => self.unpark(rounded, size, pool, stream),
+            SHARED if !missed_parked => self.unpark(rounded, asked, pool, stream),
             _ => None,
         };
         let ptr = match (parked, pool) {

@@ -338,15 +338,33 @@ impl Pool {
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
+        self.malloc_asked(size, size, stream, private)
+    }
+
+    /// As [`Pool::malloc_in`], for a caller that rounded the request up itself (PyTorch's
+    /// `roundup_power2_divisions`): `size` bytes are handed out, and the `asked` bytes (at most
+    /// `size`) are the ones the statistics book as requested.
+    pub fn malloc_asked(
+        &self,
+        size: usize,
+        asked: usize,
+        stream: Stream,
+        private: Option<PrivatePoolId>,
+    ) -> Result<DevicePtr> {
+        if asked > size {
+            return Err(Error::invalid_argument(format!(
+                "{asked} bytes asked for are more than the {size} bytes to allocate"
+            )));
+        }
         let device = &*self.device;
         let mut inner = lock(&self.inner);
         if private.is_none() {
-            if let Some(ptr) = inner.malloc_parked(size, stream) {
+            if let Some(ptr) = inner.malloc_parked(size, asked, stream) {
                 return Ok(ptr);
             }
         }
         inner.planning = true;
-        let result = inner.malloc_in(device, size, stream, private);
+        let result = inner.malloc_in(device, size, asked, stream, private);
         inner.planning = false;
         let Some(planned) = inner.planned.take() else {
             return result;
@@ -356,7 +374,7 @@ impl Pool {
         // calls are relaxed, as the locked path makes them while a capture may be underway.
         drop(inner);
         let previous = device.exchange_capture_mode(crate::device::CaptureMode::Relaxed);
-        let result = self.finish_planned(planned, size, stream, private);
+        let result = self.finish_planned(planned, size, asked, stream, private);
         if let Ok(previous) = previous {
             if let Err(err) = device.exchange_capture_mode(previous) {
                 log::warn!("glake: restoring the stream capture mode failed: {err}");
@@ -370,6 +388,7 @@ impl Pool {
         &self,
         planned: unlocked::Planned,
         size: usize,
+        asked: usize,
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
@@ -379,33 +398,34 @@ impl Pool {
                 let made = plan.make(device);
                 let mut inner = lock(&self.inner);
                 inner.adopt(device, plan, made)?;
-                inner.malloc_in(device, size, stream, private)
+                inner.malloc_in(device, size, asked, stream, private)
             }
             unlocked::Planned::Stitch(mut job) => {
                 let made = job.make(device);
                 let mut inner = lock(&self.inner);
                 match inner.finish_stitch(device, job, made)? {
                     Some(ptr) => {
-                        inner.set_requested(ptr, size);
+                        inner.set_requested(ptr, asked);
                         Ok(ptr)
                     }
                     // The device was full: every attempt again, under the lock.
-                    None => inner.malloc_in(device, size, stream, private),
+                    None => inner.malloc_in(device, size, asked, stream, private),
                 }
             }
         }
     }
 
-    /// As [`Pool::malloc_in`], also giving the number of pieces when the memory is a stitched
+    /// As [`Pool::malloc_asked`], also giving the number of pieces when the memory is a stitched
     /// range (0 otherwise), read under the same lock: callers that trace stitching ask for it,
     /// the others pay nothing.
     pub fn malloc_in_with_pieces(
         &self,
         size: usize,
+        asked: usize,
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<(DevicePtr, u32)> {
-        let ptr = self.malloc_in(size, stream, private)?;
+        let ptr = self.malloc_asked(size, asked, stream, private)?;
         Ok((ptr, lock(&self.inner).stitched_pieces(ptr)))
     }
 

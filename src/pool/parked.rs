@@ -239,13 +239,18 @@ impl Inner {
     /// size on `stream`, booked without a search. None when there is none, and when the
     /// request needs what a full malloc does first: guard pages, a swap placement, a sleep
     /// region, a capture's routing, or finishing frees that wait on events.
-    pub(super) fn malloc_parked(&mut self, size: usize, stream: Stream) -> Option<DevicePtr> {
+    pub(super) fn malloc_parked(
+        &mut self,
+        size: usize,
+        asked: usize,
+        stream: Stream,
+    ) -> Option<DevicePtr> {
         if self.parked.is_empty() || !self.takes_plain_requests() || check_size(size).is_err() {
             return None;
         }
         let rounded = sizes::round(size).ok()?;
         let pool = sizes::pool_of(size, self.config.small_limit);
-        self.unpark(rounded, size, pool, stream)
+        self.unpark(rounded, asked, pool, stream)
     }
 
     /// Whether a shared-pool request made now on this thread is a plain one (see

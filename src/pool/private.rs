@@ -28,6 +28,7 @@ impl Inner {
         &mut self,
         device: &dyn crate::device::Device,
         size: usize,
+        asked: usize,
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
@@ -48,12 +49,12 @@ impl Inner {
             if tag == SHARED && self.wants_swappable(size) {
                 return self.malloc_swappable(device, size, stream);
             }
-            return self.malloc(device, size, stream, tag);
+            return self.malloc(device, size, asked, stream, tag);
         }
         // A capture may be underway on this thread: driver calls that are not stream work
         // (creating and mapping memory) must not count as unsafe calls that end it.
         let previous = device.exchange_capture_mode(CaptureMode::Relaxed)?;
-        let result = self.malloc(device, size, stream, tag);
+        let result = self.malloc(device, size, asked, stream, tag);
         if let Err(err) = device.exchange_capture_mode(previous) {
             log::warn!("glake: restoring the stream capture mode failed: {err}");
         }

@@ -96,6 +96,7 @@ impl From<MempoolId> for PrivatePoolId {
 fn allocate_in(
     device: c_int,
     size: usize,
+    asked: usize,
     stream: *mut c_void,
     private: Option<PrivatePoolId>,
     count_pieces: bool,
@@ -103,9 +104,9 @@ fn allocate_in(
     let pool = devices::pool(device)?;
     let stream = stream_of(stream);
     let (ptr, pieces) = if count_pieces {
-        pool.malloc_in_with_pieces(size, stream, private)?
+        pool.malloc_in_with_pieces(size, asked, stream, private)?
     } else {
-        (pool.malloc_in(size, stream, private)?, 0)
+        (pool.malloc_asked(size, asked, stream, private)?, 0)
     };
     Ok((ptr as usize as *mut c_void, pieces))
 }
@@ -116,7 +117,7 @@ fn allocate(size: usize, device: c_int, stream: *mut c_void) -> glake::Result<*m
         return Ok(std::ptr::null_mut());
     }
     let private = devices::route_of(device, stream);
-    allocate_in(device, size, stream, private, false).map(|(ptr, _)| ptr)
+    allocate_in(device, size, size, stream, private, false).map(|(ptr, _)| ptr)
 }
 
 /// Frees `ptr` in the pool of `device`, or in whichever pool knows it; returns the device of

@@ -206,7 +206,9 @@ fn named(id: MempoolId) -> glake::Result<PrivatePoolId> {
 }
 
 /// Allocates `size` (> 0) bytes on `device` for `stream`, from private pool `pool` when it is
-/// not {0, 0}; `*out_stitched` (may be NULL) gets the pieces of a stitched range, else 0.
+/// not {0, 0}; `requested` (at most `size`) are the bytes the caller asked for before it rounded
+/// them up (PyTorch's `roundup_power2_divisions`), booked as requested. `*out_stitched` (may be
+/// NULL) gets the pieces of a stitched range, else 0.
 ///
 /// # Safety
 /// `out` must be valid for a write; `out_stitched` NULL or valid for a write.
@@ -214,6 +216,7 @@ fn named(id: MempoolId) -> glake::Result<PrivatePoolId> {
 pub unsafe extern "C" fn gmlake_n_malloc(
     device: c_int,
     size: usize,
+    requested: usize,
     stream: *mut c_void,
     pool: gmlake_n_pool_id,
     out: *mut *mut c_void,
@@ -225,7 +228,14 @@ pub unsafe extern "C" fn gmlake_n_malloc(
                 return Err(Error::new(ErrorKind::NullPointer, "out is NULL"));
             }
             let count_pieces = !out_stitched.is_null();
-            let (ptr, pieces) = allocate_in(device, size, stream, pool.private(), count_pieces)?;
+            let (ptr, pieces) = allocate_in(
+                device,
+                size,
+                requested,
+                stream,
+                pool.private(),
+                count_pieces,
+            )?;
             // SAFETY: `out` is non-NULL, both valid for a write under this function's contract.
             unsafe {
                 out.write(ptr);

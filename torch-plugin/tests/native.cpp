@@ -60,7 +60,7 @@ static bool error_has(const char* text) {
 
 static void* alloc(size_t size, gmlake_n_pool_id pool = SHARED) {
   void* p = nullptr;
-  int status = gmlake_n_malloc(0, size, nullptr, pool, &p, nullptr);
+  int status = gmlake_n_malloc(0, size, size, nullptr, pool, &p, nullptr);
   CHECK(status == GMLAKE_N_OK);
   CHECK(p != nullptr);
   return p;
@@ -150,7 +150,7 @@ static void round_trip() {
 
   void* p = nullptr;
   uint32_t pieces = 99;
-  CHECK(gmlake_n_malloc(0, 3 * MiB + 5, nullptr, SHARED, &p, &pieces) == GMLAKE_N_OK);
+  CHECK(gmlake_n_malloc(0, 3 * MiB + 5, 3 * MiB + 5, nullptr, SHARED, &p, &pieces) == GMLAKE_N_OK);
   CHECK(p != nullptr);
   CHECK(pieces == 0);
   CHECK(gmlake_n_device_used(0) == 1);
@@ -180,6 +180,30 @@ static void round_trip() {
   CHECK(device == 0);
   void* quiet = alloc(MiB);
   CHECK(gmlake_n_free(quiet, 0, nullptr) == GMLAKE_N_OK);
+
+  // A request the caller rounded up itself (PyTorch's roundup_power2_divisions): the rounded
+  // bytes are handed out, the bytes asked for are booked as requested.
+  const int64_t asked_before = stats(0).requested_bytes.all.allocated;
+  void* rounded_up = nullptr;
+  CHECK(gmlake_n_malloc(0, 96 * MiB, 84 * MiB, nullptr, SHARED, &rounded_up, nullptr) ==
+        GMLAKE_N_OK);
+  CHECK(gmlake_n_base(rounded_up, &base, &size) == GMLAKE_N_OK);
+  CHECK(size == 96 * MiB);
+  s = stats(0);
+  CHECK(s.requested_bytes.all.current == static_cast<int64_t>(84 * MiB));
+  CHECK(s.requested_bytes.all.allocated - asked_before == static_cast<int64_t>(84 * MiB));
+  CHECK(s.active_bytes.all.current == static_cast<int64_t>(96 * MiB));
+  release(rounded_up);
+  // Freed to the pool (parked), the same request again books the same.
+  CHECK(gmlake_n_malloc(0, 96 * MiB, 84 * MiB, nullptr, SHARED, &rounded_up, nullptr) ==
+        GMLAKE_N_OK);
+  CHECK(stats(0).requested_bytes.all.current == static_cast<int64_t>(84 * MiB));
+  release(rounded_up);
+  p = reinterpret_cast<void*>(0x1);
+  CHECK(gmlake_n_malloc(0, MiB, MiB + 1, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
+  CHECK(error_has("more than"));
+  CHECK(p == reinterpret_cast<void*>(0x1));
+
   s = stats(0);
   CHECK(s.allocation.all.current == 0);
   CHECK(s.allocated_bytes.all.current == 0);
@@ -187,14 +211,14 @@ static void round_trip() {
 
   // Bad arguments are GMLAKE_N_INVALID with a message, and leave the outputs alone.
   p = reinterpret_cast<void*>(0x1);
-  CHECK(gmlake_n_malloc(0, 0, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc(0, 0, 0, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
   CHECK(error_has("size 0"));
   CHECK(p == reinterpret_cast<void*>(0x1));
-  CHECK(gmlake_n_malloc(0, MiB, nullptr, SHARED, nullptr, nullptr) == GMLAKE_N_INVALID);
-  CHECK(gmlake_n_malloc(64, MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc(0, MiB, MiB, nullptr, SHARED, nullptr, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc(64, MiB, MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
   CHECK(error_has("out of range"));
-  CHECK(gmlake_n_malloc(-1, MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
-  CHECK(gmlake_n_malloc(0, MiB, nullptr, gmlake_n_pool_id{5, 5}, &p, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc(-1, MiB, MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc(0, MiB, MiB, nullptr, gmlake_n_pool_id{5, 5}, &p, nullptr) == GMLAKE_N_INVALID);
   CHECK(error_has("not open"));
   CHECK(p == reinterpret_cast<void*>(0x1));
   CHECK(gmlake_n_stats(0, nullptr) == GMLAKE_N_INVALID);
@@ -230,7 +254,7 @@ static void out_of_memory() {
   void* held = alloc(8 * MiB);
   void* p = reinterpret_cast<void*>(0x1);
   uint32_t pieces = 99;
-  CHECK(gmlake_n_malloc(0, 12 * MiB, nullptr, SHARED, &p, &pieces) == GMLAKE_N_OUT_OF_MEMORY);
+  CHECK(gmlake_n_malloc(0, 12 * MiB, 12 * MiB, nullptr, SHARED, &p, &pieces) == GMLAKE_N_OUT_OF_MEMORY);
   CHECK(std::strncmp(gmlake_last_error(), "CUDA out of memory.", 19) == 0);
   CHECK(error_has("12582912 bytes"));
   CHECK(p == reinterpret_cast<void*>(0x1));
@@ -243,7 +267,7 @@ static void out_of_memory() {
   void* fits = alloc(4 * MiB);
   release(fits);
   release(held);
-  CHECK(gmlake_n_malloc(0, 12 * MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_OK);
+  CHECK(gmlake_n_malloc(0, 12 * MiB, 12 * MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_OK);
   release(p);
   CHECK(gmlake_n_set_memory_fraction(0, 1.0) == GMLAKE_N_OK);
   CHECK(gmlake_n_memory_fraction(0, &fraction) == GMLAKE_N_OK);
@@ -257,7 +281,7 @@ static void outside_memory() {
   CHECK(gmlake_n_set_memory_fraction(0, 1.0 / 64) == GMLAKE_N_OK);  // 16 MiB of 1 GiB
   CHECK(gmlake_n_count_outside(0, 10 * MiB) == GMLAKE_N_OK);
   void* p = nullptr;
-  CHECK(gmlake_n_malloc(0, 8 * MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_OUT_OF_MEMORY);
+  CHECK(gmlake_n_malloc(0, 8 * MiB, 8 * MiB, nullptr, SHARED, &p, nullptr) == GMLAKE_N_OUT_OF_MEMORY);
   void* small = alloc(4 * MiB);
   release(small);
   CHECK(stats(0).reserved_bytes.all.current > 0);
@@ -526,7 +550,7 @@ static void stitched() {
 
   void* big = nullptr;
   uint32_t pieces = 0;
-  CHECK(gmlake_n_malloc(0, 18 * MiB, nullptr, SHARED, &big, &pieces) == GMLAKE_N_OK);
+  CHECK(gmlake_n_malloc(0, 18 * MiB, 18 * MiB, nullptr, SHARED, &big, &pieces) == GMLAKE_N_OK);
   CHECK(pieces == 3);
   glake_stats s = stats(0);
   CHECK(s.stitches == 1);
@@ -563,13 +587,13 @@ static void stitched() {
   CHECK(snap.stitched.size() == 1 && snap.stitched[0].in_use == 0);
   pieces = 0;
   void* again = nullptr;
-  CHECK(gmlake_n_malloc(0, 18 * MiB, nullptr, SHARED, &again, &pieces) == GMLAKE_N_OK);
+  CHECK(gmlake_n_malloc(0, 18 * MiB, 18 * MiB, nullptr, SHARED, &again, &pieces) == GMLAKE_N_OK);
   CHECK(again == big && pieces == 3);
   CHECK(stats(0).stitch_reuse_hits == 1);
   release(again);
   void* plain_block = nullptr;
   pieces = 99;
-  CHECK(gmlake_n_malloc(0, 2 * MiB, nullptr, SHARED, &plain_block, &pieces) == GMLAKE_N_OK);
+  CHECK(gmlake_n_malloc(0, 2 * MiB, 2 * MiB, nullptr, SHARED, &plain_block, &pieces) == GMLAKE_N_OK);
   CHECK(pieces == 0);
   release(plain_block);
 }
@@ -755,7 +779,7 @@ static void soak_seed(uint64_t seed, long ops) {
                                       : (pool == -1 ? SHARED : unknown);
       void* p = reinterpret_cast<void*>(0x1);
       uint32_t pieces = 7;
-      status = gmlake_n_malloc(0, size, streams[rng.below(4)], id, &p, rng.chance(50) ? &pieces : nullptr);
+      status = gmlake_n_malloc(0, size, size, streams[rng.below(4)], id, &p, rng.chance(50) ? &pieces : nullptr);
       CHECK(documented(status));
       bool closed = pool >= 0 && pools[static_cast<size_t>(pool)].uses == 0;
       if (size == 0 || pool == -2 || closed) {

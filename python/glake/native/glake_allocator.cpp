@@ -225,6 +225,8 @@ class GlakeAllocator final : public CUDAAllocator {
     // PyTorch's own words for sizes no device has.
     TORCH_CHECK_WITH(OutOfMemoryError, size < (size_t{1} << 60),
                      "CUDA out of memory. Tried to allocate more than 1EB memory.");
+    const size_t asked = size;
+    size = rounded_by_settings(size);
     const bool tracing = tracing_.load(std::memory_order_acquire);
     std::shared_ptr<c10::GatheredContext> context;
     if (tracing) {
@@ -232,16 +234,16 @@ class GlakeAllocator final : public CUDAAllocator {
     }
     void* ptr = nullptr;
     uint32_t stitched = 0;
-    int status = gmlake_n_malloc(device, size, stream, to_c(pool), &ptr,
+    int status = gmlake_n_malloc(device, size, asked, stream, to_c(pool), &ptr,
                                  tracing ? &stitched : nullptr);
     if (status == GMLAKE_N_OUT_OF_MEMORY) {
-      status = malloc_from_oom_pools(device, size, stream, &ptr);
+      status = malloc_from_oom_pools(device, size, asked, stream, &ptr);
     }
     if (status == GMLAKE_N_OUT_OF_MEMORY) {
       if (tracing) {
         take_segment_events(context);
       }
-      out_of_memory(device, size, stream, pool, context);
+      out_of_memory(device, asked, stream, pool, context);
     }
     check(status, "allocation");
     if (tracing) {
@@ -750,9 +752,41 @@ class GlakeAllocator final : public CUDAAllocator {
   std::string name() override { return "glake"; }
 
  private:
+  // PyTorch's roundup_power2_divisions (PYTORCH_CUDA_ALLOC_CONF or _set_allocator_settings,
+  // read at each request since it may change at run time): the size of a request in an
+  // interval with N > 1 divisions goes up to the next of N equal steps between the powers of
+  // two around it, as PyTorch's own allocator hands it out. glake needs no such rounding
+  // against fragmentation; a user who sets it gets the sizes PyTorch documents. The statistics
+  // book the bytes asked for as requested.
+  static size_t rounded_by_settings(size_t size) {
+    constexpr size_t kMinBlock = 512;
+    const size_t divisions =
+        c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(size);
+    if (divisions <= 1 || size <= kMinBlock * divisions) {
+      return size;
+    }
+    return next_power2_division(size, divisions);
+  }
+
+  // The smallest of `divisions` (rounded down to a power of two) equal steps between the
+  // powers of two around `size` that holds `size`.
+  static size_t next_power2_division(size_t size, size_t divisions) {
+    if ((size & (size - 1)) == 0) {
+      return size;
+    }
+    const size_t below = size_t{1} << (63 - __builtin_clzll(size));
+    const size_t parts = size_t{1} << (63 - __builtin_clzll(divisions));
+    const size_t step = below / parts;
+    if (step == 0) {
+      return below << 1;
+    }
+    const size_t down = size & ~(step - 1);
+    return down == size ? size : down + step;
+  }
+
   // PYTORCH_CUDA_ALLOC_CONF: the memory fraction becomes glake's (pools are made after
-  // init, from the environment); settings that tune PyTorch's own block splitting, rounding
-  // and segment growth have no counterpart in glake and are named once as ignored.
+  // init, from the environment); settings that tune PyTorch's own block splitting and segment
+  // growth have no counterpart in glake and are named once as ignored.
   static void apply_pytorch_settings() {
     using Config = c10::CachingAllocator::AcceleratorAllocatorConfig;
     const double fraction = CUDAAllocatorConfig::per_process_memory_fraction();
@@ -768,12 +802,6 @@ class GlakeAllocator final : public CUDAAllocator {
     }
     if (Config::use_expandable_segments()) {
       ignored.emplace_back("expandable_segments (glake stitches instead)");
-    }
-    for (size_t divisions : Config::roundup_power2_divisions()) {
-      if (divisions != 0) {
-        ignored.emplace_back("roundup_power2_divisions");
-        break;
-      }
     }
     if (!ignored.empty()) {
       std::string names;
@@ -908,8 +936,8 @@ class GlakeAllocator final : public CUDAAllocator {
   }
 
   // Memory pools marked use_on_oom serve a request the shared pool could not.
-  int malloc_from_oom_pools(c10::DeviceIndex device, size_t size, cudaStream_t stream,
-                            void** ptr) {
+  int malloc_from_oom_pools(c10::DeviceIndex device, size_t size, size_t asked,
+                            cudaStream_t stream, void** ptr) {
     std::vector<MempoolId_t> pools;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -926,7 +954,8 @@ class GlakeAllocator final : public CUDAAllocator {
         if (!full) {
           return GMLAKE_N_OK;
         }
-      } else if (gmlake_n_malloc(device, size, stream, to_c(id), ptr, nullptr) == GMLAKE_N_OK) {
+      } else if (gmlake_n_malloc(device, size, asked, stream, to_c(id), ptr, nullptr) ==
+                 GMLAKE_N_OK) {
         return GMLAKE_N_OK;
       }
     }

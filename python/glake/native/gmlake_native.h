@@ -72,10 +72,12 @@ typedef struct gmlake_n_event {
 const char *gmlake_last_error(void);
 
 /* Allocates `size` (> 0) bytes on `device` for `stream`, from private pool `pool` when it is
- * not {0, 0} (the pool must be open). `*out_stitched` (may be NULL) gets the number of pieces
- * when the memory is a stitched range, else 0. */
-int gmlake_n_malloc(int device, size_t size, void *stream, gmlake_n_pool_id pool, void **out,
-                    uint32_t *out_stitched);
+ * not {0, 0} (the pool must be open). `requested` (at most `size`) is what the caller asked for
+ * before rounding it up itself (PyTorch's roundup_power2_divisions): the statistics book it as
+ * requested. `*out_stitched` (may be NULL) gets the number of pieces when the memory is a
+ * stitched range, else 0. */
+int gmlake_n_malloc(int device, size_t size, size_t requested, void *stream,
+                    gmlake_n_pool_id pool, void **out, uint32_t *out_stitched);
 /* Allocates exactly `[address, address+size)` again on `device` for `stream`, from `pool`
  * ({0, 0}: the shared pool), counted as any malloc: restoring a graph pool's checkpoint brings
  * allocations freed since back at the addresses its graphs use. `size` is the size the

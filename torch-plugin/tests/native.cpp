@@ -688,6 +688,7 @@ struct Live {
   size_t size;
   int pool;  // index into the pools, -1 for the shared pool
   int generation;
+  size_t asked;  // the bytes booked as requested
 };
 
 static bool documented(int status) { return status >= GMLAKE_N_OK && status <= GMLAKE_N_FAILED; }
@@ -723,26 +724,29 @@ static void soak_seed(uint64_t seed, long ops) {
     std::advance(it, static_cast<long>(rng.below(model.size())));
     return it;
   };
-  auto add = [&](void* p, int pool) {
+  auto add = [&](void* p, int pool, size_t asked) {
     void* base = nullptr;
     size_t size = 0;
     CHECK(gmlake_n_base(p, &base, &size) == GMLAKE_N_OK);
     CHECK(base == p && size > 0);
     int generation = pool >= 0 ? pools[static_cast<size_t>(pool)].generation : 0;
     CHECK(model.count(addr(p)) == 0);
-    model[addr(p)] = Live{size, pool, generation};
+    model[addr(p)] = Live{size, pool, generation, asked};
   };
   auto check_model = [&](long op) {
     const int was = failures;
     uint64_t sum = 0;
+    uint64_t asked = 0;
     uint64_t end = 0;
     for (const auto& [at, live] : model) {
       CHECK(at >= end);  // no overlap with the one before
       end = at + live.size;
       sum += live.size;
+      asked += live.asked;
     }
     glake_stats now = stats(0);
     CHECK(static_cast<uint64_t>(now.allocated_bytes.all.current) == sum);
+    CHECK(static_cast<uint64_t>(now.requested_bytes.all.current) == asked);
     CHECK(static_cast<uint64_t>(now.allocation.all.current) == model.size());
     if (failures != was) std::fprintf(stderr, "seed %llu op %ld\n", (unsigned long long)seed, op);
   };
@@ -779,10 +783,17 @@ static void soak_seed(uint64_t seed, long ops) {
                                       : (pool == -1 ? SHARED : unknown);
       void* p = reinterpret_cast<void*>(0x1);
       uint32_t pieces = 7;
-      status = gmlake_n_malloc(0, size, size, streams[rng.below(4)], id, &p, rng.chance(50) ? &pieces : nullptr);
+      // Now and then a request its caller rounded up (asked for less), or one that claims
+      // more asked for than allocated (refused).
+      size_t asked = size;
+      if (size > 1 && rng.chance(20)) asked = size - rng.below(size);
+      const bool overasked = size > 0 && size < (size_t{1} << 62) && rng.chance(3);
+      if (overasked) asked = size + 1 + rng.below(4096);
+      status = gmlake_n_malloc(0, size, asked, streams[rng.below(4)], id, &p,
+                               rng.chance(50) ? &pieces : nullptr);
       CHECK(documented(status));
       bool closed = pool >= 0 && pools[static_cast<size_t>(pool)].uses == 0;
-      if (size == 0 || pool == -2 || closed) {
+      if (size == 0 || pool == -2 || closed || overasked) {
         CHECK(status == GMLAKE_N_INVALID);
       } else if (size == size_t{1} << 62) {
         CHECK(status == GMLAKE_N_OUT_OF_MEMORY || status == GMLAKE_N_INVALID);
@@ -791,7 +802,7 @@ static void soak_seed(uint64_t seed, long ops) {
       }
       if (status == GMLAKE_N_OK) {
         CHECK(p != nullptr);
-        if (p != nullptr) add(p, pool);
+        if (p != nullptr) add(p, pool, asked);
       }
     } else if (kind < 55) {  // free: live, freed, interior, random, NULL
       uint64_t which = rng.below(10);
@@ -919,7 +930,7 @@ static void soak_seed(uint64_t seed, long ops) {
         CHECK(status == GMLAKE_N_OK || status == GMLAKE_N_INVALID ||
               status == GMLAKE_N_OUT_OF_MEMORY);
       }
-      if (status == GMLAKE_N_OK) add(reinterpret_cast<void*>(at), pool);
+      if (status == GMLAKE_N_OK) add(reinterpret_cast<void*>(at), pool, size);
     } else if (kind < 81) {
       Snapshot snap = snapshot(0);
       for (const auto& s : snap.segments) {

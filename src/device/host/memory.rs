@@ -337,10 +337,12 @@ impl HostDevice {
         let span = size
             .checked_add(align)
             .ok_or_else(|| Error::invalid_argument("reserve: size overflows"))?;
-        // SAFETY: an anonymous PROT_NONE mapping at an address the kernel chooses.
+        let hint = next_reservation_hint(span);
+        // SAFETY: an anonymous PROT_NONE mapping; the kernel takes the hint only where it is
+        // free, else chooses the address.
         let raw = unsafe {
             libc::mmap(
-                std::ptr::null_mut(),
+                hint as *mut libc::c_void,
                 span,
                 libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
@@ -624,6 +626,50 @@ fn insert_shareable(memory: &mut Memory, size: usize, fd: OwnedFd, imported: boo
     PhysHandle(handle)
 }
 
+/// Where the next reservation is asked for. The kernel places hint-less mappings among the
+/// process's others, from the top of the address space down, so the same program's
+/// reservations land in other places and orders from run to run, and a pool that breaks ties
+/// between equal free blocks by address then places requests differently (a trace replayed
+/// twice made different stitches). Reservations asked for one after another upwards, in a
+/// region of their own, give the same layout each run, and the order CUDA's reservations come
+/// in: replayed so, the recorded traces reach the peaks their CUDA replays reach.
+static RESERVATION_HINT: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(RESERVATION_REGION.0);
+
+/// The region hints are taken from, 64 TiB below the place of position-independent programs
+/// and their heap (about 85 TiB) and far from the libraries and stacks the kernel maps from
+/// the top of a 47-bit address space downwards.
+const RESERVATION_REGION: (usize, usize) = (16 << 40, 80 << 40);
+
+/// A hint for a reservation of `span` bytes (0: none), moving the next one past it.
+fn next_reservation_hint(span: usize) -> usize {
+    use std::sync::atomic::Ordering;
+    let mut now = RESERVATION_HINT.load(Ordering::Relaxed);
+    loop {
+        let (hint, next) = hint_after(now, span);
+        match RESERVATION_HINT.compare_exchange_weak(
+            now,
+            next,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        ) {
+            Ok(_) => return hint,
+            Err(seen) => now = seen,
+        }
+    }
+}
+
+/// The hint for `span` bytes with the cursor at `now`, and the cursor after it. Past the
+/// region's end the cursor starts again at its beginning, and that one reservation goes
+/// where the kernel chooses (a hint taken by a live reservation is also the kernel's choice).
+fn hint_after(now: usize, span: usize) -> (usize, usize) {
+    let step = span.next_multiple_of(1 << 21);
+    match now.checked_add(step) {
+        Some(next) if next <= RESERVATION_REGION.1 => (now, next),
+        _ => (0, RESERVATION_REGION.0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::test_device as device;
@@ -684,5 +730,26 @@ mod tests {
             d.create_physical(too_big).unwrap_err().kind(),
             ErrorKind::OutOfMemory
         );
+    }
+
+    #[test]
+    fn reservation_hints_go_upwards_in_granules_and_start_again_past_the_region() {
+        let start = super::RESERVATION_REGION.0;
+        assert_eq!(super::hint_after(start, 1), (start, start + (2 << 20)));
+        assert_eq!(
+            super::hint_after(start, 5 << 20),
+            (start, start + (6 << 20))
+        );
+        let end = super::RESERVATION_REGION.1;
+        assert_eq!(
+            super::hint_after(end - (2 << 20), 2 << 20),
+            (end - (2 << 20), end)
+        );
+        assert_eq!(
+            super::hint_after(end, 1),
+            (0, start),
+            "past the end: no hint"
+        );
+        assert_eq!(super::hint_after(usize::MAX, 1), (0, start));
     }
 }

@@ -269,3 +269,23 @@ fn a_fault_at_each_driver_call_of_a_guarded_pool_loses_nothing() {
     );
     swept.assert_covers(None);
 }
+
+/// A request its caller rounded up ends at its guard after the bytes asked for: the rounding
+/// would hide a write past them.
+#[test]
+fn a_rounded_request_ends_at_its_guard_after_the_bytes_asked_for() {
+    let (_device, pool) = guarded_pool();
+    let asked = 5 * MIB + 100;
+    let p = pool.malloc_asked(8 * MIB, asked, S, None).expect("malloc");
+    let end = p as usize + asked.next_multiple_of(256);
+    let info = pool.allocation_of(p).expect("its allocation");
+    assert_eq!(
+        info.base as usize + info.size,
+        end,
+        "the guard follows the asked bytes"
+    );
+    assert_eq!(info.requested, asked);
+    assert_eq!(pool.stats().requested_bytes.all.current as usize, asked);
+    pool.free(p).expect("free");
+    check(&pool);
+}

@@ -343,7 +343,9 @@ impl Pool {
 
     /// As [`Pool::malloc_in`], for a caller that rounded the request up itself (PyTorch's
     /// `roundup_power2_divisions`): `size` bytes are handed out, and the `asked` bytes (at most
-    /// `size`) are the ones the statistics book as requested.
+    /// `size`, else an `InvalidArgument` error) are the ones the statistics book as requested.
+    /// Guarded and swappable allocations, which get whole granules of their own, are made of
+    /// the `asked` bytes.
     pub fn malloc_asked(
         &self,
         size: usize,
@@ -416,8 +418,8 @@ impl Pool {
     }
 
     /// As [`Pool::malloc_asked`], also giving the number of pieces when the memory is a stitched
-    /// range (0 otherwise), read under the same lock: callers that trace stitching ask for it,
-    /// the others pay nothing.
+    /// range (0 otherwise), read right after it: callers that trace stitching ask for it, the
+    /// others pay nothing.
     pub fn malloc_in_with_pieces(
         &self,
         size: usize,

@@ -43,11 +43,14 @@ impl Inner {
             Some(_) => self.tag_of(private)?,
         };
         if self.routing == 0 {
+            // Guarded and swappable allocations get whole granules of their own: a caller's
+            // rounding has no use there, and a guard page belongs right after the bytes asked
+            // for.
             if tag == SHARED && self.config.guard {
-                return self.malloc_guarded(device, size, stream);
+                return self.malloc_guarded(device, asked, stream);
             }
-            if tag == SHARED && self.wants_swappable(size) {
-                return self.malloc_swappable(device, size, stream);
+            if tag == SHARED && self.wants_swappable(asked) {
+                return self.malloc_swappable(device, asked, stream);
             }
             return self.malloc(device, size, asked, stream, tag);
         }

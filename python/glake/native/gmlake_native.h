@@ -74,8 +74,8 @@ const char *gmlake_last_error(void);
 /* Allocates `size` (> 0) bytes on `device` for `stream`, from private pool `pool` when it is
  * not {0, 0} (the pool must be open). `requested` (at most `size`) is what the caller asked for
  * before rounding it up itself (PyTorch's roundup_power2_divisions): the statistics book it as
- * requested. `*out_stitched` (may be NULL) gets the number of pieces when the memory is a
- * stitched range, else 0. */
+ * requested; more than `size` is GMLAKE_N_INVALID. `*out_stitched` (may be NULL) gets the
+ * number of pieces when the memory is a stitched range, else 0. */
 int gmlake_n_malloc(int device, size_t size, size_t requested, void *stream,
                     gmlake_n_pool_id pool, void **out, uint32_t *out_stitched);
 /* Allocates exactly `[address, address+size)` again on `device` for `stream`, from `pool`

@@ -631,14 +631,15 @@ fn insert_shareable(memory: &mut Memory, size: usize, fd: OwnedFd, imported: boo
 /// reservations land in other places and orders from run to run, and a pool that breaks ties
 /// between equal free blocks by address then places requests differently (a trace replayed
 /// twice made different stitches). Reservations asked for one after another upwards, in a
-/// region of their own, give the same layout each run, and the order CUDA's reservations come
-/// in: replayed so, the recorded traces reach the peaks their CUDA replays reach.
+/// region of their own, come in the order CUDA's do, and at the same addresses each run where
+/// they are made in the same order (one thread; threads reserving at once share the cursor):
+/// replayed so, the recorded traces reach the peaks their CUDA replays reach.
 static RESERVATION_HINT: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(RESERVATION_REGION.0);
 
-/// The region hints are taken from, 64 TiB below the place of position-independent programs
-/// and their heap (about 85 TiB) and far from the libraries and stacks the kernel maps from
-/// the top of a 47-bit address space downwards.
+/// The region hints are taken from: 64 TiB that end about 5 TiB below where position-independent
+/// programs and their heap are loaded (about 85 TiB), far below the libraries and stacks the
+/// kernel maps from the top of a 47-bit address space downwards.
 const RESERVATION_REGION: (usize, usize) = (16 << 40, 80 << 40);
 
 /// A hint for a reservation of `span` bytes (0: none), moving the next one past it.
@@ -659,14 +660,19 @@ fn next_reservation_hint(span: usize) -> usize {
     }
 }
 
-/// The hint for `span` bytes with the cursor at `now`, and the cursor after it. Past the
-/// region's end the cursor starts again at its beginning, and that one reservation goes
-/// where the kernel chooses (a hint taken by a live reservation is also the kernel's choice).
+/// The hint for `span` bytes with the cursor at `now`, and the cursor after it. A span that
+/// does not fit before the region's end starts again at its beginning (where a hint taken by
+/// a live reservation is the kernel's choice); one larger than the region gets no hint and
+/// leaves the cursor where it is.
 fn hint_after(now: usize, span: usize) -> (usize, usize) {
+    let (start, end) = RESERVATION_REGION;
     let step = span.next_multiple_of(1 << 21);
+    if step > end - start {
+        return (0, now);
+    }
     match now.checked_add(step) {
-        Some(next) if next <= RESERVATION_REGION.1 => (now, next),
-        _ => (0, RESERVATION_REGION.0),
+        Some(next) if next <= end => (now, next),
+        _ => (start, start + step),
     }
 }
 
@@ -747,9 +753,18 @@ mod tests {
         );
         assert_eq!(
             super::hint_after(end, 1),
-            (0, start),
-            "past the end: no hint"
+            (start, start + (2 << 20)),
+            "past the end: from the start again"
         );
-        assert_eq!(super::hint_after(usize::MAX, 1), (0, start));
+        assert_eq!(
+            super::hint_after(end - (2 << 20), 4 << 20),
+            (start, start + (4 << 20))
+        );
+        let now = start + (6 << 20);
+        assert_eq!(
+            super::hint_after(now, end - start + 1),
+            (0, now),
+            "larger than the region: no hint, the cursor stays"
+        );
     }
 }

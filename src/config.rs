@@ -53,6 +53,12 @@ pub struct Config {
     /// segment of 512 MiB or more is never cut into more than 32 handles this way (up to
     /// `max_chunk`).
     pub chunk_divisor: usize,
+    /// Most handles a segment of 512 MiB or more is cut into (`GLAKE_SEGMENT_HANDLES`), so
+    /// that one made early, while the pool is small, does not come in thousands of small
+    /// handles. More handles leave smaller rests that stitches cannot map (less memory), and
+    /// cost more access grants per stitch (see BENCHMARKS.md, "More handles per large
+    /// segment").
+    pub segment_handles: usize,
     /// A stitch that would map a whole idle segment of handles smaller than the pool now
     /// makes releases it and makes its bytes again in large handles (`GLAKE_GATHER`): each
     /// later stitch over that memory grants fewer handles (see `pool::gather`).
@@ -101,6 +107,7 @@ impl Default for Config {
             max_stitch_pieces: 256,
             max_chunk: 32 * MIB,
             chunk_divisor: 2048,
+            segment_handles: 32,
             gather: true,
             sleep_host: SleepHost::Pinned,
             default_region: None,
@@ -160,6 +167,9 @@ const MAX_CHUNK: Var = Var {
 };
 const CHUNK_DIVISOR: Var = Var {
     names: &["GLAKE_CHUNK_DIVISOR"],
+};
+const SEGMENT_HANDLES: Var = Var {
+    names: &["GLAKE_SEGMENT_HANDLES"],
 };
 const GATHER: Var = Var {
     names: &["GLAKE_GATHER"],
@@ -325,6 +335,12 @@ impl Config {
                 _ => warn_bad_value(name, &value, &self.chunk_divisor.to_string()),
             }
         }
+        if let Some((name, value)) = SEGMENT_HANDLES.lookup() {
+            match value.trim().parse::<usize>() {
+                Ok(n) if n >= 1 => self.segment_handles = n,
+                _ => warn_bad_value(name, &value, &self.segment_handles.to_string()),
+            }
+        }
         if let Some((name, value)) = GATHER.lookup() {
             match parse_bool(&value) {
                 Some(on) => self.gather = on,
@@ -392,6 +408,9 @@ impl Config {
                 "max_stitch_pieces {} must be >= 2",
                 self.max_stitch_pieces
             ));
+        }
+        if self.segment_handles == 0 {
+            return bad("segment_handles must be at least 1".to_string());
         }
         if self.chunk_divisor == 0 {
             return bad("chunk_divisor must be at least 1".to_string());

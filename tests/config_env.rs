@@ -33,6 +33,7 @@ const ALL_NAMES: &[&str] = &[
     "GLAKE_SWAP_PREFERENCE",
     "GLAKE_SWAP_WARMUP",
     "GLAKE_SWAP_BANDWIDTH",
+    "GLAKE_SEGMENT_HANDLES",
 ];
 
 fn clear() {
@@ -62,6 +63,16 @@ fn environment_names_and_aliases() {
     assert_eq!(c.reuse_limit, 10.0);
     assert_eq!(c.defrag_level, DefragLevel::BeforeGrow);
     assert_eq!(c.auto_gc_bytes, 10000usize << 30);
+    clear();
+
+    // Handles per large segment: a count of at least 1, else the default.
+    set("GLAKE_SEGMENT_HANDLES", "64");
+    assert_eq!(Config::from_env().segment_handles, 64);
+    set("GLAKE_SEGMENT_HANDLES", "0");
+    assert_eq!(
+        Config::from_env().segment_handles,
+        Config::default().segment_handles
+    );
     clear();
 
     // The tutorial's spellings.

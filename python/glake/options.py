@@ -12,6 +12,7 @@ ENVIRONMENT = {
     "max_stitch_pieces": "GLAKE_MAX_STITCH_PIECES",
     "max_chunk": "GLAKE_MAX_CHUNK",
     "chunk_divisor": "GLAKE_CHUNK_DIVISOR",
+    "segment_handles": "GLAKE_SEGMENT_HANDLES",
     "time_calls": "GLAKE_TIME_CALLS",
     "log": "GLAKE_LOG",
 }

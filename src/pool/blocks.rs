@@ -75,33 +75,27 @@ fn floor_power_of_two(n: usize) -> usize {
     1usize << (usize::BITS - 1 - n.max(1).leading_zeros())
 }
 
-/// Most chunks a segment of at least [`FEW_CHUNKS_FROM`] bytes is cut into while the pool is
-/// small: a segment of several GiB made early in a run (before `reserved` is large) would
-/// otherwise come in thousands of small handles, and every stitch that later maps part of it
-/// pays CUDA's access grant per handle (about 25 us on an H200). Replaying the recorded traces
-/// (`traces/`), this cut the handles that stitches map by 6-62% on five of seven and left the
-/// other two (generate, vision: no segment that large) unchanged; peak reserved memory moved
-/// by at most 0.5%.
-const MAX_CHUNKS_PER_SEGMENT: usize = 32;
-
-/// Segments from this size on get at most [`MAX_CHUNKS_PER_SEGMENT`] chunks. Applied to every
+/// Segments from this size on get at most `Config::segment_handles` chunks, so that a segment
+/// of several GiB made early in a run (before `reserved` is large) does not come in thousands
+/// of small handles, each costing every stitch that maps it an access grant. Applied to every
 /// size, the bound also coarsened the handles of a small pool's mid-sized segments, whose
 /// partial handles a stitch cannot use: vision's peak on an H200 rose from 8.39 to 8.41 GiB.
 const FEW_CHUNKS_FROM: usize = 512 << 20;
 
 /// The largest chunk a pool holding `reserved` bytes gives a new segment of `size` bytes: a
 /// power of two between `unit` and `max_chunk`, at most `1/divisor` of `reserved` (see
-/// `Config::chunk_divisor`) unless the segment would then have more than
-/// [`MAX_CHUNKS_PER_SEGMENT`] chunks.
+/// `Config::chunk_divisor`) unless a segment from [`FEW_CHUNKS_FROM`] on would then have more
+/// than `most_chunks` chunks.
 pub fn chunk_limit(
     reserved: usize,
     size: usize,
     unit: usize,
     max_chunk: usize,
     divisor: usize,
+    most_chunks: usize,
 ) -> usize {
     let by_segment = if size >= FEW_CHUNKS_FROM {
-        size / MAX_CHUNKS_PER_SEGMENT
+        size / most_chunks.max(1)
     } else {
         0
     };
@@ -999,12 +993,21 @@ mod tests {
     fn chunk_limit_follows_the_pool() {
         let unit = 2 * MIB;
         let small = 64 * MIB;
-        assert_eq!(chunk_limit(0, small, unit, 32 * MIB, 512), unit);
-        assert_eq!(chunk_limit(1 << 30, small, unit, 32 * MIB, 512), unit);
-        assert_eq!(chunk_limit(3 << 30, small, unit, 32 * MIB, 512), 4 * MIB);
-        assert_eq!(chunk_limit(80 << 30, small, unit, 32 * MIB, 512), 32 * MIB);
-        assert_eq!(chunk_limit(80 << 30, small, unit, unit, 512), unit);
-        assert_eq!(chunk_limit(20 * MIB, small, unit, 32 * MIB, 1), 16 * MIB);
+        assert_eq!(chunk_limit(0, small, unit, 32 * MIB, 512, 32), unit);
+        assert_eq!(chunk_limit(1 << 30, small, unit, 32 * MIB, 512, 32), unit);
+        assert_eq!(
+            chunk_limit(3 << 30, small, unit, 32 * MIB, 512, 32),
+            4 * MIB
+        );
+        assert_eq!(
+            chunk_limit(80 << 30, small, unit, 32 * MIB, 512, 32),
+            32 * MIB
+        );
+        assert_eq!(chunk_limit(80 << 30, small, unit, unit, 512, 32), unit);
+        assert_eq!(
+            chunk_limit(20 * MIB, small, unit, 32 * MIB, 1, 32),
+            16 * MIB
+        );
     }
 
     #[test]
@@ -1012,24 +1015,35 @@ mod tests {
         let unit = 2 * MIB;
         // 1 GiB made while the pool holds 1 GiB: 1/2048 of the pool would be 2 MiB handles
         // (512 of them); at most 32 chunks makes them 32 MiB.
-        let limit = chunk_limit(1 << 30, 1 << 30, unit, 32 * MIB, 2048);
+        let limit = chunk_limit(1 << 30, 1 << 30, unit, 32 * MIB, 2048, 32);
         assert_eq!(limit, 32 * MIB);
         assert_eq!(chunk_sizes(1 << 30, unit, limit).len(), 32);
         // The cap still holds: 8 GiB comes in 32 MiB handles, not 256 MiB ones.
         assert_eq!(
-            chunk_limit(1 << 30, 8 << 30, unit, 32 * MIB, 2048),
+            chunk_limit(1 << 30, 8 << 30, unit, 32 * MIB, 2048, 32),
             32 * MIB
         );
         // A pool large enough already gives larger handles than the segment asks for.
         assert_eq!(
-            chunk_limit(64 << 30, 96 * MIB, unit, 32 * MIB, 2048),
+            chunk_limit(64 << 30, 96 * MIB, unit, 32 * MIB, 2048, 32),
             32 * MIB
         );
         // Smaller segments are unchanged: 40 and 256 MiB in a 1 GiB pool keep 2 MiB handles.
-        assert_eq!(chunk_limit(1 << 30, 40 * MIB, unit, 32 * MIB, 2048), unit);
-        assert_eq!(chunk_limit(1 << 30, 256 * MIB, unit, 32 * MIB, 2048), unit);
         assert_eq!(
-            chunk_limit(1 << 30, 512 * MIB, unit, 32 * MIB, 2048),
+            chunk_limit(1 << 30, 40 * MIB, unit, 32 * MIB, 2048, 32),
+            unit
+        );
+        assert_eq!(
+            chunk_limit(1 << 30, 256 * MIB, unit, 32 * MIB, 2048, 32),
+            unit
+        );
+        assert_eq!(
+            chunk_limit(1 << 30, 512 * MIB, unit, 32 * MIB, 2048, 32),
+            16 * MIB
+        );
+        // More chunks allowed: 64 for 1 GiB are 16 MiB each.
+        assert_eq!(
+            chunk_limit(1 << 30, 1 << 30, unit, 32 * MIB, 2048, 64),
             16 * MIB
         );
     }

@@ -138,6 +138,7 @@ impl Inner {
             self.granularity,
             self.config.max_chunk,
             self.config.chunk_divisor,
+            self.config.segment_handles,
         )
     }
 

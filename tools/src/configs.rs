@@ -33,6 +33,11 @@ pub const TABLE: &[Entry] = &[
         apply: |_| {},
     },
     Entry {
+        name: "stitch-handles64",
+        description: "stitch, segments of 512 MiB or more cut into up to 64 handles (32 by default)",
+        apply: |c| c.segment_handles = 64,
+    },
+    Entry {
         name: "stitch-nogather",
         description: "stitch, small-handle segments a stitch maps whole are not gathered into large handles",
         apply: |c| c.gather = false,

@@ -196,6 +196,17 @@ impl Var {
             .iter()
             .find_map(|name| std::env::var(name).ok().map(|value| (*name, value)))
     }
+
+    /// Sets `field` from a count of at least `least` in the variable, if set; a bad value is
+    /// warned about and leaves `field` as it is.
+    fn read_count(&self, least: usize, field: &mut usize) {
+        if let Some((name, value)) = self.lookup() {
+            match value.trim().parse::<usize>() {
+                Ok(n) if n >= least => *field = n,
+                _ => warn_bad_value(name, &value, &field.to_string()),
+            }
+        }
+    }
 }
 
 /// Warns once per (variable, value) pair, so that a bad value read by many pools is one line.
@@ -317,30 +328,15 @@ impl Config {
                 _ => warn_bad_value(name, &value, "no byte limit"),
             }
         }
-        if let Some((name, value)) = MAX_STITCH_PIECES.lookup() {
-            match value.trim().parse::<usize>() {
-                Ok(n) if n >= 2 => self.max_stitch_pieces = n,
-                _ => warn_bad_value(name, &value, &self.max_stitch_pieces.to_string()),
-            }
-        }
+        MAX_STITCH_PIECES.read_count(2, &mut self.max_stitch_pieces);
         if let Some((name, value)) = MAX_CHUNK.lookup() {
             match parse_bytes(&value) {
                 Some(bytes) if bytes.is_power_of_two() => self.max_chunk = bytes,
                 _ => warn_bad_value(name, &value, &self.max_chunk.to_string()),
             }
         }
-        if let Some((name, value)) = CHUNK_DIVISOR.lookup() {
-            match value.trim().parse::<usize>() {
-                Ok(n) if n >= 1 => self.chunk_divisor = n,
-                _ => warn_bad_value(name, &value, &self.chunk_divisor.to_string()),
-            }
-        }
-        if let Some((name, value)) = SEGMENT_HANDLES.lookup() {
-            match value.trim().parse::<usize>() {
-                Ok(n) if n >= 1 => self.segment_handles = n,
-                _ => warn_bad_value(name, &value, &self.segment_handles.to_string()),
-            }
-        }
+        CHUNK_DIVISOR.read_count(1, &mut self.chunk_divisor);
+        SEGMENT_HANDLES.read_count(1, &mut self.segment_handles);
         if let Some((name, value)) = GATHER.lookup() {
             match parse_bool(&value) {
                 Some(on) => self.gather = on,

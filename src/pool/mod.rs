@@ -37,15 +37,8 @@ pub mod snapshot;
 mod alloc;
 mod bins;
 mod dedup;
-mod gather;
-
-/// A pool with default settings on a host device, for the unit tests of the pool's modules.
-#[cfg(test)]
-fn host_pool() -> Pool {
-    let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
-    Pool::new(device, Config::default()).unwrap()
-}
 pub use dedup::ShareReport;
+mod gather;
 mod growth;
 mod guard;
 mod inspect;
@@ -63,6 +56,13 @@ mod streams;
 mod swap_async;
 mod swapping;
 mod unlocked;
+
+/// A pool with default settings on a host device, for the unit tests of the pool's modules.
+#[cfg(test)]
+fn host_pool() -> Pool {
+    let device = crate::device::host::HostDevice::shared(0, Default::default()).unwrap();
+    Pool::new(device, Config::default()).unwrap()
+}
 
 use std::sync::Mutex;
 

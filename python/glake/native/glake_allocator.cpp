@@ -209,7 +209,8 @@ class GlakeAllocator final : public CUDAAllocator {
       pool = route_of(device, stream);
       if (auto other = pool_allocator(pool)) {
         bool full = false;
-        void* ptr = own_pools_.malloc(device, pool, other, size, stream, &full);
+        void* ptr =
+            own_pools_.malloc(device, pool, other, rounded_by_settings(size), stream, &full);
         if (full) {
           auto context = tracing_.load(std::memory_order_acquire)
                              ? gather(RecordContext::STATE)
@@ -236,7 +237,10 @@ class GlakeAllocator final : public CUDAAllocator {
     uint32_t stitched = 0;
     int status = gmlake_n_malloc(device, size, asked, stream, to_c(pool), &ptr,
                                  tracing ? &stitched : nullptr);
-    if (status == GMLAKE_N_OUT_OF_MEMORY) {
+    // As in PyTorch, a request routed to a private pool (a graph being captured, a MemPool in
+    // use) does not borrow from the pools marked for out-of-memory use: memory of another pool
+    // would end up in that graph or pool without either knowing it.
+    if (status == GMLAKE_N_OUT_OF_MEMORY && pool == kNoPool) {
       status = malloc_from_oom_pools(device, size, asked, stream, &ptr);
     }
     if (status == GMLAKE_N_OUT_OF_MEMORY) {
@@ -256,7 +260,7 @@ class GlakeAllocator final : public CUDAAllocator {
       }
     }
     if (c10::memoryProfilingEnabled()) {
-      report_to_profiler(device, ptr, static_cast<int64_t>(size));
+      report_to_profiler(device, ptr, static_cast<int64_t>(block_size(ptr, size)));
     }
     return ptr;
   }
@@ -274,15 +278,13 @@ class GlakeAllocator final : public CUDAAllocator {
     const bool tracing = tracing_.load(std::memory_order_acquire);
     const bool profiling = c10::memoryProfilingEnabled();
     // While history is recorded the allocation's record has its size; otherwise ask glake.
+    // The profiler is told the bytes handed out, on both sides, as PyTorch tells it.
     LiveRecord rec;
     const bool known = tracing && take_live(ptr, &rec);
-    if (!known && (tracing || profiling)) {
-      void* base = nullptr;
-      if (gmlake_n_base(ptr, &base, &rec.size) != GMLAKE_N_OK) {
-        rec.size = 0;
-      }
+    const size_t size = (profiling || !known) && (tracing || profiling) ? block_size(ptr, 0) : 0;
+    if (!known && tracing) {
+      rec.size = size;
     }
-    const size_t size = rec.size;
     int device = -1;
     int status = gmlake_n_free(ptr, -1, &device);
     if (status != GMLAKE_N_OK) {
@@ -302,6 +304,14 @@ class GlakeAllocator final : public CUDAAllocator {
     if (profiling) {
       report_to_profiler(static_cast<c10::DeviceIndex>(device), ptr, -static_cast<int64_t>(size));
     }
+  }
+
+  // The bytes glake handed out for the allocation at `ptr` (its size rounded to the pool's
+  // unit), or `otherwise` when glake does not know it.
+  static size_t block_size(void* ptr, size_t otherwise) {
+    void* base = nullptr;
+    size_t size = 0;
+    return gmlake_n_base(ptr, &base, &size) == GMLAKE_N_OK ? size : otherwise;
   }
 
   // ---- setup and caching ------------------------------------------------------------------

@@ -247,6 +247,56 @@ def test_mempools_with_their_own_allocator_cache_and_share_the_memory_fraction(t
 
 
 @native
+def test_a_request_routed_to_a_pool_does_not_borrow_from_a_pool_lent_on_out_of_memory():
+    # PyTorch's rule: a request already routed to a pool (a MemPool in use, a graph being
+    # captured) runs out of memory instead; memory of the lender would end up in that pool or
+    # graph without either knowing it.
+    lender = torch.cuda.MemPool(use_on_oom=True)
+    routed = torch.cuda.MemPool()
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    before = torch.cuda.get_per_process_memory_fraction()
+    torch.cuda.set_per_process_memory_fraction((64 * MIB + torch.cuda.memory_reserved()) / total)
+    try:
+        with torch.cuda.use_mem_pool(lender):
+            b = _alloc_here(40 * MIB)
+        b_ptr = b.data_ptr()
+        del b
+        with torch.cuda.use_mem_pool(routed):
+            with pytest.raises(torch.cuda.OutOfMemoryError):
+                _alloc_here(30 * MIB)
+        # Outside any pool the lender's cached block serves the same request.
+        c = _alloc_here(30 * MIB)
+        assert c.data_ptr() == b_ptr
+        del c
+    finally:
+        del lender, routed
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(before)
+
+
+@native
+def test_the_profiler_is_told_the_same_bytes_when_memory_is_handed_out_and_back():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 profile_memory=True) as prof:
+        for _ in range(8):
+            x = torch.empty(250, dtype=torch.float32, device="cuda")  # 1000 bytes asked for
+            del x
+    # Each allocation's bytes come back at its free: the memory the profiler saw on the device
+    # nets to zero over all events (PyTorch reports the block's size on both sides; the
+    # allocation is the op's own, the free a "[memory]" event outside any op).
+    usage = [getattr(e, "self_device_memory_usage", None) for e in prof.events()]
+    if all(u is None for u in usage):
+        usage = [getattr(e, "self_cuda_memory_usage", 0) for e in prof.events()]
+    usage = [u for u in usage if u]
+    assert usage, "the profiler recorded no device memory"
+    assert sum(usage) == 0
+    assert {abs(u) for u in usage} == {1024}
+
+
+@native
 def test_mempools_used_from_several_threads_stay_apart():
     pools = [torch.cuda.MemPool() for _ in range(3)]
     made, errors = {}, []

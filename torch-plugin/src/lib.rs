@@ -465,17 +465,24 @@ pub unsafe extern "C" fn gmlake_call_times_json(out: *mut *mut c_char) -> c_int 
 /// `torch.cuda.reset_peak_memory_stats(device)`.
 #[no_mangle]
 pub extern "C" fn gmlake_reset_peak_stats(device: c_int) {
-    if let Some(pool) = devices::existing(device) {
-        pool.reset_peak_stats();
-    }
+    // No panic may leave through the C boundary (it would abort the process).
+    let _ = guarded(|| {
+        if let Some(pool) = devices::existing(device) {
+            pool.reset_peak_stats();
+        }
+        Ok(())
+    });
 }
 
 /// `torch.cuda.reset_accumulated_memory_stats(device)`.
 #[no_mangle]
 pub extern "C" fn gmlake_reset_accumulated_stats(device: c_int) {
-    if let Some(pool) = devices::existing(device) {
-        pool.reset_accumulated_stats();
-    }
+    let _ = guarded(|| {
+        if let Some(pool) = devices::existing(device) {
+            pool.reset_accumulated_stats();
+        }
+        Ok(())
+    });
 }
 
 /// The text of the calling thread's last failure ("" if none). Valid until its next failure.

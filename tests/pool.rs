@@ -885,6 +885,76 @@ fn private_pool_misuse_is_an_error() {
     p.check_invariants().unwrap();
 }
 
+/// Work held on a stream (a kernel still running) until this is dropped, also by a failing
+/// assertion, so that a failed test does not hang on the stream.
+struct Held(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+fn hold(host: &glake::device::host::HostDevice, stream: Stream) -> Held {
+    let go = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = go.clone();
+    host.enqueue_host_fn(
+        stream,
+        Box::new(move || {
+            while !flag.load(std::sync::atomic::Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+        }),
+    )
+    .unwrap();
+    Held(go)
+}
+
+/// A graph destroyed while its replay is still queued: the memory of its pool serves no
+/// request until the device has been waited for as a whole, and then it does, without new
+/// memory.
+#[test]
+fn a_released_graph_pool_waits_for_the_device_before_its_memory_is_reused() {
+    let (host, device, p) = common::host_pool(64 * MIB);
+    let replay = device.create_stream().unwrap();
+    let other = device.create_stream().unwrap();
+    let id = (5, 5);
+    p.begin_private(id);
+    let graph_tmp = p.malloc_in(8 * MIB, Stream::DEFAULT, Some(id)).unwrap();
+    p.free(graph_tmp).unwrap();
+    p.end_private(id).unwrap();
+    // A device-wide wait before the replay: the free block is owned by no stream.
+    p.empty_cache().unwrap();
+    let replaying = hold(&host, replay);
+    p.release_private(id).unwrap();
+    p.check_invariants().unwrap();
+    let while_replaying = p.malloc(8 * MIB, other).unwrap();
+    assert_ne!(
+        while_replaying, graph_tmp,
+        "graph memory reused while its replay may run"
+    );
+    p.free(while_replaying).unwrap();
+    drop(replaying);
+    // Under memory pressure the pool waits for the device and then serves from that memory.
+    p.set_memory_limit(16 * MIB).unwrap();
+    let reserved = p.stats().reserved_bytes.all.current;
+    let big = p.malloc(8 * MIB, other).unwrap();
+    let again = p.malloc(8 * MIB, other).unwrap();
+    assert!(
+        [big, again].contains(&graph_tmp),
+        "released memory not reused after the wait"
+    );
+    assert!(p.stats().reserved_bytes.all.current <= reserved);
+    p.free(big).unwrap();
+    p.free(again).unwrap();
+    p.check_invariants().unwrap();
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+    drop(p);
+    device.destroy_stream(replay).unwrap();
+    device.destroy_stream(other).unwrap();
+}
+
 /// A free that needs events of other streams during a capture records them only after it.
 #[test]
 fn frees_on_extra_streams_wait_for_the_capture_to_end() {

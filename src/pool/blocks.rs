@@ -31,6 +31,12 @@ pub const GUARDED: Tag = FIRST_REGION - 1;
 /// their free blocks (a write there would reach the other processes' data); they go back to
 /// the device once wholly free.
 pub const READ_ONLY: Tag = FIRST_REGION - 2;
+/// Segments of private pools released since the device was last waited for as a whole: a
+/// graph replay queued before the release may still use their memory, so no request is served
+/// from them until the pool has waited for the whole device, which then joins them to the
+/// shared pool (PyTorch, too, hands a released graph pool's memory back only through a
+/// device-wide wait, cudaFree's).
+pub const RELEASED: Tag = FIRST_REGION - 3;
 
 /// Whether `tag` names a sleep region: memory kept apart so it can sleep and wake as one, but
 /// cached and released like the shared pool's.
@@ -805,6 +811,11 @@ impl BlockMap {
             self.retag_segment(segment, to);
         }
         moved
+    }
+
+    /// Whether any segment belongs to pool `tag`.
+    pub fn has_tag(&self, tag: Tag) -> bool {
+        self.segments.iter().any(|(_, s)| s.tag == tag)
     }
 
     /// Moves segment `segment` to pool `to`, its free blocks to that pool's free sets.

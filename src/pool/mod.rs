@@ -12,7 +12,8 @@
 //! Private pools (PyTorch's graph pools) hold the memory of CUDA graph captures: requests routed
 //! to one are served only from its own segments, and its memory, free or not, is neither
 //! stitched, released nor handed to other requests until the pool is released; then it joins
-//! the shared pool. While any routing is active (a capture may be underway) the allocator never
+//! the shared pool at the next wait for the whole device (a replay queued before the release
+//! may still use it). While any routing is active (a capture may be underway) the allocator never
 //! waits for the device, unmaps or releases, and defers event records of frees.
 //!
 //! Reuse is stream-ordered: a block freed on stream S is reusable at once on S; other streams
@@ -647,8 +648,10 @@ impl Pool {
         lock(&self.inner).end_private(&*self.device, id)
     }
 
-    /// Drops one use of private pool `id`; at the last, its memory joins the shared pool
-    /// (allocations still live return there when freed).
+    /// Drops one use of private pool `id`; at the last, its memory joins the shared pool once
+    /// the pool has next waited for the whole device (`empty_cache`, or a request that finds no
+    /// memory), since replays queued before may still use it; allocations still live return
+    /// there when freed.
     pub fn release_private(&self, id: PrivatePoolId) -> Result<()> {
         lock(&self.inner).release_private(&*self.device, id)
     }

@@ -4,7 +4,7 @@
 //! underway, so driver calls that are not stream work run in relaxed capture mode and frees
 //! that need events are deferred until the last routing ends.
 
-use super::blocks::{Tag, SHARED};
+use super::blocks::{Tag, RELEASED, SHARED};
 use super::{Inner, Target};
 use crate::device::{CaptureMode, DevicePtr, Stream};
 use crate::error::{Error, ErrorKind, Result};
@@ -168,9 +168,12 @@ impl Inner {
         first_error.map_or(Ok(()), Err)
     }
 
-    /// Drops one use of private pool `id`; at the last, its segments join the shared pool and
-    /// any routing to it still open ends (a caller that releases without ending must not hold
-    /// every other pool's frees and cache back for good).
+    /// Drops one use of private pool `id`; at the last, its segments join the shared pool at
+    /// the next device-wide wait (see [`RELEASED`]) and any routing to it still open ends (a
+    /// caller that releases without ending must not hold every other pool's frees and cache
+    /// back for good).
+    ///
+    /// [`RELEASED`]: super::blocks::RELEASED
     pub(super) fn release_private(
         &mut self,
         device: &dyn crate::device::Device,
@@ -186,7 +189,7 @@ impl Inner {
         if pool.uses == 0 {
             let (tag, routings) = (pool.tag, pool.routings);
             self.private.remove(&id);
-            self.retag(tag, SHARED);
+            self.retag(tag, RELEASED);
             self.sync_split_stats();
             if routings > 0 {
                 return self.end_routings(device, routings);

@@ -4,6 +4,7 @@
 //! seen the owning stream's work complete. Frees that need events are held back while a
 //! capture may be underway (see `private`).
 
+use super::blocks::{RELEASED, SHARED};
 use super::{Inner, Live, Target};
 use crate::device::{DevicePtr, Event, Stream};
 use crate::error::{Error, Result};
@@ -223,7 +224,7 @@ impl Inner {
         }
         self.process_pending(device)?;
         let others = self.map.owning_streams().iter().any(|&s| s != stream);
-        if others || !self.pending.is_empty() {
+        if others || !self.pending.is_empty() || self.map.has_tag(RELEASED) {
             self.synchronize_all(device)?;
         }
         Ok(())
@@ -243,6 +244,8 @@ impl Inner {
             self.idle_events.extend(pending.events);
             self.finish_free(pending.live, None);
         }
+        // Released graph pools' replays have finished: their memory is the shared pool's now.
+        self.retag(RELEASED, SHARED);
         self.sync_split_stats();
         self.settled_epoch = self.close_epoch();
         Ok(())

@@ -289,3 +289,47 @@ fn a_rounded_request_ends_at_its_guard_after_the_bytes_asked_for() {
     pool.free(p).expect("free");
     check(&pool);
 }
+
+/// A guarded allocation freed while a capture may be underway: its wait for the streams and
+/// its unmap would end the capture, so the free waits for the capture's end; a second free
+/// meanwhile is a double free, and nothing is lost.
+#[test]
+fn a_guarded_free_during_a_capture_waits_for_its_end() {
+    use glake::device::fault::FaultDevice;
+    use glake::device::CallKind;
+    use std::sync::Arc;
+    let fault = Arc::new(FaultDevice::new(host_device(256 * MIB)));
+    let device: SharedDevice = fault.clone();
+    let config = Config {
+        guard: true,
+        ..Config::default()
+    };
+    let pool = Pool::new(device.clone(), config).expect("pool");
+    let a = pool.malloc(MIB, S).unwrap();
+    let id = (7, 7);
+    pool.begin_private(id);
+    let calls = common::calls_made(&fault, || pool.free(a).unwrap());
+    let teardown = [
+        CallKind::SynchronizeStream,
+        CallKind::SynchronizeDevice,
+        CallKind::Unmap,
+        CallKind::ReleasePhysical,
+        CallKind::Unreserve,
+    ];
+    assert!(
+        calls.iter().all(|(kind, _)| !teardown.contains(kind)),
+        "a wait or teardown during a capture: {calls:?}"
+    );
+    assert_eq!(pool.free(a).unwrap_err().kind(), ErrorKind::DoubleFree);
+    let calls = common::calls_made(&fault, || pool.end_private(id).unwrap());
+    assert!(
+        calls.iter().any(|(kind, _)| *kind == CallKind::Unmap),
+        "the free made at the capture's end: {calls:?}"
+    );
+    // Freed and unmapped now: its address is no allocation of the pool.
+    assert!(pool.free(a).is_err());
+    pool.release_private(id).unwrap();
+    check(&pool);
+    pool.empty_cache().unwrap();
+    assert_eq!(pool.stats().reserved_bytes.all.current, 0);
+}

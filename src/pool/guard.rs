@@ -18,7 +18,7 @@ use super::alloc::check_size;
 use super::blocks::{PoolKind, GUARDED};
 use super::{AllocationInfo, Inner, Target};
 use crate::device::{align_up, BackendKind, DevicePtr, Stream};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// Alignment of a guarded allocation's pointer.
 const GUARD_ALIGN: usize = 256;
@@ -91,6 +91,28 @@ impl Inner {
             registry::remove(ptr);
         }
         self.guard_bases.clear();
+    }
+
+    /// Frees guarded `ptr`, or, while a capture may be underway (a routing is active), holds the
+    /// free until the last routing ends: its wait for the streams and its unmap would end the
+    /// capture. The allocation stays booked as live until then; a second free meanwhile is a
+    /// double free.
+    pub(super) fn free_guarded_or_defer(
+        &mut self,
+        device: &dyn crate::device::Device,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        if self.routing == 0 {
+            return self.free_guarded(device, ptr);
+        }
+        if self.deferred_guarded.contains(&ptr) {
+            return Err(Error::new(
+                ErrorKind::DoubleFree,
+                format!("{ptr:#x} was freed already (its free waits for the capture to end)"),
+            ));
+        }
+        self.deferred_guarded.push(ptr);
+        Ok(())
     }
 
     /// Frees guarded `ptr`: waits for its streams, then unmaps and releases its memory.

@@ -129,6 +129,8 @@ struct Inner {
     routing: u32,
     /// Frees that need stream events, held back while a capture may be underway.
     deferred: Vec<Live>,
+    /// Guarded allocations freed while a routing was active, freed when the last one ends.
+    deferred_guarded: Vec<DevicePtr>,
     /// Swappable allocations by address (each alone in its segment), and their host copies
     /// while swapped out.
     swappable: KeyMap<DevicePtr, Swappable>,
@@ -281,6 +283,7 @@ impl Pool {
                 next_tag: SHARED + 1,
                 routing: 0,
                 deferred: Vec::new(),
+                deferred_guarded: Vec::new(),
                 swappable: KeyMap::default(),
                 outside: 0,
                 observer: None,
@@ -671,7 +674,7 @@ impl Pool {
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
         let mut inner = lock(&self.inner);
         match inner.guarded_base(ptr)? {
-            Some(_) => inner.free_guarded(&*self.device, ptr),
+            Some(_) => inner.free_guarded_or_defer(&*self.device, ptr),
             None => inner.free(&*self.device, ptr),
         }
     }
@@ -682,7 +685,11 @@ impl Pool {
     pub fn free_if_owned(&self, ptr: DevicePtr) -> Result<bool> {
         let mut inner = lock(&self.inner);
         match inner.guarded_base(ptr) {
-            Ok(Some(_)) => return inner.free_guarded(&*self.device, ptr).map(|()| true),
+            Ok(Some(_)) => {
+                return inner
+                    .free_guarded_or_defer(&*self.device, ptr)
+                    .map(|()| true)
+            }
             Err(_) => return Ok(false),
             Ok(None) => {}
         }

@@ -165,6 +165,11 @@ impl Inner {
                 first_error.get_or_insert(err);
             }
         }
+        for ptr in std::mem::take(&mut self.deferred_guarded) {
+            if let Err(err) = self.free_guarded(device, ptr) {
+                first_error.get_or_insert(err);
+            }
+        }
         first_error.map_or(Ok(()), Err)
     }
 

@@ -955,6 +955,40 @@ fn a_released_graph_pool_waits_for_the_device_before_its_memory_is_reused() {
     device.destroy_stream(other).unwrap();
 }
 
+/// A free used on two extra streams whose second event cannot be recorded, and whose fallback
+/// wait for the device fails too: its memory is not reused while the second stream may still
+/// use it, and a later wait for the device makes it reusable.
+#[test]
+fn a_free_whose_events_were_only_partly_recorded_waits_for_the_device() {
+    use glake::device::fault::FaultDevice;
+    use glake::device::CallKind;
+    let host = common::host_device(64 * MIB);
+    let fault = Arc::new(FaultDevice::new(host.clone()));
+    let device: SharedDevice = fault.clone();
+    let p = pool(&device);
+    let (s1, s2) = (
+        device.create_stream().unwrap(),
+        device.create_stream().unwrap(),
+    );
+    let a = p.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    p.record_stream(a, s1).unwrap();
+    p.record_stream(a, s2).unwrap();
+    let busy = hold(&host, s2);
+    fault.fail_nth(CallKind::RecordEvent, 2); // the event on s2
+    fault.fail_nth(CallKind::SynchronizeDevice, 1); // and the wait for the device instead
+    assert!(p.free(a).is_err());
+    let b = p.malloc(4 * MIB, Stream::DEFAULT).unwrap();
+    assert_ne!(b, a, "reused while s2 may still use it");
+    drop(busy);
+    p.free(b).unwrap();
+    p.empty_cache().unwrap();
+    p.check_invariants().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0, "nothing lost");
+    drop(p);
+    device.destroy_stream(s1).unwrap();
+    device.destroy_stream(s2).unwrap();
+}
+
 /// A free that needs events of other streams during a capture records them only after it.
 #[test]
 fn frees_on_extra_streams_wait_for_the_capture_to_end() {

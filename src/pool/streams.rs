@@ -14,6 +14,9 @@ use crate::error::{Error, Result};
 pub(super) struct PendingFree {
     pub(super) live: Live,
     pub(super) events: Vec<Event>,
+    /// Its events could not all be recorded, nor the device waited for: only a later wait for
+    /// the whole device completes it (its events cover only some of its streams).
+    pub(super) device_wide: bool,
 }
 
 impl Inner {
@@ -108,19 +111,31 @@ impl Inner {
             let event = match self.take_event(device) {
                 Ok(event) => event,
                 Err(err) => {
-                    self.pending.push(PendingFree { live, events });
+                    self.pending.push(PendingFree {
+                        live,
+                        events,
+                        device_wide: false,
+                    });
                     return self.fail_pending(device, err);
                 }
             };
             if let Err(err) = device.record_event(event, stream) {
                 self.idle_events.push(event);
-                self.pending.push(PendingFree { live, events });
+                self.pending.push(PendingFree {
+                    live,
+                    events,
+                    device_wide: false,
+                });
                 return self.fail_pending(device, err);
             }
             events.push(event);
         }
         self.set_target_pending(live.target);
-        self.pending.push(PendingFree { live, events });
+        self.pending.push(PendingFree {
+            live,
+            events,
+            device_wide: false,
+        });
         Ok(())
     }
 
@@ -146,6 +161,9 @@ impl Inner {
             return Err(err.context(
                 "recording a stream event for a free (the allocation is freed: the device was waited for instead)",
             ));
+        }
+        if let Some(pending) = self.pending.last_mut() {
+            pending.device_wide = true;
         }
         Err(err.context(
             "recording a stream event for a free (the allocation is freed; its memory waits for the streams it was used on)",
@@ -192,6 +210,10 @@ impl Inner {
         }
         let mut index = 0;
         while index < self.pending.len() {
+            if self.pending[index].device_wide {
+                index += 1;
+                continue;
+            }
             let mut done = true;
             for &event in &self.pending[index].events {
                 if !device.query_event(event)? {

@@ -955,6 +955,31 @@ fn a_released_graph_pool_waits_for_the_device_before_its_memory_is_reused() {
     device.destroy_stream(other).unwrap();
 }
 
+/// A pool dropped with a released graph pool's memory still waiting for a device-wide wait
+/// gives every byte back.
+#[test]
+fn a_pool_dropped_with_a_released_graph_pool_loses_nothing() {
+    let (host, device, p) = common::host_pool(64 * MIB);
+    let id = (6, 6);
+    p.begin_private(id);
+    let kept = p.malloc_in(8 * MIB, Stream::DEFAULT, Some(id)).unwrap();
+    let freed = p.malloc_in(4 * MIB, Stream::DEFAULT, Some(id)).unwrap();
+    p.free(freed).unwrap();
+    p.end_private(id).unwrap();
+    p.release_private(id).unwrap();
+    // Still live in the released pool: freed after the release, it stays apart as well.
+    p.free(kept).unwrap();
+    assert_ne!(p.malloc(8 * MIB, Stream::DEFAULT).unwrap(), kept);
+    p.check_invariants().unwrap();
+    drop(p);
+    assert_eq!(
+        host.live_objects(),
+        (0, 0, 0),
+        "memory left after the pool was dropped"
+    );
+    drop(device);
+}
+
 /// A free used on two extra streams whose second event cannot be recorded, and whose fallback
 /// wait for the device fails too: its memory is not reused while the second stream may still
 /// use it, and a later wait for the device makes it reusable.

@@ -960,7 +960,7 @@ class GlakeAllocator final : public CUDAAllocator {
     for (const auto& id : pools) {
       if (auto other = pool_allocator(id)) {
         bool full = false;
-        *ptr = own_pools_.malloc(device, id, other, size, stream, &full);
+        *ptr = own_pools_.malloc(device, id, other, size, stream, &full, /*cached_only=*/true);
         if (!full) {
           return GMLAKE_N_OK;
         }

@@ -39,10 +39,12 @@ class OwnAllocatorPools {
   // Memory for `size` bytes on `stream` from pool `pool`, whose allocator is `allocator`: the
   // smallest free piece of the pool's segments made for `stream` that fits (split when larger),
   // else a new segment if the memory fraction allows it. nullptr with `*out_of_memory` set when
-  // it does not (after the pool's wholly free segments went back to make room). Throws what
-  // the pool's allocator throws.
+  // it does not (after the pool's wholly free segments went back to make room). With
+  // `cached_only`, only a free piece serves (a pool lent on out-of-memory: PyTorch takes only
+  // its cached blocks then, and its allocator is not asked for more). Throws what the pool's
+  // allocator throws.
   void* malloc(c10::DeviceIndex device, PoolId pool, const std::shared_ptr<Allocator>& allocator,
-               size_t size, cudaStream_t stream, bool* out_of_memory) {
+               size_t size, cudaStream_t stream, bool* out_of_memory, bool cached_only = false) {
     *out_of_memory = false;
     const size_t rounded = (size + kRound - 1) / kRound * kRound;
     {
@@ -54,6 +56,10 @@ class OwnAllocatorPools {
       settle(p);
       if (void* ptr = take_free(p, rounded, stream)) {
         return ptr;
+      }
+      if (cached_only) {
+        *out_of_memory = true;
+        return nullptr;
       }
     }
     if (gmlake_n_count_outside(device, rounded) != GMLAKE_N_OK) {

@@ -2,6 +2,7 @@
 errors and observers, memory history and memory_viz, memory fraction, MemPool, CUDA graph
 pools, raw allocations, and enabling without code changes. Run by scripts/gpu-torch.sh; the
 session enables glake in conftest.py."""
+import contextlib
 import os
 import pickle
 import sys
@@ -71,6 +72,20 @@ def test_memory_fraction_reads_back():
 
 def _alloc_here(n):
     return torch.empty(n, dtype=torch.uint8, device="cuda")
+
+
+@contextlib.contextmanager
+def _room_for(extra):
+    """The process's memory fraction set to what is reserved now plus `extra` bytes; the cache
+    emptied and the fraction restored afterwards."""
+    total = torch.cuda.mem_get_info()[1]
+    before = torch.cuda.get_per_process_memory_fraction()
+    torch.cuda.set_per_process_memory_fraction((extra + torch.cuda.memory_reserved()) / total)
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(before)
 
 
 @native
@@ -202,48 +217,40 @@ def test_mempools_with_their_own_allocator_cache_and_share_the_memory_fraction(t
     kept = torch.cuda.MemPool(allocator.allocator())
     lender = torch.cuda.MemPool(allocator.allocator(), use_on_oom=True)
     torch.cuda.empty_cache()
-    total = torch.cuda.mem_get_info()[1]
-    before = torch.cuda.get_per_process_memory_fraction()
-    torch.cuda.set_per_process_memory_fraction((80 * MIB + torch.cuda.memory_reserved()) / total)
-    try:
-        with torch.cuda.use_mem_pool(kept):
-            a = _alloc_here(40 * MIB)
-        with torch.cuda.use_mem_pool(lender):
-            b = _alloc_here(40 * MIB)
-        b_ptr = b.data_ptr()
-        assert made() == 2
-        # Reserved memory holds the pools' segments, as PyTorch counts them.
-        assert torch.cuda.memory_reserved() >= 80 * MIB
-        # The pools' memory counts against the fraction with glake's own.
-        with pytest.raises(torch.cuda.OutOfMemoryError):
-            _alloc_here(40 * MIB)
-        del a, b
-        assert freed() == 0, "freed blocks stay cached in their pools"
-        # The shared pool is full; the pool lent on out-of-memory serves from its cache.
-        c = _alloc_here(30 * MIB)
-        assert c.data_ptr() == b_ptr
-        with pytest.raises(torch.cuda.OutOfMemoryError):
-            _alloc_here(30 * MIB)  # the other pool's cache is its own
-        del c
-        # Segments split: two halves of the 40 MiB one, and no new memory.
-        with torch.cuda.use_mem_pool(lender):
-            e = _alloc_here(20 * MIB)
-            f = _alloc_here(20 * MIB)
-        assert e.data_ptr() == b_ptr and f.data_ptr() == b_ptr + 20 * MIB and made() == 2
-        del e, f
-    finally:
-        del kept, lender
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(before)
+    with _room_for(80 * MIB):
+        try:
+            with torch.cuda.use_mem_pool(kept):
+                a = _alloc_here(40 * MIB)
+            with torch.cuda.use_mem_pool(lender):
+                b = _alloc_here(40 * MIB)
+            b_ptr = b.data_ptr()
+            assert made() == 2
+            # Reserved memory holds the pools' segments, as PyTorch counts them.
+            assert torch.cuda.memory_reserved() >= 80 * MIB
+            # The pools' memory counts against the fraction with glake's own.
+            with pytest.raises(torch.cuda.OutOfMemoryError):
+                _alloc_here(40 * MIB)
+            del a, b
+            assert freed() == 0, "freed blocks stay cached in their pools"
+            # The shared pool is full; the pool lent on out-of-memory serves from its cache.
+            c = _alloc_here(30 * MIB)
+            assert c.data_ptr() == b_ptr
+            with pytest.raises(torch.cuda.OutOfMemoryError):
+                _alloc_here(30 * MIB)  # the other pool's cache is its own
+            del c
+            # Segments split: two halves of the 40 MiB one, and no new memory.
+            with torch.cuda.use_mem_pool(lender):
+                e = _alloc_here(20 * MIB)
+                f = _alloc_here(20 * MIB)
+            assert e.data_ptr() == b_ptr and f.data_ptr() == b_ptr + 20 * MIB and made() == 2
+            del e, f
+        finally:
+            del kept, lender
     assert freed() == 2, "a released pool hands its blocks back to their allocator"
     # Their bytes are off the books: the whole budget is glake's again.
-    torch.cuda.set_per_process_memory_fraction((80 * MIB + torch.cuda.memory_reserved()) / total)
-    try:
+    with _room_for(80 * MIB):
         x = _alloc_here(70 * MIB)
         del x
-    finally:
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(before)
 
 
 @native
@@ -254,25 +261,21 @@ def test_a_request_routed_to_a_pool_does_not_borrow_from_a_pool_lent_on_out_of_m
     lender = torch.cuda.MemPool(use_on_oom=True)
     routed = torch.cuda.MemPool()
     torch.cuda.empty_cache()
-    total = torch.cuda.mem_get_info()[1]
-    before = torch.cuda.get_per_process_memory_fraction()
-    torch.cuda.set_per_process_memory_fraction((64 * MIB + torch.cuda.memory_reserved()) / total)
-    try:
-        with torch.cuda.use_mem_pool(lender):
-            b = _alloc_here(40 * MIB)
-        b_ptr = b.data_ptr()
-        del b
-        with torch.cuda.use_mem_pool(routed):
-            with pytest.raises(torch.cuda.OutOfMemoryError):
-                _alloc_here(30 * MIB)
-        # Outside any pool the lender's cached block serves the same request.
-        c = _alloc_here(30 * MIB)
-        assert c.data_ptr() == b_ptr
-        del c
-    finally:
-        del lender, routed
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(before)
+    with _room_for(64 * MIB):
+        try:
+            with torch.cuda.use_mem_pool(lender):
+                b = _alloc_here(40 * MIB)
+            b_ptr = b.data_ptr()
+            del b
+            with torch.cuda.use_mem_pool(routed):
+                with pytest.raises(torch.cuda.OutOfMemoryError):
+                    _alloc_here(30 * MIB)
+            # Outside any pool the lender's cached block serves the same request.
+            c = _alloc_here(30 * MIB)
+            assert c.data_ptr() == b_ptr
+            del c
+        finally:
+            del lender, routed
 
 
 @native

@@ -277,6 +277,14 @@ fn stitched_bytes_are_the_bytes_of_the_pieces() {
         .iter()
         .flat_map(|s| &s.blocks)
         .any(|b| b.state == BlockUse::Stitched));
+    // The requested bytes of the snapshot's blocks, the pieces' included, are the statistics'.
+    let requested: usize = snap
+        .segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .map(|b| b.requested_size)
+        .sum();
+    assert_eq!(requested as i64, p.stats().requested_bytes.all.current);
     p.free(big).unwrap();
     // The same request again reuses the cached stitched range: no new stitch.
     let again = p.malloc(18 * MIB, Stream::DEFAULT).unwrap();

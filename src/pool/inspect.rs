@@ -112,8 +112,29 @@ impl Inner {
             &self.stats,
             self.cap.bytes(),
             &requested,
+            &self.piece_requests(),
             |tag| self.private_of_tag(tag),
         )
+    }
+
+    /// The requested bytes of each live stitched allocation spread over its pieces in order
+    /// (each piece full up to its size, the rest to the next), by piece address: a snapshot's
+    /// requested sizes then add up to the statistics' requested bytes.
+    fn piece_requests(&self) -> HashMap<DevicePtr, usize> {
+        let mut out = HashMap::new();
+        for live in self.live.values() {
+            let Target::Stitched(id) = live.target else {
+                continue;
+            };
+            let mut left = live.requested;
+            for &b in self.stitch_blocks.blocks.get(&id).into_iter().flatten() {
+                let block = &self.map.blocks[b];
+                let here = left.min(block.size);
+                out.insert(block.addr, here);
+                left -= here;
+            }
+        }
+        out
     }
 
     /// Checks that the block map, the statistics and the stitched ranges agree.

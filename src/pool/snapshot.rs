@@ -78,14 +78,16 @@ pub struct Snapshot {
     pub memory_cap: usize,
 }
 
-/// Builds a snapshot; `requested` gives the requested bytes of each live plain allocation and
-/// `private_of` the private pool of a segment's tag.
+/// Builds a snapshot; `requested` gives the requested bytes of each live plain allocation,
+/// `pieces` those of each piece of a live stitched allocation, and `private_of` the private
+/// pool of a segment's tag.
 pub(super) fn take(
     map: &BlockMap,
     stitch: &StitchCache,
     stats: &MemoryStats,
     cap: usize,
     requested: &HashMap<DevicePtr, usize>,
+    pieces: &HashMap<DevicePtr, usize>,
     private_of: impl Fn(Tag) -> Option<PrivatePoolId>,
 ) -> Snapshot {
     let mut segments: Vec<SegmentInfo> = map
@@ -107,7 +109,11 @@ pub(super) fn take(
                     BlockInfo {
                         address: block.addr,
                         size: block.size,
-                        requested_size: requested.get(&block.addr).copied().unwrap_or(0),
+                        requested_size: requested
+                            .get(&block.addr)
+                            .or_else(|| pieces.get(&block.addr))
+                            .copied()
+                            .unwrap_or(0),
                         state,
                         stream: block.owner.map(|s| s.0),
                     }

@@ -568,18 +568,22 @@ static void stitched() {
     CHECK(snap.stitched[0].in_use == 1);
     CHECK(snap.stitched[0].pieces == 3);
   }
-  int64_t plain = 0, piece_bytes = 0;
+  int64_t plain = 0, piece_bytes = 0, requested = 0, piece_requested = 0;
   for (const auto& seg : snap.segments) {
     for (const auto& block : seg.blocks) {
+      requested += static_cast<int64_t>(block.requested_size);
       if (block.state == GMLAKE_N_BLOCK_ALLOCATED) plain += block.size;
       if (block.state == GMLAKE_N_BLOCK_STITCHED) {
         piece_bytes += block.size;
-        CHECK(block.requested_size == 0);
+        piece_requested += static_cast<int64_t>(block.requested_size);
       }
     }
   }
   CHECK(piece_bytes == static_cast<int64_t>(18 * MiB));
   CHECK(plain + piece_bytes == s.allocated_bytes.all.current);
+  // The stitched allocation's requested bytes are spread over its pieces.
+  CHECK(piece_requested == static_cast<int64_t>(18 * MiB));
+  CHECK(requested == s.requested_bytes.all.current);
 
   // Freed, the range stays cached; the same request reuses it, pieces and all.
   release(big);

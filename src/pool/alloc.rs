@@ -70,6 +70,33 @@ impl Inner {
         Ok(ptr)
     }
 
+    /// Serves `size` bytes (`asked` asked for) for `stream` from the free blocks of `tag`'s pool
+    /// alone: no parked block, stitch, growth or wait, and no out-of-memory counted when none
+    /// fits (None). PyTorch lends a pool's cached blocks this way to a request that ran out of
+    /// memory elsewhere.
+    pub(super) fn malloc_cached(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        asked: usize,
+        stream: Stream,
+        tag: Tag,
+    ) -> Result<Option<DevicePtr>> {
+        check_size(size)?;
+        let pool = sizes::pool_of(size, self.config.small_limit);
+        let rounded = sizes::round(size)?;
+        if !self.pending.is_empty() {
+            self.process_pending(device)?;
+        }
+        let Some(id) = self.map.best_fit(tag, pool, stream, rounded) else {
+            return Ok(None);
+        };
+        self.request = asked;
+        let ptr = self.allocate_block(id, rounded, stream, pool);
+        self.request = 0;
+        Ok(Some(ptr))
+    }
+
     /// Checks a request of `size` bytes (`rounded` as the pool hands it out) against the
     /// device, and finishes the frees whose events have completed, before any search.
     pub(super) fn admit(

@@ -345,6 +345,34 @@ impl Pool {
         self.malloc_asked(size, size, stream, private)
     }
 
+    /// `size` bytes (`asked` asked for, at most `size`) for `stream` from the cached free
+    /// blocks of pool `private` (None: the shared pool) alone: Ok(None), with nothing counted,
+    /// when none fits. Nothing is created, stitched or waited for. PyTorch's memory pools lent
+    /// on out-of-memory serve a request that failed elsewhere this way.
+    pub fn malloc_cached(
+        &self,
+        size: usize,
+        asked: usize,
+        stream: Stream,
+        private: Option<PrivatePoolId>,
+    ) -> Result<Option<DevicePtr>> {
+        if asked > size {
+            return Err(Error::invalid_argument(format!(
+                "{asked} bytes asked for are more than the {size} bytes to allocate"
+            )));
+        }
+        let mut inner = lock(&self.inner);
+        let tag = inner.tag_of(private)?;
+        inner.malloc_cached(&*self.device, size, asked, stream, tag)
+    }
+
+    /// Takes one out-of-memory off the statistics: a caller that served the failed request
+    /// another way (a pool lent on out-of-memory) reports none, as PyTorch does.
+    pub fn uncount_oom(&self) {
+        let mut inner = lock(&self.inner);
+        inner.stats.num_ooms = inner.stats.num_ooms.saturating_sub(1);
+    }
+
     /// As [`Pool::malloc_in`], for a caller that rounded the request up itself (PyTorch's
     /// `roundup_power2_divisions`): `size` bytes are handed out, and the `asked` bytes (at most
     /// `size`, else an `InvalidArgument` error) are the ones the statistics book as requested.

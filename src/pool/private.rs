@@ -79,7 +79,7 @@ impl Inner {
     }
 
     /// The tag of private pool `private` (which must be open), or of the shared pool for None.
-    fn tag_of(&self, private: Option<PrivatePoolId>) -> Result<Tag> {
+    pub(super) fn tag_of(&self, private: Option<PrivatePoolId>) -> Result<Tag> {
         match private {
             None => Ok(SHARED),
             Some(id) => self.private.get(&id).map(|p| p.tag).ok_or_else(|| {

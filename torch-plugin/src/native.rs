@@ -246,6 +246,53 @@ pub unsafe extern "C" fn gmlake_n_malloc(
     }))
 }
 
+/// Allocates `size` bytes (`requested` asked for) on `device` for `stream` from the cached free
+/// blocks of `pool` ({0, 0}: the shared pool) alone: GMLAKE_N_OUT_OF_MEMORY, with no
+/// out-of-memory counted, when none fits. Nothing is created or waited for: a pool lent on
+/// out-of-memory serves a request that failed elsewhere this way, as in PyTorch.
+///
+/// # Safety
+/// `out` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gmlake_n_malloc_cached(
+    device: c_int,
+    size: usize,
+    requested: usize,
+    stream: *mut c_void,
+    pool: gmlake_n_pool_id,
+    out: *mut *mut c_void,
+) -> c_int {
+    n_status(guarded(|| {
+        if out.is_null() {
+            return Err(Error::new(ErrorKind::NullPointer, "out is NULL"));
+        }
+        let Some(pool_of_device) = devices::existing(device) else {
+            return Err(Error::out_of_memory(format!(
+                "device {device} has no memory cached yet"
+            )));
+        };
+        let ptr = pool_of_device
+            .malloc_cached(size, requested, stream_of(stream), pool.private())?
+            .ok_or_else(|| Error::out_of_memory("no cached block of the pool fits"))?;
+        // SAFETY: `out` is non-NULL and valid for a write under this function's contract.
+        unsafe { out.write(ptr as *mut c_void) };
+        Ok(())
+    }))
+}
+
+/// Takes one out-of-memory off `device`'s statistics: the caller served the request that ran
+/// out another way (a pool lent on out-of-memory), and PyTorch counts none then.
+#[no_mangle]
+pub extern "C" fn gmlake_n_uncount_oom(device: c_int) -> c_int {
+    n_status(guarded(|| {
+        devices::index(device)?;
+        if let Some(pool) = devices::existing(device) {
+            pool.uncount_oom();
+        }
+        Ok(())
+    }))
+}
+
 /// Allocates exactly `[address, address+size)` again on `device` for `stream`, from private
 /// pool `pool` when it is not {0, 0}: restoring a graph pool's checkpoint brings allocations
 /// freed since back at their addresses. Invalid (nothing changed) when the range is not free

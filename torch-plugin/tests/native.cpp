@@ -1011,6 +1011,51 @@ static void soak_seed(uint64_t seed, long ops) {
   CHECK(snapshot(0).segments.empty());
 }
 
+// A pool lent on out-of-memory serves from its cached blocks alone and counts no
+// out-of-memory when none fits; a caller served that way takes back the one its failed request
+// counted.
+static void lent_pools() {
+  const gmlake_n_pool_id lender{11, 0};
+  CHECK(gmlake_n_pool_retain(0, lender) == GMLAKE_N_OK);
+  CHECK(gmlake_n_pool_begin(0, lender) == GMLAKE_N_OK);
+  void* cached = nullptr;
+  CHECK(gmlake_n_malloc(0, 8 * MiB, 8 * MiB, nullptr, lender, &cached, nullptr) == GMLAKE_N_OK);
+  CHECK(gmlake_n_pool_end(0, lender) == GMLAKE_N_OK);
+  release(cached);
+  const glake_stats before = stats(0);
+  void* p = reinterpret_cast<void*>(0x1);
+  CHECK(gmlake_n_malloc_cached(0, 16 * MiB, 16 * MiB, nullptr, lender, &p) ==
+        GMLAKE_N_OUT_OF_MEMORY);
+  CHECK(p == reinterpret_cast<void*>(0x1));
+  CHECK(gmlake_n_malloc_cached(0, 4 * MiB, 5 * MiB, nullptr, lender, &p) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc_cached(0, 4 * MiB, 4 * MiB, nullptr, lender, nullptr) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc_cached(0, 4 * MiB, 4 * MiB, nullptr, gmlake_n_pool_id{12, 0}, &p) ==
+        GMLAKE_N_INVALID);  // not open
+  glake_stats now = stats(0);
+  CHECK(now.num_ooms == before.num_ooms);
+  CHECK(now.reserved_bytes.all.current == before.reserved_bytes.all.current);
+  CHECK(gmlake_n_malloc_cached(0, 6 * MiB, 5 * MiB, nullptr, lender, &p) == GMLAKE_N_OK);
+  CHECK(p == cached);
+  now = stats(0);
+  CHECK(now.requested_bytes.all.current == before.requested_bytes.all.current + 5 * MiB);
+  CHECK(now.reserved_bytes.all.current == before.reserved_bytes.all.current);  // nothing made
+  release(p);
+
+  CHECK(gmlake_n_set_memory_fraction(0, 1.0 / 64) == GMLAKE_N_OK);  // 16 MiB of 1 GiB
+  void* q = nullptr;
+  CHECK(gmlake_n_malloc(0, 32 * MiB, 32 * MiB, nullptr, SHARED, &q, nullptr) ==
+        GMLAKE_N_OUT_OF_MEMORY);
+  CHECK(stats(0).num_ooms == before.num_ooms + 1);
+  CHECK(gmlake_n_uncount_oom(0) == GMLAKE_N_OK);
+  CHECK(stats(0).num_ooms == before.num_ooms);
+  CHECK(gmlake_n_uncount_oom(64) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_set_memory_fraction(0, 1.0) == GMLAKE_N_OK);
+  CHECK(gmlake_n_pool_release(0, lender) == GMLAKE_N_OK);  // the capture's use
+  CHECK(gmlake_n_pool_release(0, lender) == GMLAKE_N_OK);  // the pool's own
+  CHECK(gmlake_n_empty_cache(0) == GMLAKE_N_OK);
+  CHECK(stats(0).reserved_bytes.all.current == 0);
+}
+
 static void soak() {
   long ops = 3000;
   if (const char* text = std::getenv("GLAKE_SOAK_OPS")) ops = std::atol(text);
@@ -1031,6 +1076,7 @@ int main(int argc, char** argv) {
       {"stats_match_snapshot", stats_match_snapshot},
       {"stitched", stitched},
       {"malloc_at", malloc_at},
+      {"lent_pools", lent_pools},
       {"soak", soak},
   };
   if (argc != 2) {

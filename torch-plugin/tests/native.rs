@@ -67,6 +67,11 @@ fn malloc_at_restores_freed_allocations_of_a_graph_pool() {
     scenario("malloc_at");
 }
 
+#[test]
+fn pools_lent_on_out_of_memory_serve_from_their_cache_and_count_nothing() {
+    scenario("lent_pools");
+}
+
 /// A seeded random soak of the whole ABI, valid and hostile calls mixed (3 seeds x 3000 calls;
 /// GLAKE_SOAK_OPS=N sets the calls per seed for a long run).
 #[test]

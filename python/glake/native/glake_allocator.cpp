@@ -242,6 +242,10 @@ class GlakeAllocator final : public CUDAAllocator {
     // would end up in that graph or pool without either knowing it.
     if (status == GMLAKE_N_OUT_OF_MEMORY && pool == kNoPool) {
       status = malloc_from_oom_pools(device, size, asked, stream, &ptr);
+      if (status == GMLAKE_N_OK) {
+        // Served after all: PyTorch counts no out-of-memory then.
+        (void)gmlake_n_uncount_oom(device);
+      }
     }
     if (status == GMLAKE_N_OUT_OF_MEMORY) {
       if (tracing) {
@@ -945,7 +949,8 @@ class GlakeAllocator final : public CUDAAllocator {
     return true;
   }
 
-  // Memory pools marked use_on_oom serve a request the shared pool could not.
+  // Memory pools marked use_on_oom serve a request the shared pool could not, from their cached
+  // blocks only, as PyTorch's do.
   int malloc_from_oom_pools(c10::DeviceIndex device, size_t size, size_t asked,
                             cudaStream_t stream, void** ptr) {
     std::vector<MempoolId_t> pools;
@@ -964,7 +969,7 @@ class GlakeAllocator final : public CUDAAllocator {
         if (!full) {
           return GMLAKE_N_OK;
         }
-      } else if (gmlake_n_malloc(device, size, asked, stream, to_c(id), ptr, nullptr) ==
+      } else if (gmlake_n_malloc_cached(device, size, asked, stream, to_c(id), ptr) ==
                  GMLAKE_N_OK) {
         return GMLAKE_N_OK;
       }

@@ -78,6 +78,15 @@ const char *gmlake_last_error(void);
  * number of pieces when the memory is a stitched range, else 0. */
 int gmlake_n_malloc(int device, size_t size, size_t requested, void *stream,
                     gmlake_n_pool_id pool, void **out, uint32_t *out_stitched);
+/* Allocates `size` bytes (`requested` asked for) on `device` for `stream` from the cached free
+ * blocks of `pool` ({0, 0}: the shared pool) alone: GMLAKE_N_OUT_OF_MEMORY, with no
+ * out-of-memory counted, when none fits; nothing is created or waited for (a pool lent on
+ * out-of-memory serves a request that failed elsewhere this way, as in PyTorch). */
+int gmlake_n_malloc_cached(int device, size_t size, size_t requested, void *stream,
+                           gmlake_n_pool_id pool, void **out);
+/* Takes one out-of-memory off `device`'s statistics (the failed request was served another
+ * way, and PyTorch counts none then). */
+int gmlake_n_uncount_oom(int device);
 /* Allocates exactly `[address, address+size)` again on `device` for `stream`, from `pool`
  * ({0, 0}: the shared pool), counted as any malloc: restoring a graph pool's checkpoint brings
  * allocations freed since back at the addresses its graphs use. `size` is the size the

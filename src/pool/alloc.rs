@@ -42,9 +42,7 @@ impl Inner {
         stream: Stream,
         tag: Tag,
     ) -> Result<DevicePtr> {
-        check_size(size)?;
-        let pool = sizes::pool_of(size, self.config.small_limit);
-        let rounded = sizes::round(size)?;
+        let (pool, rounded) = self.request_shape(size)?;
         // A plain request has just missed the parked blocks in `Pool::malloc_in`'s fast path
         // (asked before `admit` finishes frees that waited on events, as the fast path saw it;
         // after a relock for driver work, blocks parked meanwhile by other threads are left).
@@ -70,6 +68,16 @@ impl Inner {
         Ok(ptr)
     }
 
+    /// The pool a request of `size` bytes comes from and the bytes it is handed (an error for
+    /// a size no pool hands out).
+    pub(super) fn request_shape(&self, size: usize) -> Result<(PoolKind, usize)> {
+        check_size(size)?;
+        Ok((
+            sizes::pool_of(size, self.config.small_limit),
+            sizes::round(size)?,
+        ))
+    }
+
     /// Serves `size` bytes (`asked` asked for) for `stream` from the free blocks of `tag`'s pool
     /// alone: no parked block, stitch, growth or wait, and no out-of-memory counted when none
     /// fits (None). PyTorch lends a pool's cached blocks this way to a request that ran out of
@@ -82,9 +90,7 @@ impl Inner {
         stream: Stream,
         tag: Tag,
     ) -> Result<Option<DevicePtr>> {
-        check_size(size)?;
-        let pool = sizes::pool_of(size, self.config.small_limit);
-        let rounded = sizes::round(size)?;
+        let (pool, rounded) = self.request_shape(size)?;
         if !self.pending.is_empty() {
             self.process_pending(device)?;
         }

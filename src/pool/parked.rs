@@ -30,7 +30,6 @@
 //! a trace of SmartSwap under a memory cap (which then ran out of memory); with them it is
 //! within 0.4% of no parking on the recorded traces, and on the SmartSwap trace no more.
 
-use super::alloc::check_size;
 use super::bins::{class_of, NonEmpty};
 use super::blocks::{BlockId, BlockState, PoolKind, Segment, SegmentId, Tag, SHARED};
 use super::{sizes, Inner, Live, Target};
@@ -245,11 +244,10 @@ impl Inner {
         asked: usize,
         stream: Stream,
     ) -> Option<DevicePtr> {
-        if self.parked.is_empty() || !self.takes_plain_requests() || check_size(size).is_err() {
+        if self.parked.is_empty() || !self.takes_plain_requests() {
             return None;
         }
-        let rounded = sizes::round(size).ok()?;
-        let pool = sizes::pool_of(size, self.config.small_limit);
+        let (pool, rounded) = self.request_shape(size).ok()?;
         self.unpark(rounded, asked, pool, stream)
     }
 

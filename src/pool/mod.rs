@@ -220,6 +220,17 @@ pub struct Footprint {
     pub stitch_reuse_hits: u64,
 }
 
+/// Refuses a request that asks for more bytes (`asked`, booked as requested) than it hands out
+/// (`size`).
+fn check_asked(size: usize, asked: usize) -> Result<()> {
+    if asked > size {
+        return Err(Error::invalid_argument(format!(
+            "{asked} bytes asked for are more than the {size} bytes to allocate"
+        )));
+    }
+    Ok(())
+}
+
 /// A thread-safe caching allocator for one device.
 pub struct Pool {
     device: SharedDevice,
@@ -356,11 +367,7 @@ impl Pool {
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<Option<DevicePtr>> {
-        if asked > size {
-            return Err(Error::invalid_argument(format!(
-                "{asked} bytes asked for are more than the {size} bytes to allocate"
-            )));
-        }
+        check_asked(size, asked)?;
         let mut inner = lock(&self.inner);
         let tag = inner.tag_of(private)?;
         inner.malloc_cached(&*self.device, size, asked, stream, tag)
@@ -385,11 +392,7 @@ impl Pool {
         stream: Stream,
         private: Option<PrivatePoolId>,
     ) -> Result<DevicePtr> {
-        if asked > size {
-            return Err(Error::invalid_argument(format!(
-                "{asked} bytes asked for are more than the {size} bytes to allocate"
-            )));
-        }
+        check_asked(size, asked)?;
         let device = &*self.device;
         let mut inner = lock(&self.inner);
         if private.is_none() {

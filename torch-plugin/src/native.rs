@@ -266,6 +266,7 @@ pub unsafe extern "C" fn gmlake_n_malloc_cached(
         if out.is_null() {
             return Err(Error::new(ErrorKind::NullPointer, "out is NULL"));
         }
+        devices::index(device)?;
         let Some(pool_of_device) = devices::existing(device) else {
             return Err(Error::out_of_memory(format!(
                 "device {device} has no memory cached yet"

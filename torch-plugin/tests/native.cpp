@@ -1049,6 +1049,7 @@ static void lent_pools() {
   CHECK(gmlake_n_uncount_oom(0) == GMLAKE_N_OK);
   CHECK(stats(0).num_ooms == before.num_ooms);
   CHECK(gmlake_n_uncount_oom(64) == GMLAKE_N_INVALID);
+  CHECK(gmlake_n_malloc_cached(64, 4 * MiB, 4 * MiB, nullptr, SHARED, &q) == GMLAKE_N_INVALID);
   CHECK(gmlake_n_set_memory_fraction(0, 1.0) == GMLAKE_N_OK);
   CHECK(gmlake_n_pool_release(0, lender) == GMLAKE_N_OK);  // the capture's use
   CHECK(gmlake_n_pool_release(0, lender) == GMLAKE_N_OK);  // the pool's own

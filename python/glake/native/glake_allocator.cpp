@@ -285,8 +285,9 @@ class GlakeAllocator final : public CUDAAllocator {
     // The profiler is told the bytes handed out, on both sides, as PyTorch tells it.
     LiveRecord rec;
     const bool known = tracing && take_live(ptr, &rec);
-    const size_t size = (profiling || !known) && (tracing || profiling) ? block_size(ptr, 0) : 0;
-    if (!known && tracing) {
+    const bool unrecorded = tracing && !known;
+    const size_t size = profiling || unrecorded ? block_size(ptr, 0) : 0;
+    if (unrecorded) {
       rec.size = size;
     }
     int device = -1;

@@ -244,6 +244,83 @@ fn holes_without_a_whole_handle_are_not_stitched() {
     assert!(result.is_ok(), "{result:?}");
 }
 
+/// A stitch starts in the free end of a chunk whose front is allocated and ends in the free
+/// front of a chunk whose end is: no other piece could map such bytes, and the chunk's
+/// allocated part is mapped in the stitched range too but never handed out.
+#[test]
+fn a_stitch_begins_and_ends_in_chunks_shared_with_live_allocations() {
+    let device = common::device();
+    const BUDGET: usize = 64 * MIB;
+    let p = budget_pool(&device, handles_of_1_512(), LARGE_POOL + BUDGET + MIB);
+    let ballast = p.malloc(LARGE_POOL, Stream::DEFAULT).unwrap();
+    let whole = p.malloc(BUDGET, Stream::DEFAULT).unwrap();
+    p.free(whole).unwrap();
+    // 8 MiB handles, two 4 MiB blocks each: chunk k holds blocks 2k and 2k+1.
+    let blocks: Vec<u64> = (0..16)
+        .map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    for (i, &b) in blocks.iter().enumerate() {
+        common::write_pattern(&device, b, 4 * MIB, i as u64);
+    }
+    // The end of chunk 0 and the front of chunk 2: no whole chunk is free.
+    p.free(blocks[1]).unwrap();
+    p.free(blocks[4]).unwrap();
+    let reserved = p.stats().reserved_bytes.all.current;
+    let big = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.stitches, 1);
+    assert_eq!(stats.reserved_bytes.all.current, reserved, "no growth");
+    assert_eq!(
+        stats.stitched_mapped_bytes.current,
+        16 * MIB as i64,
+        "both chunks whole"
+    );
+    let snap = p.snapshot();
+    let stitched = snap.stitched.iter().find(|s| s.address == big).unwrap();
+    assert_eq!(
+        stitched.pieces,
+        vec![(blocks[1], 4 * MIB), (blocks[4], 4 * MIB)]
+    );
+    assert_eq!(stitched.handle_count, 2);
+    common::write_pattern(&device, big, 8 * MIB, 99);
+    assert_eq!(
+        common::read(&device, big, 8 * MIB),
+        [
+            common::read(&device, blocks[1], 4 * MIB),
+            common::read(&device, blocks[4], 4 * MIB)
+        ]
+        .concat()
+    );
+    for (i, &b) in blocks.iter().enumerate() {
+        if i != 1 && i != 4 {
+            assert!(
+                common::has_pattern(&device, b, 4 * MIB, i as u64),
+                "block {i}"
+            );
+        }
+    }
+    p.check_invariants().unwrap();
+    // Freed, the range stays mapped and serves the same request again.
+    p.free(big).unwrap();
+    let again = p.malloc(8 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(again, big);
+    assert_eq!(p.stats().stitch_reuse_hits, 1);
+    assert!(common::has_pattern(&device, again, 8 * MIB, 99));
+    p.free(again).unwrap();
+    for (i, &b) in blocks.iter().enumerate() {
+        if i != 1 && i != 4 {
+            p.free(b).unwrap();
+        }
+    }
+    p.free(ballast).unwrap();
+    p.check_invariants().unwrap();
+    p.empty_cache().unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.reserved_bytes.all.current, 0);
+    assert_eq!(stats.stitched_blocks.current, 0);
+    assert_eq!(stats.stitched_mapped_bytes.current, 0);
+}
+
 #[test]
 fn stitched_bytes_are_the_bytes_of_the_pieces() {
     let device = common::device();

@@ -487,6 +487,67 @@ fn a_region_stitches_its_own_free_segments_and_they_sleep_and_wake_with_it() {
     free_and_drop(pool, &host, vec![kept[1], kept[3]]);
 }
 
+/// A region's stitch may begin in the free end of a segment whose front is allocated (a
+/// region's segments are one handle each): the range maps that handle whole, and it sleeps
+/// and wakes with the region with every byte, its allocated front's included, while nothing of
+/// the region stays made during a sleep.
+#[test]
+fn a_region_stitch_that_begins_inside_a_handle_sleeps_and_wakes_with_it() {
+    let (host, device, pool) = setup(512 * MIB);
+    for (p, _) in fill(&pool, &device, "kv", &[24 * MIB, 24 * MIB], 0) {
+        pool.free(p).expect("free");
+    }
+    let kept = fill(&pool, &device, "kv", &[16 * MIB, 16 * MIB], 90);
+    let reserved = pool.stats().reserved_bytes.all.current;
+    // Each segment has 8 MiB free after its allocation: no whole handle is free.
+    let (stitched, pieces) = malloc_in_region(&pool, "kv", 20 * MIB);
+    assert!(pieces >= 2, "stitched: {pieces}");
+    let grown = pool.stats().reserved_bytes.all.current - reserved;
+    assert!(
+        grown < 20 * MIB as i64,
+        "the free ends served part of the request: {grown}"
+    );
+    let snap = pool.snapshot();
+    let info = snap
+        .stitched
+        .iter()
+        .find(|s| s.address == stitched)
+        .unwrap();
+    let segment_starts: Vec<DevicePtr> = snap.segments.iter().map(|s| s.address).collect();
+    assert!(
+        !segment_starts.contains(&info.pieces[0].0),
+        "the first piece starts inside a handle: {info:?}"
+    );
+    write_pattern(&device, stitched, 20 * MIB, 95);
+    let live = [
+        (kept[0].0, 16 * MIB, 90),
+        (kept[1].0, 16 * MIB, 91),
+        (stitched, 20 * MIB, 95),
+    ];
+    let all_intact = || {
+        live.iter()
+            .all(|&(p, n, seed)| has_pattern(&device, p, n, seed))
+    };
+    assert!(all_intact());
+    for mode in [SleepMode::Keep, SleepMode::Keep, SleepMode::Drop] {
+        let created = host.created_bytes();
+        let info = pool.region_info("kv").expect("info");
+        pool.sleep("kv", mode).expect("sleep");
+        check(&pool);
+        assert_eq!(host.created_bytes(), created - info.resident_bytes);
+        pool.wake("kv").expect("wake");
+        check(&pool);
+        if mode == SleepMode::Drop {
+            for &(p, n, seed) in &live {
+                write_pattern(&device, p, n, seed);
+            }
+        }
+        assert!(all_intact(), "{mode:?}");
+    }
+    pool.free(stitched).expect("free");
+    free_and_drop(pool, &host, kept);
+}
+
 /// A region serves a request from an idle stitched range only when the request reaches the
 /// range's last piece: a piece left free under a range in use could have its segment given
 /// back (by the sleep itself, or `empty_cache`) while the range maps it, and the wake could not

@@ -287,41 +287,58 @@ impl Segment {
 
     /// The widest run of whole chunks inside `[addr, addr+len)`, as (start, length).
     pub fn whole_chunks(&self, addr: DevicePtr, len: usize) -> Option<(DevicePtr, usize)> {
-        let from = addr.checked_sub(self.va)? as usize;
-        let to = from + len;
-        let (unit, n) = (self.unit, self.chunks.len());
-        if unit > 0 {
-            // Chunk k spans [k * unit, (k + 1) * unit), the last ends the segment.
-            let first = from.div_ceil(unit).min(n);
-            let end = if to >= self.size {
-                n
-            } else {
-                (to / unit).min(n - 1)
-            };
-            let stop = if end == n { self.size } else { end * unit };
-            return (first < end).then(|| (self.va + (first * unit) as u64, stop - first * unit));
-        }
-        let first = self.chunks.partition_point(|c| c.offset < from);
-        let end = self.chunks.partition_point(|c| c.offset + c.len <= to);
-        (first < end).then(|| {
-            let start = self.chunks[first].offset;
-            let stop = self.chunks[end - 1].offset + self.chunks[end - 1].len;
-            (self.va + start as u64, stop - start)
-        })
+        let (first, last) = self.chunk_edges(addr, len)?;
+        (first < last).then(|| (first, (last - first) as usize))
     }
 
-    /// The chunks that map `[addr, addr+len)`, where `addr` starts a chunk: from that chunk up
-    /// to the one holding the last byte.
+    /// The first and the last chunk boundary (a chunk's start, or the segment's end) inside
+    /// `[addr, addr+len]`, ends included; None when none lies there (the range is inside one
+    /// chunk). The bytes before the first belong to a chunk that starts before the range, those
+    /// after the last to one that ends after it: a stitch can map such a chunk only as its
+    /// first or its last piece.
+    pub fn chunk_edges(&self, addr: DevicePtr, len: usize) -> Option<(DevicePtr, DevicePtr)> {
+        let from = addr.checked_sub(self.va)? as usize;
+        let to = from.checked_add(len)?;
+        if to > self.size {
+            return None;
+        }
+        let n = self.chunks.len();
+        let (first, last) = if self.unit > 0 {
+            // Chunk k starts at k * unit; the last one ends the segment.
+            let k = from.div_ceil(self.unit);
+            let first = if k < n { k * self.unit } else { self.size };
+            let last = if to == self.size {
+                self.size
+            } else {
+                (to / self.unit).min(n - 1) * self.unit
+            };
+            (first, last)
+        } else {
+            let k = self.chunks.partition_point(|c| c.offset < from);
+            let first = self.chunks.get(k).map_or(self.size, |c| c.offset);
+            let last = if to == self.size {
+                self.size
+            } else {
+                let k = self.chunks.partition_point(|c| c.offset <= to);
+                self.chunks[k.checked_sub(1)?].offset
+            };
+            (first, last)
+        };
+        (first <= last).then(|| (self.va + first as u64, self.va + last as u64))
+    }
+
+    /// The chunks that map `[addr, addr+len)`: from the one holding its first byte up to the
+    /// one holding its last.
     pub fn chunks_covering(&self, addr: DevicePtr, len: usize) -> &[Chunk] {
         let from = addr.saturating_sub(self.va) as usize;
-        let (first, end) = if self.unit > 0 {
-            let n = self.chunks.len();
-            let first = from.div_ceil(self.unit).min(n);
+        let n = self.chunks.len();
+        let (first, end) = if let Some(first) = from.checked_div(self.unit) {
+            // Past the last byte no chunk holds `from` (the last one may be shorter).
+            let first = if from < self.size { first } else { n };
             (first, (from + len).div_ceil(self.unit).min(n))
         } else {
-            let first = self.chunks.partition_point(|c| c.offset < from);
             (
-                first,
+                self.chunks.partition_point(|c| c.offset + c.len <= from),
                 self.chunks.partition_point(|c| c.offset < from + len),
             )
         };
@@ -481,6 +498,12 @@ impl BlockMap {
     pub fn whole_chunks_of(&self, id: BlockId) -> Option<(DevicePtr, usize)> {
         let b = self.blocks.get(id)?;
         self.segments[b.segment].whole_chunks(b.addr, b.size)
+    }
+
+    /// The first and last chunk boundaries inside block `id` (see [`Segment::chunk_edges`]).
+    pub fn chunk_edges_of(&self, id: BlockId) -> Option<(DevicePtr, DevicePtr)> {
+        let b = self.blocks.get(id)?;
+        self.segments[b.segment].chunk_edges(b.addr, b.size)
     }
 
     /// Removes a segment whose only block is free; returns it.
@@ -1103,8 +1126,18 @@ mod tests {
                     });
                     let at = va + from as u64;
                     assert_eq!(s.whole_chunks(at, len), want, "{sizes:?} {from} {len}");
+                    let bounds: Vec<usize> =
+                        s.chunks.iter().map(|c| c.offset).chain([total]).collect();
+                    let first = bounds.iter().copied().find(|&b| b >= from);
+                    let last = bounds.iter().copied().rev().find(|&b| b <= from + len);
+                    let edges = first
+                        .zip(last)
+                        .filter(|(f, l)| f <= l)
+                        .map(|(f, l)| (va + f as u64, va + l as u64));
+                    assert_eq!(s.chunk_edges(at, len), edges, "{sizes:?} {from} {len}");
+                    let holding = s.chunks.partition_point(|c| c.offset + c.len <= from);
                     let end = s.chunks.partition_point(|c| c.offset < from + len);
-                    let covering = &s.chunks[first..end.max(first)];
+                    let covering = &s.chunks[holding..end.max(holding)];
                     assert_eq!(
                         s.chunks_covering(at, len),
                         covering,

@@ -192,7 +192,7 @@ impl Inner {
                 .blocks
                 .iter()
                 .filter(|(_, s)| !s.asleep)
-                .map(|(_, s)| (s.va, s.size, false)),
+                .map(|(_, s)| (s.base(), s.mapped(), false)),
         );
         for (va, size, read_only) in ranges {
             if read_only {

@@ -163,10 +163,33 @@ impl Inner {
         if self.map.inactive_split.bytes != self.stats.inactive_split_bytes.all.current {
             return Err("inactive split bytes out of step".into());
         }
+        let mut mapped = 0;
         for (id, s) in self.stitch.blocks.iter() {
             if s.in_use != self.stitch_blocks.blocks.contains_key(&id) {
                 return Err(format!("stitched block {id} use flag out of step"));
             }
+            // Its handles cover its bytes: the lead before the first piece, then each piece up
+            // to its last handle's end.
+            let handles = |p: &crate::stitch::Piece| p.handles.iter().map(|&(_, len)| len).sum();
+            let covered = s.pieces.iter().enumerate().all(|(k, p)| {
+                let lead = if k == 0 { s.lead } else { 0 };
+                let room: usize = handles(p);
+                p.len + lead <= room && (k + 1 == s.pieces.len() || p.len + lead == room)
+            });
+            if !covered {
+                return Err(format!("stitched block {id}: pieces and handles disagree"));
+            }
+            if !s.asleep {
+                mapped += s.mapped();
+            }
+        }
+        if mapped != self.stitch.mapped_bytes
+            || mapped as i64 != self.stats.stitched_mapped_bytes.current
+        {
+            return Err(format!(
+                "stitched ranges map {mapped} bytes, the cache says {}, stats {}",
+                self.stitch.mapped_bytes, self.stats.stitched_mapped_bytes.current
+            ));
         }
         self.check_swappable()?;
         self.check_regions()

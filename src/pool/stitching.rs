@@ -21,6 +21,8 @@ pub(super) struct StitchJob {
     /// The pool (shared, or a sleep region) whose free blocks the pieces are.
     tag: Tag,
     pieces: Vec<Piece>,
+    /// Bytes of the first piece's first chunk mapped before the stitched bytes.
+    lead: usize,
     ids: Vec<BlockId>,
     /// The segment to make for the bytes the free blocks lack.
     shortfall: Option<GrowthPlan>,
@@ -224,14 +226,8 @@ impl Inner {
         tag: Tag,
     ) -> Result<Option<StitchJob>> {
         let min_piece = self.config.frag_limit.max(self.granularity);
-        let map = &self.map;
-        let candidates = map
-            .largest_free_blocks(tag, PoolKind::Large, stream, min_piece)
-            .filter_map(|(_, id)| {
-                let (_, len) = map.whole_chunks_of(id)?;
-                (len >= min_piece).then_some((len, id))
-            });
-        let mut plan = match stitch::plan(candidates, size, self.config.max_stitch_pieces) {
+        let (first, candidates) = self.stitch_candidates(tag, stream, min_piece);
+        let mut plan = match stitch::plan(first, candidates, size, self.config.max_stitch_pieces) {
             Some(plan) => plan,
             None => return Ok(None),
         };
@@ -250,23 +246,25 @@ impl Inner {
         };
         let grown = grown + gathered.bytes;
         // Where each planned piece lies and what maps it, before taking splits the blocks.
-        let mut pieces: Vec<Piece> = Vec::with_capacity(plan.take.len() + 1);
-        for &(id, bytes) in &plan.take {
-            let Some((start, _)) = self.map.whole_chunks_of(id) else {
+        let takes: Vec<(BlockId, usize, bool)> = (plan.first.iter().map(|&(id, b)| (id, b, true)))
+            .chain(plan.take.iter().map(|&(id, b)| (id, b, false)))
+            .collect();
+        let mut pieces: Vec<Piece> = Vec::with_capacity(takes.len() + 1);
+        let mut lead = 0;
+        for &(id, bytes, first) in &takes {
+            let Some(piece) = self.stitch_piece(id, bytes, first) else {
                 self.bury_all(device, gathered.zombies);
-                return Err(Error::internal("a planned stitch piece has no whole chunk"));
+                return Err(Error::internal(
+                    "a planned stitch piece has no chunk boundary",
+                ));
             };
-            let segment = &self.map.segments[self.map.blocks[id].segment];
-            let handles = blocks::handle_layout(segment.chunks_covering(start, bytes));
-            let len = handles.iter().map(|&(_, len)| len).sum();
-            pieces.push(Piece {
-                addr: start,
-                len,
-                handles,
-            });
+            if first {
+                lead = piece.1;
+            }
+            pieces.push(piece.0);
         }
-        let mut ids: Vec<BlockId> = Vec::with_capacity(plan.take.len() + 1);
-        for (piece, &(_, bytes)) in pieces.iter().zip(&plan.take) {
+        let mut ids: Vec<BlockId> = Vec::with_capacity(takes.len() + 1);
+        for (piece, &(_, bytes, _)) in pieces.iter().zip(&takes) {
             match self.map.take_range(piece.addr, bytes, stream) {
                 Some(id) => ids.push(id),
                 None => {
@@ -297,6 +295,7 @@ impl Inner {
             stream,
             tag,
             pieces,
+            lead,
             ids,
             shortfall,
             shortfall_bytes: plan.shortfall,
@@ -304,6 +303,67 @@ impl Inner {
             granularity: self.granularity,
             gathered: gathered.zombies,
         }))
+    }
+
+    /// The free blocks of `tag` usable on `stream` that a stitch could map part of (at least
+    /// `min_piece` bytes), largest first, and the one to map first: the block with the most
+    /// free bytes at the end of a chunk whose front is allocated (no other piece can map them).
+    fn stitch_candidates(
+        &self,
+        tag: Tag,
+        stream: Stream,
+        min_piece: usize,
+    ) -> (Option<(BlockId, usize)>, Vec<stitch::Candidate>) {
+        let map = &self.map;
+        let mut first: Option<(usize, BlockId, usize)> = None;
+        let mut candidates = Vec::new();
+        for (_, id) in map.largest_free_blocks(tag, PoolKind::Large, stream, min_piece) {
+            let Some((lo, hi)) = map.chunk_edges_of(id) else {
+                continue;
+            };
+            let b = &map.blocks[id];
+            let head = (lo - b.addr) as usize;
+            let whole = (hi - lo) as usize;
+            let tail = (b.addr + b.size as u64 - hi) as usize;
+            if head > 0 && head + whole >= min_piece && first.is_none_or(|(most, ..)| head > most) {
+                first = Some((head, id, head + whole));
+            }
+            if whole + tail >= min_piece {
+                candidates.push(stitch::Candidate {
+                    block: id,
+                    // Fewer whole bytes than a piece is worth: only as the last piece.
+                    whole: if whole >= min_piece { whole } else { 0 },
+                    tail,
+                });
+            }
+        }
+        let first = first.map(|(_, id, bytes)| (id, bytes));
+        if let Some((id, _)) = first {
+            candidates.retain(|c| c.block != id);
+        }
+        (first, candidates)
+    }
+
+    /// The piece that takes `bytes` of free block `id`, from its start when it is the stitch's
+    /// `first` piece, else from its first chunk boundary; with the bytes its first chunk maps
+    /// before it. The piece ends with its last chunk or, where another allocation holds the
+    /// end of that chunk, with its block.
+    fn stitch_piece(&self, id: BlockId, bytes: usize, first: bool) -> Option<(Piece, usize)> {
+        let b = &self.map.blocks[id];
+        let (lo, _) = self.map.chunk_edges_of(id)?;
+        let start = if first { b.addr } else { lo };
+        let segment = &self.map.segments[b.segment];
+        let chunks = segment.chunks_covering(start, bytes);
+        let (head, last) = (chunks.first()?, chunks.last()?);
+        let chunk_end = segment.va + (last.offset + last.len) as u64;
+        let end = chunk_end.min(b.addr + b.size as u64);
+        let lead = (start - (segment.va + head.offset as u64)) as usize;
+        let piece = Piece {
+            addr: start,
+            len: (end - start) as usize,
+            handles: blocks::handle_layout(chunks),
+        };
+        Some((piece, lead))
     }
 
     /// Tears down `zombies` now, keeping what fails for a retry.
@@ -326,6 +386,7 @@ impl Inner {
             stream,
             tag,
             mut pieces,
+            lead,
             mut ids,
             shortfall,
             shortfall_bytes,
@@ -346,11 +407,11 @@ impl Inner {
         if access != self.access {
             // A peer was granted access meanwhile: nothing made with the old access is booked
             // (the allocation is made again under the lock).
-            let mapped: usize = pieces.iter().map(|p| p.len).sum::<usize>()
+            let handles = pieces.iter().flat_map(|p| &p.handles);
+            let mapped: usize = handles.clone().map(|&(_, len)| len).sum::<usize>()
                 + segment
                     .as_ref()
                     .map_or(0, |(_, c)| c.iter().map(|c| c.len).sum());
-            let handles = pieces.iter().flat_map(|p| &p.handles);
             let stitched = Zombie {
                 unmaps: mappings(va, handles.chain(segment_handles(&segment).iter())),
                 handles: Vec::new(),
@@ -390,8 +451,8 @@ impl Inner {
             });
         }
         let piece_count = pieces.len();
-        let id = self.stitch.insert(va, pieces, stream);
-        let mapped = self.stitch.blocks[id].size;
+        let id = self.stitch.insert(va, lead, pieces, stream);
+        let (va, mapped) = (self.stitch.blocks[id].va, self.stitch.blocks[id].mapped());
         self.stitch_blocks.blocks.insert(id, ids);
         self.register(va, Target::Stitched(id), size, stream, PoolKind::Large);
         self.stats.stitches += 1;
@@ -442,7 +503,7 @@ impl Inner {
     /// in the cache and in the statistics of mapped bytes.
     fn set_stitch_asleep(&mut self, id: StitchId, asleep: bool) {
         if self.stitch.set_asleep(id, asleep) {
-            let size = self.stitch.blocks[id].size as i64;
+            let size = self.stitch.blocks[id].mapped() as i64;
             self.stats
                 .stitched_mapped_bytes
                 .add(if asleep { -size } else { size });
@@ -457,7 +518,7 @@ impl Inner {
         for id in self.stitches_of(tag, |s| !s.asleep) {
             let s = &self.stitch.blocks[id];
             if s.in_use {
-                let unmaps = mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles));
+                let unmaps = mappings(s.base(), s.pieces.iter().flat_map(|p| &p.handles));
                 self.set_stitch_asleep(id, true);
                 self.bury(
                     device,
@@ -481,13 +542,13 @@ impl Inner {
         let unmaps = if s.asleep {
             Vec::new()
         } else {
-            self.stats.stitched_mapped_bytes.add(-(s.size as i64));
-            mappings(s.va, s.pieces.iter().flat_map(|p| &p.handles))
+            self.stats.stitched_mapped_bytes.add(-(s.mapped() as i64));
+            mappings(s.base(), s.pieces.iter().flat_map(|p| &p.handles))
         };
         let zombie = Zombie {
             unmaps,
             handles: Vec::new(),
-            reservation: Some((s.va, s.size)),
+            reservation: Some((s.base(), s.mapped())),
         };
         self.bury(device, zombie);
     }
@@ -509,10 +570,14 @@ impl Inner {
         tag: Tag,
     ) -> Result<()> {
         for id in self.stitches_of(tag, |s| s.asleep && s.in_use) {
-            let (va, size) = (self.stitch.blocks[id].va, self.stitch.blocks[id].size);
+            let (va, size) = (
+                self.stitch.blocks[id].base(),
+                self.stitch.blocks[id].mapped(),
+            );
             self.clear_old_mappings(device, va, size)?;
             let mut pieces = Vec::with_capacity(self.stitch.blocks[id].pieces.len());
             for piece in &self.stitch.blocks[id].pieces {
+                let before: usize = piece.handles.iter().map(|&(_, len)| len).sum();
                 let handles = self
                     .map
                     .block_containing(piece.addr)
@@ -521,7 +586,7 @@ impl Inner {
                         blocks::handle_layout(segment.chunks_covering(piece.addr, piece.len))
                     })
                     .unwrap_or_default();
-                if handles.iter().map(|&(_, len)| len).sum::<usize>() != piece.len {
+                if handles.iter().map(|&(_, len)| len).sum::<usize>() != before {
                     return Err(Error::internal(
                         "a sleeping stitched range's piece is not whole chunks of an awake segment",
                     ));
@@ -607,7 +672,7 @@ impl Inner {
             }
             // A range freed while its region sleeps maps nothing.
             if !self.stitch.blocks[id].asleep {
-                mapped -= self.stitch.blocks[id].size;
+                mapped -= self.stitch.blocks[id].mapped();
             }
             idle -= 1;
             victims.push(id);

@@ -27,8 +27,13 @@ pub struct Piece {
 /// A mapped stitched range.
 #[derive(Debug, Clone)]
 pub struct Stitched {
+    /// Where its bytes start: the address handed out.
     pub va: DevicePtr,
+    /// Its bytes: the pieces' lengths.
     pub size: usize,
+    /// Bytes mapped before `va`: the part of the first piece's first chunk that another
+    /// allocation holds (see [`StitchPlan::first`]). Nothing hands them out.
+    pub lead: usize,
     pub pieces: Vec<Piece>,
     /// Whether an allocation uses the range now.
     pub in_use: bool,
@@ -40,6 +45,22 @@ pub struct Stitched {
     /// mapped, and is mapped again over the pieces' new memory when the region wakes (or
     /// freed then, if its allocation was freed meanwhile).
     pub asleep: bool,
+}
+
+impl Stitched {
+    /// Where its mapping starts.
+    pub fn base(&self) -> DevicePtr {
+        self.va - self.lead as u64
+    }
+
+    /// Bytes it maps: its pieces' whole handles, which may reach beyond its bytes at both ends.
+    pub fn mapped(&self) -> usize {
+        self.pieces
+            .iter()
+            .flat_map(|p| &p.handles)
+            .map(|&(_, len)| len)
+            .sum()
+    }
 }
 
 /// Where an idle range sorts: by size, then most recently used first. A range whose pieces
@@ -58,12 +79,21 @@ pub struct StitchCache {
 }
 
 impl StitchCache {
-    pub fn insert(&mut self, va: DevicePtr, pieces: Vec<Piece>, stream: Stream) -> StitchId {
+    /// Registers a range mapped at `base` whose bytes start `lead` bytes into it.
+    pub fn insert(
+        &mut self,
+        base: DevicePtr,
+        lead: usize,
+        pieces: Vec<Piece>,
+        stream: Stream,
+    ) -> StitchId {
         let size = pieces.iter().map(|p| p.len).sum();
+        let va = base + lead as u64;
         self.clock += 1;
         let id = self.blocks.insert(Stitched {
             va,
             size,
+            lead,
             pieces,
             in_use: true,
             stream,
@@ -71,7 +101,7 @@ impl StitchCache {
             asleep: false,
         });
         self.by_va.insert(va, id);
-        self.mapped_bytes += size;
+        self.mapped_bytes += self.blocks[id].mapped();
         id
     }
 
@@ -110,7 +140,7 @@ impl StitchCache {
         self.idle_by_size.remove(&(s.size, Reverse(s.last_use), id));
         self.by_va.remove(&s.va);
         if !s.asleep {
-            self.mapped_bytes -= s.size;
+            self.mapped_bytes -= s.mapped();
         }
         s
     }
@@ -124,9 +154,9 @@ impl StitchCache {
         }
         s.asleep = asleep;
         if asleep {
-            self.mapped_bytes -= s.size;
+            self.mapped_bytes -= s.mapped();
         } else {
-            self.mapped_bytes += s.size;
+            self.mapped_bytes += s.mapped();
         }
         true
     }
@@ -167,41 +197,70 @@ pub fn prefix(pieces: &[Piece], size: usize) -> impl Iterator<Item = (DevicePtr,
     })
 }
 
-/// Which free blocks a stitch uses: each entry takes the first `bytes` of block `block`.
+/// Which free blocks a stitch uses: each entry of `take` takes the first `bytes` of block
+/// `block` from its first chunk boundary on.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StitchPlan {
+    /// The piece mapped first, taken from the very start of its block: the free end of a
+    /// chunk whose front another allocation holds, then the whole chunks after it. The chunk
+    /// is mapped whole and the stitched bytes start inside it, so free bytes no other stitch
+    /// could map serve this one.
+    pub first: Option<(usize, usize)>,
     pub take: Vec<(usize, usize)>,
     /// Bytes still missing after the free blocks, to be covered by new physical memory.
     pub shortfall: usize,
 }
 
-/// Plans a stitch of `size` bytes from `candidates` (`(size, block)` pairs, largest first).
+/// A free block as a stitch sees it: `whole` bytes of whole chunks from its first chunk
+/// boundary, then `tail` free bytes of a chunk whose end another allocation holds (only the
+/// last piece of a stitch may map such a chunk).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    pub block: usize,
+    pub whole: usize,
+    pub tail: usize,
+}
+
+/// Plans a stitch of `size` bytes: `first` (block, bytes), if given, then `candidates`
+/// (largest first), each a middle piece of its whole chunks, and the one that completes the
+/// request its last, with its tail if needed.
 ///
 /// Largest blocks first keeps the number of pieces (and so the per-handle access cost) low.
 /// At most `max_pieces` pieces are used, one of them kept for the shortfall if the free blocks
-/// do not cover the request. Returns None when no free block would be used. Candidates are
-/// drawn only as far as needed, so a lazy iterator spares sorting all free blocks.
+/// do not cover the request. Returns None when no free block would be used.
 pub fn plan(
-    candidates: impl IntoIterator<Item = (usize, usize)>,
+    first: Option<(usize, usize)>,
+    candidates: impl IntoIterator<Item = Candidate>,
     size: usize,
     max_pieces: usize,
 ) -> Option<StitchPlan> {
-    let mut plan = StitchPlan::default();
-    let mut covered = 0usize;
+    let mut plan = StitchPlan {
+        // A first piece that covers the request alone is a block a plain fit takes.
+        first: first.filter(|&(_, bytes)| bytes < size && max_pieces >= 2),
+        ..StitchPlan::default()
+    };
+    let mut covered = plan.first.map_or(0, |(_, bytes)| bytes);
+    let mut pieces = usize::from(plan.first.is_some());
     let mut candidates = candidates.into_iter();
     while covered < size {
-        let Some((block_size, block)) = candidates.next() else {
+        let Some(c) = candidates.next() else {
             break;
         };
-        let room_for_shortfall = if covered + block_size >= size { 0 } else { 1 };
-        if plan.take.len() + 1 + room_for_shortfall > max_pieces {
+        let left = size - covered;
+        let last = c.whole + c.tail >= left;
+        if !last && c.whole == 0 {
+            continue;
+        }
+        // A middle piece keeps one for the shortfall.
+        if pieces + 1 + usize::from(!last) > max_pieces {
             break;
         }
-        let bytes = block_size.min(size - covered);
-        plan.take.push((block, bytes));
+        let bytes = if last { left } else { c.whole };
+        plan.take.push((c.block, bytes));
+        pieces += 1;
         covered += bytes;
     }
-    if plan.take.is_empty() {
+    if plan.take.is_empty() && plan.first.is_none() {
         return None;
     }
     plan.shortfall = size - covered;
@@ -228,24 +287,78 @@ mod tests {
         assert_eq!(prefix(&pieces, 24).count(), 3);
     }
 
+    /// Candidates of whole chunks only, from `(bytes, block)` pairs.
+    fn whole(pairs: &[(usize, usize)]) -> Vec<Candidate> {
+        pairs
+            .iter()
+            .map(|&(whole, block)| Candidate {
+                block,
+                whole,
+                tail: 0,
+            })
+            .collect()
+    }
+
     #[test]
     fn plan_uses_largest_first_and_splits_the_last() {
-        let c = [(8, 1), (6, 2), (4, 3)];
-        let p = plan(c, 12, 8).unwrap();
+        let c = whole(&[(8, 1), (6, 2), (4, 3)]);
+        let p = plan(None, c, 12, 8).unwrap();
         assert_eq!(p.take, vec![(1, 8), (2, 4)]);
         assert_eq!(p.shortfall, 0);
     }
 
     #[test]
     fn plan_reports_shortfall_and_respects_piece_limit() {
-        let c = [(4, 1), (4, 2), (4, 3)];
-        let p = plan(c, 20, 8).unwrap();
+        let c = whole(&[(4, 1), (4, 2), (4, 3)]);
+        let p = plan(None, c.clone(), 20, 8).unwrap();
         assert_eq!(p.take.len(), 3);
         assert_eq!(p.shortfall, 8);
-        let p = plan(c, 20, 3).unwrap();
+        let p = plan(None, c, 20, 3).unwrap();
         assert_eq!(p.take.len(), 2, "one piece kept for the shortfall");
         assert_eq!(p.shortfall, 12);
-        assert!(plan([], 20, 8).is_none());
+        assert!(plan(None, [], 20, 8).is_none());
+    }
+
+    #[test]
+    fn a_partial_chunk_serves_as_the_first_or_the_last_piece_only() {
+        let c = [
+            // Whole chunks only.
+            Candidate {
+                block: 1,
+                whole: 8,
+                tail: 0,
+            },
+            // Its free bytes end inside a chunk: no middle piece.
+            Candidate {
+                block: 2,
+                whole: 0,
+                tail: 6,
+            },
+            Candidate {
+                block: 3,
+                whole: 4,
+                tail: 3,
+            },
+        ];
+        // 5 from the first piece, 8 whole, then not block 2 (its tail is short) but block
+        // 3's 4 whole and all 3 of its tail.
+        let p = plan(Some((9, 5)), c, 20, 8).unwrap();
+        assert_eq!(p.first, Some((9, 5)));
+        assert_eq!(p.take, vec![(1, 8), (3, 7)]);
+        assert_eq!(p.shortfall, 0);
+        // Block 2 completes a request its tail covers.
+        let p = plan(Some((9, 5)), c, 18, 8).unwrap();
+        assert_eq!(p.take, vec![(1, 8), (2, 5)]);
+        // Too short for the rest: whole chunks, then new memory.
+        let p = plan(None, c, 30, 8).unwrap();
+        assert_eq!(p.take, vec![(1, 8), (3, 4)]);
+        assert_eq!(p.shortfall, 18);
+        // The first piece and new memory alone make a stitch.
+        let p = plan(Some((9, 5)), [], 12, 8).unwrap();
+        assert_eq!((p.first, p.take.len(), p.shortfall), (Some((9, 5)), 0, 7));
+        // A first piece as large as the request, or no room for a second piece, is not used.
+        assert_eq!(plan(Some((9, 12)), [], 12, 8), None);
+        assert_eq!(plan(Some((9, 5)), [], 12, 1), None);
     }
 
     /// A piece of 4 bytes at `addr`, one handle.
@@ -260,9 +373,9 @@ mod tests {
     #[test]
     fn ranges_of_one_size_are_offered_most_recently_used_first() {
         let mut c = StitchCache::default();
-        let old = c.insert(100, vec![piece(0)], Stream(1));
-        let new = c.insert(200, vec![piece(8)], Stream(1));
-        let larger = c.insert(300, vec![piece(16), piece(24)], Stream(1));
+        let old = c.insert(100, 0, vec![piece(0)], Stream(1));
+        let new = c.insert(200, 0, vec![piece(8)], Stream(1));
+        let larger = c.insert(300, 0, vec![piece(16), piece(24)], Stream(1));
         c.park(new);
         c.park(old);
         c.park(larger);
@@ -285,8 +398,8 @@ mod tests {
     #[test]
     fn cache_reuse_by_size() {
         let mut c = StitchCache::default();
-        let a = c.insert(100, vec![piece(0), piece(8)], Stream(1));
-        let b = c.insert(200, vec![piece(16)], Stream(1));
+        let a = c.insert(100, 0, vec![piece(0), piece(8)], Stream(1));
+        let b = c.insert(200, 0, vec![piece(16)], Stream(1));
         c.park(a);
         c.park(b);
         assert_eq!(c.idle_candidates(4, 40).collect::<Vec<_>>(), vec![b, a]);
@@ -303,8 +416,8 @@ mod tests {
     #[test]
     fn a_sleeping_range_counts_no_mapped_bytes_and_is_marked_once() {
         let mut c = StitchCache::default();
-        let a = c.insert(100, vec![piece(0), piece(8)], Stream(1));
-        let b = c.insert(200, vec![piece(16)], Stream(1));
+        let a = c.insert(100, 0, vec![piece(0), piece(8)], Stream(1));
+        let b = c.insert(200, 0, vec![piece(16)], Stream(1));
         assert_eq!(c.mapped_bytes, 12);
         assert!(c.set_asleep(a, true));
         assert!(!c.set_asleep(a, true), "already asleep: nothing changes");

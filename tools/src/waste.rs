@@ -6,9 +6,10 @@
 //! up to each of those operations, where a snapshot of the pool sorts every reserved byte into
 //! one of the kinds below.
 //!
-//! Only whole physical chunks can be stitched (CUDA maps whole handles only), so free memory
-//! that shares a chunk with a live allocation serves only requests that fit in it; a free block
-//! no larger than `small_limit` at that point serves no large request at all.
+//! Only whole physical chunks can be mapped (CUDA maps whole handles only), so free memory
+//! that shares a chunk with a live allocation serves only requests that fit in it, or a stitch
+//! that begins or ends in it; a free block no larger than `small_limit` at that point serves no
+//! large request at all.
 
 use glake::pool::blocks::PoolKind;
 use glake::pool::snapshot::{BlockUse, SegmentInfo, Snapshot};
@@ -52,7 +53,7 @@ pub struct Waste {
     /// How many such blocks.
     pub stranded_blocks: u64,
     /// Other free bytes of the large pool that share a chunk with allocated memory: only a
-    /// request that fits the block can use them.
+    /// request that fits the block, or a stitch's first or last piece, can use them.
     pub partial_chunks: u64,
     /// Bytes of blocks freed but still waiting for other streams, and anything the kinds above
     /// miss (0 in a replay of one stream, where nothing waits).

@@ -247,21 +247,45 @@ fn holes_without_a_whole_handle_are_not_stitched() {
 /// A stitch starts in the free end of a chunk whose front is allocated and ends in the free
 /// front of a chunk whose end is: no other piece could map such bytes, and the chunk's
 /// allocated part is mapped in the stitched range too but never handed out.
-#[test]
-fn a_stitch_begins_and_ends_in_chunks_shared_with_live_allocations() {
-    let device = common::device();
-    const BUDGET: usize = 64 * MIB;
-    let p = budget_pool(&device, handles_of_1_512(), LARGE_POOL + BUDGET + MIB);
+/// A pool with a ballast of [`LARGE_POOL`] bytes and a 64 MiB segment of 8 MiB handles cut
+/// into sixteen 4 MiB blocks (handle k holds blocks 2k and 2k+1), each with a pattern seeded
+/// by its index; its memory is capped at `headroom` bytes above that.
+fn two_blocks_per_handle(device: &SharedDevice, headroom: usize) -> (Pool, u64, Vec<u64>) {
+    const SEGMENT: usize = 64 * MIB;
+    let p = budget_pool(device, handles_of_1_512(), LARGE_POOL + SEGMENT + headroom);
     let ballast = p.malloc(LARGE_POOL, Stream::DEFAULT).unwrap();
-    let whole = p.malloc(BUDGET, Stream::DEFAULT).unwrap();
+    let whole = p.malloc(SEGMENT, Stream::DEFAULT).unwrap();
     p.free(whole).unwrap();
-    // 8 MiB handles, two 4 MiB blocks each: chunk k holds blocks 2k and 2k+1.
     let blocks: Vec<u64> = (0..16)
         .map(|_| p.malloc(4 * MIB, Stream::DEFAULT).unwrap())
         .collect();
     for (i, &b) in blocks.iter().enumerate() {
-        common::write_pattern(&device, b, 4 * MIB, i as u64);
+        common::write_pattern(device, b, 4 * MIB, i as u64);
     }
+    (p, ballast, blocks)
+}
+
+/// Frees what [`two_blocks_per_handle`] made but the blocks `freed`, and checks that the pool
+/// gives every byte back.
+fn free_two_blocks_per_handle(p: Pool, ballast: u64, blocks: &[u64], freed: &[usize]) {
+    for (i, &b) in blocks.iter().enumerate() {
+        if !freed.contains(&i) {
+            p.free(b).unwrap();
+        }
+    }
+    p.free(ballast).unwrap();
+    p.check_invariants().unwrap();
+    p.empty_cache().unwrap();
+    let stats = p.stats();
+    assert_eq!(stats.reserved_bytes.all.current, 0);
+    assert_eq!(stats.stitched_blocks.current, 0);
+    assert_eq!(stats.stitched_mapped_bytes.current, 0);
+}
+
+#[test]
+fn a_stitch_begins_and_ends_in_chunks_shared_with_live_allocations() {
+    let device = common::device();
+    let (p, ballast, blocks) = two_blocks_per_handle(&device, MIB);
     // The end of chunk 0 and the front of chunk 2: no whole chunk is free.
     p.free(blocks[1]).unwrap();
     p.free(blocks[4]).unwrap();
@@ -307,18 +331,50 @@ fn a_stitch_begins_and_ends_in_chunks_shared_with_live_allocations() {
     assert_eq!(p.stats().stitch_reuse_hits, 1);
     assert!(common::has_pattern(&device, again, 8 * MIB, 99));
     p.free(again).unwrap();
+    free_two_blocks_per_handle(p, ballast, &blocks, &[1, 4]);
+}
+
+/// When the free blocks fall short, new memory is mapped before the stitch's last piece, so
+/// that piece can still end in the free front of a chunk whose end is held: here 8 MiB of new
+/// memory serve a 16 MiB request, where whole chunks only would have needed 12 or 16.
+#[test]
+fn new_memory_goes_before_a_last_piece_that_ends_inside_a_held_chunk() {
+    let device = common::device();
+    let (p, ballast, blocks) = two_blocks_per_handle(&device, 9 * MIB);
+    // The end of chunk 0 and the front of chunk 2.
+    p.free(blocks[1]).unwrap();
+    p.free(blocks[4]).unwrap();
+    let reserved = p.stats().reserved_bytes.all.current;
+    let big = p.malloc(16 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(p.stats().stitches, 1);
+    assert_eq!(
+        p.stats().reserved_bytes.all.current,
+        reserved + 8 * MIB as i64
+    );
+    let snap = p.snapshot();
+    let stitched = snap.stitched.iter().find(|s| s.address == big).unwrap();
+    let homes: Vec<u64> = stitched.pieces.iter().map(|&(home, _)| home).collect();
+    let lens: Vec<usize> = stitched.pieces.iter().map(|&(_, len)| len).collect();
+    assert_eq!(lens, vec![4 * MIB, 8 * MIB, 4 * MIB]);
+    assert_eq!((homes[0], homes[2]), (blocks[1], blocks[4]));
+    common::write_pattern(&device, big, 16 * MIB, 99);
+    let through_homes: Vec<u8> = stitched
+        .pieces
+        .iter()
+        .flat_map(|&(home, len)| common::read(&device, home, len))
+        .collect();
+    assert_eq!(common::read(&device, big, 16 * MIB), through_homes);
     for (i, &b) in blocks.iter().enumerate() {
         if i != 1 && i != 4 {
-            p.free(b).unwrap();
+            assert!(
+                common::has_pattern(&device, b, 4 * MIB, i as u64),
+                "block {i}"
+            );
         }
     }
-    p.free(ballast).unwrap();
     p.check_invariants().unwrap();
-    p.empty_cache().unwrap();
-    let stats = p.stats();
-    assert_eq!(stats.reserved_bytes.all.current, 0);
-    assert_eq!(stats.stitched_blocks.current, 0);
-    assert_eq!(stats.stitched_mapped_bytes.current, 0);
+    p.free(big).unwrap();
+    free_two_blocks_per_handle(p, ballast, &blocks, &[1, 4]);
 }
 
 #[test]

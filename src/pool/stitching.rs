@@ -27,6 +27,9 @@ pub(super) struct StitchJob {
     /// The segment to make for the bytes the free blocks lack.
     shortfall: Option<GrowthPlan>,
     shortfall_bytes: usize,
+    /// The shortfall's segment is mapped before the last piece (see
+    /// [`stitch::StitchPlan::new_memory_before_last`]).
+    new_memory_before_last: bool,
     access: Vec<i32>,
     granularity: usize,
     /// Segments the stitch gathered, off the books: torn down before the shortfall is made,
@@ -43,6 +46,27 @@ fn segment_handles(segment: &Option<NewSegment>) -> Vec<(PhysHandle, usize)> {
     segment
         .as_ref()
         .map_or_else(Vec::new, |(_, chunks)| blocks::handle_layout(chunks))
+}
+
+/// The handles of a stitch in the order they are mapped: its pieces', and the new segment's
+/// after them or before the last piece.
+fn mapping_order(
+    pieces: &[Piece],
+    segment: &Option<NewSegment>,
+    before_last: bool,
+) -> Vec<(PhysHandle, usize)> {
+    let split = if before_last {
+        pieces.len().saturating_sub(1)
+    } else {
+        pieces.len()
+    };
+    let handles = |ps: &[Piece]| -> Vec<(PhysHandle, usize)> {
+        ps.iter().flat_map(|p| p.handles.iter().copied()).collect()
+    };
+    let mut order = handles(&pieces[..split]);
+    order.extend(segment_handles(segment));
+    order.extend(handles(&pieces[split..]));
+    order
 }
 
 /// What the driver made of a stitch job: the stitched range, and the shortfall's segment
@@ -79,12 +103,7 @@ impl StitchJob {
                 }
             }
         };
-        let mut handles: Vec<(PhysHandle, usize)> = self
-            .pieces
-            .iter()
-            .flat_map(|p| p.handles.iter().copied())
-            .collect();
-        handles.extend(segment_handles(&segment));
+        let handles = mapping_order(&self.pieces, &segment, self.new_memory_before_last);
         match map_range(device, &handles, 0, self.granularity, &self.access) {
             Ok(va) => StitchMade {
                 result: Ok(Some((va, segment))),
@@ -245,6 +264,15 @@ impl Inner {
             super::gather::Gathered::default()
         };
         let grown = grown + gathered.bytes;
+        if plan.new_memory_before_last && grown > 0 {
+            // The new segment is taken whole, so that the last piece follows it: the part of
+            // its last granule the request would have left is taken from the last piece.
+            let slack = grown - plan.shortfall;
+            if let Some(last) = plan.take.last_mut() {
+                last.1 -= slack;
+            }
+            plan.shortfall = grown;
+        }
         // Where each planned piece lies and what maps it, before taking splits the blocks.
         let takes: Vec<(BlockId, usize, bool)> = (plan.first.iter().map(|&(id, b)| (id, b, true)))
             .chain(plan.take.iter().map(|&(id, b)| (id, b, false)))
@@ -299,6 +327,7 @@ impl Inner {
             ids,
             shortfall,
             shortfall_bytes: plan.shortfall,
+            new_memory_before_last: plan.new_memory_before_last && grown > 0,
             access: self.access.clone(),
             granularity: self.granularity,
             gathered: gathered.zombies,
@@ -390,6 +419,7 @@ impl Inner {
             mut ids,
             shortfall,
             shortfall_bytes,
+            new_memory_before_last,
             access,
             ..
         } = job;
@@ -407,13 +437,10 @@ impl Inner {
         if access != self.access {
             // A peer was granted access meanwhile: nothing made with the old access is booked
             // (the allocation is made again under the lock).
-            let handles = pieces.iter().flat_map(|p| &p.handles);
-            let mapped: usize = handles.clone().map(|&(_, len)| len).sum::<usize>()
-                + segment
-                    .as_ref()
-                    .map_or(0, |(_, c)| c.iter().map(|c| c.len).sum());
+            let handles = mapping_order(&pieces, &segment, new_memory_before_last);
+            let mapped: usize = handles.iter().map(|&(_, len)| len).sum();
             let stitched = Zombie {
-                unmaps: mappings(va, handles.chain(segment_handles(&segment).iter())),
+                unmaps: mappings(va, &handles),
                 handles: Vec::new(),
                 reservation: Some((va, mapped)),
             };
@@ -443,12 +470,20 @@ impl Inner {
                 0,
             );
             self.map.take_front(id, shortfall_bytes, stream);
-            ids.push(id);
-            pieces.push(Piece {
-                addr: segment_va,
-                len: plan.size(),
-                handles,
-            });
+            let at = if new_memory_before_last {
+                pieces.len().saturating_sub(1)
+            } else {
+                pieces.len()
+            };
+            ids.insert(at, id);
+            pieces.insert(
+                at,
+                Piece {
+                    addr: segment_va,
+                    len: plan.size(),
+                    handles,
+                },
+            );
         }
         let piece_count = pieces.len();
         let id = self.stitch.insert(va, lead, pieces, stream);

@@ -209,6 +209,10 @@ pub struct StitchPlan {
     pub take: Vec<(usize, usize)>,
     /// Bytes still missing after the free blocks, to be covered by new physical memory.
     pub shortfall: usize,
+    /// The new memory is mapped before the last piece (not after it): that piece then ends in
+    /// the free front of a chunk whose end another allocation holds, which no piece followed
+    /// by another can map. Its bytes are then all it offers.
+    pub new_memory_before_last: bool,
 }
 
 /// A free block as a stitch sees it: `whole` bytes of whole chunks from its first chunk
@@ -223,7 +227,8 @@ pub struct Candidate {
 
 /// Plans a stitch of `size` bytes: `first` (block, bytes), if given, then `candidates`
 /// (largest first), each a middle piece of its whole chunks, and the one that completes the
-/// request its last, with its tail if needed.
+/// request its last, with its tail if needed. When the free blocks fall short, the candidate
+/// with the largest tail becomes the last piece, after the new memory.
 ///
 /// Largest blocks first keeps the number of pieces (and so the per-handle access cost) low.
 /// At most `max_pieces` pieces are used, one of them kept for the shortfall if the free blocks
@@ -241,30 +246,81 @@ pub fn plan(
     };
     let mut covered = plan.first.map_or(0, |(_, bytes)| bytes);
     let mut pieces = usize::from(plan.first.is_some());
-    let mut candidates = candidates.into_iter();
-    while covered < size {
-        let Some(c) = candidates.next() else {
+    // Middle pieces taken, and blocks passed over, whose tails could end the stitch.
+    let (mut middles, mut tails_only) = (Vec::new(), Vec::new());
+    let mut full = false;
+    for c in candidates {
+        if covered == size {
             break;
-        };
+        }
         let left = size - covered;
         let last = c.whole + c.tail >= left;
         if !last && c.whole == 0 {
+            tails_only.push(c);
             continue;
         }
         // A middle piece keeps one for the shortfall.
         if pieces + 1 + usize::from(!last) > max_pieces {
+            full = true;
             break;
         }
         let bytes = if last { left } else { c.whole };
         plan.take.push((c.block, bytes));
+        middles.push(c);
         pieces += 1;
         covered += bytes;
+    }
+    if covered < size && !full {
+        end_with_a_tail(
+            &mut plan,
+            &middles,
+            &tails_only,
+            size - covered,
+            pieces,
+            max_pieces,
+        );
+    } else {
+        plan.shortfall = size - covered;
     }
     if plan.take.is_empty() && plan.first.is_none() {
         return None;
     }
-    plan.shortfall = size - covered;
     Some(plan)
+}
+
+/// A plan `missing` bytes short: the middle piece or passed-over block with the largest tail
+/// becomes its last piece, taking its whole chunks and as much of its tail as needed; new
+/// memory, if still needed, goes before it.
+fn end_with_a_tail(
+    plan: &mut StitchPlan,
+    middles: &[Candidate],
+    tails_only: &[Candidate],
+    missing: usize,
+    pieces: usize,
+    max_pieces: usize,
+) {
+    let best_middle = middles.iter().enumerate().max_by_key(|(_, c)| c.tail);
+    let best_other = tails_only.iter().max_by_key(|c| c.tail);
+    let middle_tail = best_middle.map_or(0, |(_, c)| c.tail);
+    let (c, added_piece) = match (best_middle, best_other) {
+        (_, Some(other)) if other.tail > middle_tail => (*other, true),
+        (Some((k, c)), _) if c.tail > 0 => {
+            plan.take.remove(k);
+            (*c, false)
+        }
+        _ => {
+            plan.shortfall = missing;
+            return;
+        }
+    };
+    if added_piece && pieces + 2 > max_pieces {
+        plan.shortfall = missing;
+        return;
+    }
+    let extra = c.tail.min(missing);
+    plan.take.push((c.block, c.whole + extra));
+    plan.shortfall = missing - extra;
+    plan.new_memory_before_last = plan.shortfall > 0;
 }
 
 #[cfg(test)]
@@ -349,13 +405,39 @@ mod tests {
         // Block 2 completes a request its tail covers.
         let p = plan(Some((9, 5)), c, 18, 8).unwrap();
         assert_eq!(p.take, vec![(1, 8), (2, 5)]);
-        // Too short for the rest: whole chunks, then new memory.
+        // Too short: whole chunks, new memory, then the largest tail (block 2's) last.
         let p = plan(None, c, 30, 8).unwrap();
-        assert_eq!(p.take, vec![(1, 8), (3, 4)]);
-        assert_eq!(p.shortfall, 18);
+        assert_eq!(p.take, vec![(1, 8), (3, 4), (2, 6)]);
+        assert_eq!(p.shortfall, 12);
+        assert!(p.new_memory_before_last);
         // The first piece and new memory alone make a stitch.
         let p = plan(Some((9, 5)), [], 12, 8).unwrap();
         assert_eq!((p.first, p.take.len(), p.shortfall), (Some((9, 5)), 0, 7));
+        // A middle piece with the largest tail moves to the end: here its tail completes the
+        // request, with no new memory.
+        let c = [
+            Candidate {
+                block: 3,
+                whole: 4,
+                tail: 3,
+            },
+            Candidate {
+                block: 1,
+                whole: 8,
+                tail: 0,
+            },
+        ];
+        let p = plan(None, c, 13, 8).unwrap();
+        assert_eq!(p.take, vec![(1, 8), (3, 5)]);
+        assert_eq!((p.shortfall, p.new_memory_before_last), (0, false));
+        // Its tail all taken and still short: new memory goes before it.
+        let p = plan(None, c, 20, 8).unwrap();
+        assert_eq!(p.take, vec![(1, 8), (3, 7)]);
+        assert_eq!((p.shortfall, p.new_memory_before_last), (5, true));
+        // The pieces run out first: new memory last, as before.
+        let p = plan(None, c, 20, 2).unwrap();
+        assert_eq!(p.take, vec![(3, 4)]);
+        assert_eq!((p.shortfall, p.new_memory_before_last), (16, false));
         // A first piece as large as the request, or no room for a second piece, is not used.
         assert_eq!(plan(Some((9, 12)), [], 12, 8), None);
         assert_eq!(plan(Some((9, 5)), [], 12, 1), None);

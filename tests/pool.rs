@@ -282,6 +282,33 @@ fn free_two_blocks_per_handle(p: Pool, ballast: u64, blocks: &[u64], freed: &[us
     assert_eq!(stats.stitched_mapped_bytes.current, 0);
 }
 
+/// Writes a pattern (seed 99) through `stitched`'s range and checks that its pieces' home
+/// addresses read it back in order, and that the blocks of [`two_blocks_per_handle`] but the
+/// `freed` ones keep theirs.
+fn stitched_bytes_land_in_their_pieces(
+    device: &SharedDevice,
+    stitched: &glake::pool::snapshot::StitchedInfo,
+    blocks: &[u64],
+    freed: &[usize],
+) {
+    common::write_pattern(device, stitched.address, stitched.size, 99);
+    let through_homes: Vec<u8> = stitched
+        .pieces
+        .iter()
+        .flat_map(|&(home, len)| common::read(device, home, len))
+        .collect();
+    let size = through_homes.len();
+    assert_eq!(common::read(device, stitched.address, size), through_homes);
+    for (i, &b) in blocks.iter().enumerate() {
+        if !freed.contains(&i) {
+            assert!(
+                common::has_pattern(device, b, 4 * MIB, i as u64),
+                "block {i}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_stitch_begins_and_ends_in_chunks_shared_with_live_allocations() {
     let device = common::device();
@@ -306,23 +333,7 @@ fn a_stitch_begins_and_ends_in_chunks_shared_with_live_allocations() {
         vec![(blocks[1], 4 * MIB), (blocks[4], 4 * MIB)]
     );
     assert_eq!(stitched.handle_count, 2);
-    common::write_pattern(&device, big, 8 * MIB, 99);
-    assert_eq!(
-        common::read(&device, big, 8 * MIB),
-        [
-            common::read(&device, blocks[1], 4 * MIB),
-            common::read(&device, blocks[4], 4 * MIB)
-        ]
-        .concat()
-    );
-    for (i, &b) in blocks.iter().enumerate() {
-        if i != 1 && i != 4 {
-            assert!(
-                common::has_pattern(&device, b, 4 * MIB, i as u64),
-                "block {i}"
-            );
-        }
-    }
+    stitched_bytes_land_in_their_pieces(&device, stitched, &blocks, &[1, 4]);
     p.check_invariants().unwrap();
     // Freed, the range stays mapped and serves the same request again.
     p.free(big).unwrap();
@@ -357,21 +368,7 @@ fn new_memory_goes_before_a_last_piece_that_ends_inside_a_held_chunk() {
     let lens: Vec<usize> = stitched.pieces.iter().map(|&(_, len)| len).collect();
     assert_eq!(lens, vec![4 * MIB, 8 * MIB, 4 * MIB]);
     assert_eq!((homes[0], homes[2]), (blocks[1], blocks[4]));
-    common::write_pattern(&device, big, 16 * MIB, 99);
-    let through_homes: Vec<u8> = stitched
-        .pieces
-        .iter()
-        .flat_map(|&(home, len)| common::read(&device, home, len))
-        .collect();
-    assert_eq!(common::read(&device, big, 16 * MIB), through_homes);
-    for (i, &b) in blocks.iter().enumerate() {
-        if i != 1 && i != 4 {
-            assert!(
-                common::has_pattern(&device, b, 4 * MIB, i as u64),
-                "block {i}"
-            );
-        }
-    }
+    stitched_bytes_land_in_their_pieces(&device, stitched, &blocks, &[1, 4]);
     p.check_invariants().unwrap();
     p.free(big).unwrap();
     free_two_blocks_per_handle(p, ballast, &blocks, &[1, 4]);

@@ -737,6 +737,95 @@ fault_tests! {
     fail_mem_info => MemInfo,
 }
 
+/// Stitches that begin in the free end of a held handle and end in the free front of one
+/// (a 128 MiB segment of 16 MiB handles cut into 8 MiB blocks, the end of handle 0 and the
+/// front of handle 2 freed): one of 16 MiB from those two alone, then one of 24 MiB that maps
+/// new memory between them, on a fault device. Returns the device and the stitches made;
+/// checks that nothing is left once the pool is dropped and that each stitched allocation
+/// made holds its bytes.
+fn edges_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
+    let host = Arc::new(
+        HostDevice::new(
+            0,
+            HostOptions {
+                total_memory: 4 << 30,
+                ..HostOptions::default()
+            },
+        )
+        .expect("host device"),
+    );
+    let bytes: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(bytes.clone()));
+    if let Some((kind, n)) = plan {
+        fault.fail_nth(kind, n);
+    }
+    // Handles up to the pool's size, so that the 128 MiB segment, made once the pool holds
+    // 256 MiB, is of 16 MiB handles.
+    let config = Config {
+        chunk_divisor: 1,
+        ..Config::default()
+    };
+    let mut stitches = 0;
+    if let Ok(pool) = Pool::new(fault.clone() as SharedDevice, config) {
+        let malloc = |mib: usize| pool.malloc(mib * MIB, Stream::DEFAULT).ok();
+        let free = |ptr: Option<DevicePtr>| {
+            if let Some(ptr) = ptr {
+                let _ = pool.free(ptr);
+            }
+        };
+        let filler = malloc(256);
+        free(malloc(128));
+        let blocks: Vec<_> = (0..16).map(|_| malloc(8)).collect();
+        free(blocks[1]);
+        free(blocks[4]);
+        for mib in [16, 24] {
+            if let Some(big) = malloc(mib) {
+                common::write_pattern(&bytes, big, mib * MIB, 5);
+                assert!(common::has_pattern(&bytes, big, mib * MIB, 5), "{plan:?}");
+                free(Some(big));
+            }
+        }
+        pool.check_invariants()
+            .unwrap_or_else(|err| panic!("{plan:?}: {err}"));
+        stitches = pool.stats().stitches;
+        for (i, &b) in blocks.iter().enumerate() {
+            if i != 1 && i != 4 {
+                free(b);
+            }
+        }
+        free(filler);
+    }
+    assert_eq!(
+        host.live_objects(),
+        (0, 0, 0),
+        "{plan:?}: driver objects left"
+    );
+    assert_eq!(host.created_bytes(), 0, "{plan:?}: physical bytes left");
+    (fault, stitches)
+}
+
+/// Each driver call of stitches that begin and end inside held handles, one of them with new
+/// memory before its last piece, fails in turn: the pool stays consistent, each allocation
+/// made holds its bytes, and dropping the pool leaks nothing.
+#[test]
+fn stitches_inside_held_handles_survive_each_call_failing() {
+    let (clean, stitches) = edges_run(None);
+    assert_eq!(stitches, 2, "the clean run stitches twice");
+    let mut runs = 0;
+    for kind in CallKind::ALL {
+        for n in 1..=clean.calls(kind) {
+            let (fault, _) = edges_run(Some((kind, n)));
+            assert_eq!(
+                fault.injected(),
+                1,
+                "{kind:?} call {n}: the failure did not fire"
+            );
+            runs += 1;
+        }
+    }
+    assert!(runs > 30, "only {runs} calls failed in turn");
+}
+
 /// A stitch that gathers small-handle segments (the scenario of tests/pool.rs: six whole idle
 /// segments, four of them of 16 MiB handles, freed before a passed fence and mapped by no
 /// stitched range, released and made again in 32 MiB handles) on a fault device. Returns the device and

@@ -1722,6 +1722,93 @@ struct Gathering {
     reserved_after: i64,
 }
 
+/// A stitch whose free blocks cover the request but gathers some of them into new memory:
+/// the new memory goes before the last piece, which stops short of its last chunk's end
+/// (here, where a live 2 MiB allocation holds that chunk's end), so the range handed out is
+/// the pieces' bytes and nothing else (the new memory after that piece mapped the chunk's
+/// held bytes into the middle of the allocation).
+#[test]
+fn new_memory_from_gathered_segments_goes_before_a_last_piece_cut_short() {
+    let host = common::host_device(4 << 30);
+    let shared: SharedDevice = host.clone();
+    let config = Config {
+        chunk_divisor: 1,
+        ..Config::default()
+    };
+    let p = Pool::new(shared.clone(), config).unwrap();
+    let filler = p.malloc(256 * MIB, Stream::DEFAULT).unwrap();
+    let first: Vec<u64> = [400, 420]
+        .iter()
+        .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    let small: Vec<u64> = [160, 180, 200, 220]
+        .iter()
+        .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
+        .collect();
+    p.free(small[1]).unwrap();
+    // The back of the 180 MiB segment.
+    let held = p.malloc(2 * MIB, Stream::DEFAULT).unwrap();
+    common::write_pattern(&shared, held, 2 * MIB, 7);
+    for &b in [small[0], small[2], small[3]].iter().chain(&first) {
+        p.free(b).unwrap();
+    }
+    let one = p.malloc(820 * MIB, Stream::DEFAULT).unwrap();
+    p.free(one).unwrap();
+    shared.synchronize_stream(Stream::DEFAULT).unwrap();
+    let big = p.malloc(1417 * MIB, Stream::DEFAULT).unwrap();
+    assert!(p.stats().gathered_segments > 0, "the stitch gathers");
+    p.check_invariants().unwrap();
+    let snap = p.snapshot();
+    let stitched = snap.stitched.iter().find(|s| s.address == big).unwrap();
+    assert!(stitched.size >= 1417 * MIB);
+    common::write_pattern(&shared, big, 1417 * MIB, 9);
+    let through_homes: Vec<u8> = stitched
+        .pieces
+        .iter()
+        .flat_map(|&(home, len)| common::read(&shared, home, len))
+        .take(1417 * MIB)
+        .collect();
+    assert!(common::read(&shared, big, 1417 * MIB) == through_homes);
+    assert!(common::has_pattern(&shared, held, 2 * MIB, 7));
+    for ptr in [big, held, filler] {
+        p.free(ptr).unwrap();
+    }
+    p.check_invariants().unwrap();
+}
+
+/// A block whose whole chunks are fewer bytes than `fragLimit` serves only as a stitch's last
+/// piece, and then with all its free bytes: enough for the rest of new memory's last granule
+/// to come out of it.
+#[test]
+fn a_block_short_of_whole_chunks_ends_a_stitch_with_all_its_bytes() {
+    let host = common::host_device(1 << 30);
+    let shared: SharedDevice = host.clone();
+    let config = Config {
+        frag_limit: 2 * MIB + MIB / 2,
+        defrag_level: DefragLevel::BeforeGrow,
+        ..Config::default()
+    };
+    let p = Pool::new(shared.clone(), config).unwrap();
+    let whole = p.malloc(6 * MIB, Stream::DEFAULT).unwrap();
+    p.free(whole).unwrap();
+    let y = p.malloc(2 * MIB, Stream::DEFAULT).unwrap();
+    let w = p.malloc(2 * MIB + MIB / 2, Stream::DEFAULT).unwrap();
+    let z = p.malloc(MIB + MIB / 2, Stream::DEFAULT).unwrap();
+    common::write_pattern(&shared, y, 2 * MIB, 1);
+    common::write_pattern(&shared, z, MIB + MIB / 2, 2);
+    p.free(w).unwrap();
+    let big = p.malloc(3 * MIB + MIB / 2, Stream::DEFAULT).unwrap();
+    p.check_invariants().unwrap();
+    common::write_pattern(&shared, big, 3 * MIB + MIB / 2, 3);
+    assert!(common::has_pattern(&shared, big, 3 * MIB + MIB / 2, 3));
+    assert!(common::has_pattern(&shared, y, 2 * MIB, 1));
+    assert!(common::has_pattern(&shared, z, MIB + MIB / 2, 2));
+    for ptr in [big, y, z] {
+        p.free(ptr).unwrap();
+    }
+    p.check_invariants().unwrap();
+}
+
 /// A pool whose new segments get handles up to 32 MiB (`chunk_divisor` 1) holding four
 /// segments of smaller handles freed early, and two more freed for a first stitch (820 MiB,
 /// below the size that gathers), which records the stream's fence. A second stitch (1580 MiB)

@@ -263,14 +263,26 @@ impl Inner {
         } else {
             super::gather::Gathered::default()
         };
+        if gathered.bytes > 0 && grown == 0 && !plan.take.is_empty() {
+            // The plan covered the request, so its last piece may stop short of its last
+            // chunk's end: the gathered segments' new memory cannot follow it, and goes
+            // before it.
+            plan.new_memory_before_last = true;
+        }
         let grown = grown + gathered.bytes;
         if plan.new_memory_before_last && grown > 0 {
             // The new segment is taken whole, so that the last piece follows it: the part of
-            // its last granule the request would have left is taken from the last piece.
+            // its last granule the request would have left is taken from the last piece (at
+            // least a piece's worth, more than a granule's rest).
             let slack = grown - plan.shortfall;
-            if let Some(last) = plan.take.last_mut() {
-                last.1 -= slack;
-            }
+            let last = plan.take.last_mut().filter(|last| last.1 > slack);
+            let Some(last) = last else {
+                self.bury_all(device, gathered.zombies);
+                return Err(Error::internal(
+                    "a stitch's last piece is shorter than a granule",
+                ));
+            };
+            last.1 -= slack;
             plan.shortfall = grown;
         }
         // Where each planned piece lies and what maps it, before taking splits the blocks.
@@ -358,10 +370,16 @@ impl Inner {
                 first = Some((head, id, head + whole));
             }
             if whole + tail >= min_piece {
+                // Fewer whole bytes than a piece is worth: only as the last piece, which takes
+                // them and the tail after them as one run.
+                let (whole, tail) = if whole >= min_piece {
+                    (whole, tail)
+                } else {
+                    (0, whole + tail)
+                };
                 candidates.push(stitch::Candidate {
                     block: id,
-                    // Fewer whole bytes than a piece is worth: only as the last piece.
-                    whole: if whole >= min_piece { whole } else { 0 },
+                    whole,
                     tail,
                 });
             }

@@ -179,6 +179,26 @@ impl Inner {
             if !covered {
                 return Err(format!("stitched block {id}: pieces and handles disagree"));
             }
+            if let (Some(ids), Some(live)) = (
+                self.stitch_blocks.blocks.get(&id),
+                self.live.get(&s.va).filter(|_| s.in_use),
+            ) {
+                // Every byte handed out lies in a block the stitch holds.
+                let held = |addr: DevicePtr, len: usize| {
+                    ids.iter().any(|&b| {
+                        let b = &self.map.blocks[b];
+                        b.state != BlockState::Free
+                            && b.addr <= addr
+                            && addr + len as u64 <= b.addr + b.size as u64
+                    })
+                };
+                if !crate::stitch::prefix(&s.pieces, live.size).all(|(a, l)| held(a, l)) {
+                    return Err(format!(
+                        "stitched block {id}: bytes handed out at {:#x} that no piece holds",
+                        s.va
+                    ));
+                }
+            }
             if !s.asleep {
                 mapped += s.mapped();
             }

@@ -32,6 +32,9 @@ options:
   --waste                where the reserved memory beyond the live bytes sits at the live
                          peak and at the reserved peak (free whole chunks, stranded
                          sub-chunk rests, ...; replays again)
+  --check N              check the pool's invariants every N operations and at the end;
+                         the first inconsistency fails the replay (parked blocks go back
+                         to the free lists at each check, so placements differ)
   --list-configs         list the named configurations and exit
   -h, --help             this text
 ";
@@ -49,6 +52,8 @@ pub struct Args {
     pub plot: Option<PathBuf>,
     pub driver_calls: bool,
     pub waste: bool,
+    /// Check the pool's invariants every this many operations (see `ReplayOptions`).
+    pub check_every: Option<usize>,
     pub list_configs: bool,
     pub help: bool,
 }
@@ -72,6 +77,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Args> {
         plot: None,
         driver_calls: false,
         waste: false,
+        check_every: None,
         list_configs: false,
         help: false,
     };
@@ -144,6 +150,17 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Args> {
                 })?;
             }
             "--budget" => parsed.budget = Some(bytes("--budget", &value()?)?),
+            "--check" => {
+                let v = value()?;
+                parsed.check_every = match v.trim().parse::<usize>() {
+                    Ok(n) if n > 0 => Some(n),
+                    _ => {
+                        return Err(TraceError::new(format!(
+                            "--check: {v:?} is not a positive operation count"
+                        )))
+                    }
+                };
+            }
             "--device" => {
                 let v = value()?;
                 parsed.device = v
@@ -254,6 +271,11 @@ mod tests {
         assert!(parse(&[]).is_err());
         assert!(parse(&["--config", "nope", "t"]).is_err());
         assert!(parse(&["--budget", "lots", "t"]).is_err());
+        assert_eq!(
+            parse(&["--check", "500", "t"]).unwrap().check_every,
+            Some(500)
+        );
+        assert!(parse(&["--check", "0", "t"]).is_err());
         assert!(parse(&["--budget"]).is_err());
         assert!(parse(&["--plot", "x.pdf", "t"]).is_err());
         assert!(parse(&["--backend", "tpu", "t"]).is_err());

@@ -58,6 +58,11 @@ pub struct ReplayOptions {
     /// the pool there, in [`ReplayResult::snapshot`]; the other figures then cover the
     /// operations replayed so far.
     pub snapshot_after: Option<usize>,
+    /// Check the pool's invariants (its blocks, statistics and stitched ranges agree) after
+    /// every this many operations and at the end; the first failure ends the replay with an
+    /// error naming the operation. A check returns parked blocks to the free lists, as
+    /// statistics do, so later placements differ from an unchecked replay's.
+    pub check_every: Option<usize>,
 }
 
 impl Default for ReplayOptions {
@@ -67,6 +72,7 @@ impl Default for ReplayOptions {
             budget: None,
             timeline: false,
             snapshot_after: None,
+            check_every: None,
         }
     }
 }
@@ -445,6 +451,16 @@ fn run(
             snapshot = Some(pool.snapshot());
             break;
         }
+        let last = index + 1 == trace.ops.len();
+        if let Some(every) = options.check_every.filter(|&n| n > 0) {
+            if (index + 1) % every == 0 || last {
+                pool.check_invariants().map_err(|err| {
+                    TraceError::new(format!(
+                        "after operation {index}: the pool is inconsistent: {err}"
+                    ))
+                })?;
+            }
+        }
     }
     let wall_ns = wall.elapsed().as_nanos() as u64;
     if snapshot.is_none() {
@@ -588,5 +604,17 @@ mod tests {
         assert_eq!(caching.ooms, 1);
         assert_eq!(stitch.ooms, 0);
         assert_eq!(caching.peak_live_bytes, 32 * MIB);
+    }
+
+    #[test]
+    fn a_checked_replay_checks_the_pool_and_finds_it_consistent() {
+        let trace = fragmenting();
+        let options = ReplayOptions {
+            check_every: Some(1),
+            ..ReplayOptions::default()
+        };
+        let stitch = replay(&trace, &configs::named("stitch").unwrap(), &options).unwrap();
+        assert_eq!(stitch.stitches, 1);
+        assert_eq!(stitch.peak_reserved_bytes, 32 * MIB);
     }
 }

@@ -53,6 +53,7 @@ fn run(args: &Args) -> Result<(), String> {
         budget: args.budget,
         timeline: args.plot.is_some(),
         snapshot_after: None,
+        check_every: args.check_every,
     };
     let mut failed = false;
     for (index, path) in args.traces.iter().enumerate() {

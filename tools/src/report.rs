@@ -303,7 +303,7 @@ pub fn waste_line(trace: &str, config: &str, w: &Waste) -> String {
          {}, \
          rounding {}, small pool free {}, large pool free in whole chunks {}, stranded in \
          {} free blocks of at most small_limit sharing a chunk {}, other partial chunks {}, \
-         other {}",
+         other {}; of the stranded and partial bytes, {} at chunk boundaries",
         moment_names(w.at).0,
         w.op,
         gib(w.reserved),
@@ -316,13 +316,14 @@ pub fn waste_line(trace: &str, config: &str, w: &Waste) -> String {
         share(w.stranded),
         share(w.partial_chunks),
         share(w.other),
+        share(w.chunk_edges),
     )
 }
 
 /// [`waste_line`] as a single-line JSON object.
 pub fn waste_json(trace: &str, config: &str, w: &Waste) -> String {
     format!(
-        "{{\"trace\":{},\"config\":{},\"{}\":{{\"op\":{},\"reserved_bytes\":{},\"peak_reserved_bytes\":{},\"requested_bytes\":{},\"rounding_bytes\":{},\"small_free_bytes\":{},\"whole_chunk_free_bytes\":{},\"stranded_bytes\":{},\"stranded_blocks\":{},\"partial_chunk_free_bytes\":{},\"other_bytes\":{}}}}}",
+        "{{\"trace\":{},\"config\":{},\"{}\":{{\"op\":{},\"reserved_bytes\":{},\"peak_reserved_bytes\":{},\"requested_bytes\":{},\"rounding_bytes\":{},\"small_free_bytes\":{},\"whole_chunk_free_bytes\":{},\"stranded_bytes\":{},\"stranded_blocks\":{},\"partial_chunk_free_bytes\":{},\"other_bytes\":{},\"chunk_edge_bytes\":{}}}}}",
         json_string(trace),
         json_string(config),
         moment_names(w.at).1,
@@ -336,7 +337,8 @@ pub fn waste_json(trace: &str, config: &str, w: &Waste) -> String {
         w.stranded,
         w.stranded_blocks,
         w.partial_chunks,
-        w.other
+        w.other,
+        w.chunk_edges
     )
 }
 

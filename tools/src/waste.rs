@@ -55,6 +55,11 @@ pub struct Waste {
     /// Other free bytes of the large pool that share a chunk with allocated memory: only a
     /// request that fits the block, or a stitch's first or last piece, can use them.
     pub partial_chunks: u64,
+    /// Of the stranded and partial bytes, those between a chunk boundary and their block's
+    /// edge (the free end or front of a held chunk): a stitch's first or last piece can map
+    /// them, where their block offers at least `fragLimit` bytes from that boundary. The rest
+    /// lie in blocks inside one chunk, held on both sides.
+    pub chunk_edges: u64,
     /// Bytes of blocks freed but still waiting for other streams, and anything the kinds above
     /// miss (0 in a replay of one stream, where nothing waits).
     pub other: u64,
@@ -165,7 +170,9 @@ pub fn sort(snapshot: &Snapshot, op: usize, requested: u64, small_limit: usize) 
                 (BlockUse::PendingFree, _) => waste.other += size,
                 (BlockUse::Free, PoolKind::Small) => waste.small_free += size,
                 (BlockUse::Free, PoolKind::Large) => {
-                    let whole = whole_bytes(&bounds, block.address - segment.address, size);
+                    let offset = block.address - segment.address;
+                    let whole = whole_bytes(&bounds, offset, size);
+                    waste.chunk_edges += edge_bytes(&bounds, offset, size);
                     waste.whole_chunks += whole;
                     if whole == 0 && block.size <= small_limit {
                         waste.stranded += size;
@@ -211,6 +218,17 @@ fn whole_bytes(bounds: &[u64], offset: u64, len: u64) -> u64 {
         .sum()
 }
 
+/// Bytes of `[offset, offset + len)` before its first and after its last chunk boundary (0 when
+/// no boundary lies inside: the range is inside one chunk).
+fn edge_bytes(bounds: &[u64], offset: u64, len: u64) -> u64 {
+    let end = offset + len;
+    let inside = |b: &&u64| **b >= offset && **b <= end;
+    match (bounds.iter().find(inside), bounds.iter().rev().find(inside)) {
+        (Some(&first), Some(&last)) => (first - offset) + (end - last),
+        _ => 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,5 +243,20 @@ mod tests {
         assert_eq!(whole_bytes(&bounds, MIB, 3 * MIB), 2 * MIB);
         assert_eq!(whole_bytes(&bounds, MIB, MIB + MIB / 2), 0);
         assert_eq!(whole_bytes(&bounds, 5 * MIB, MIB), 0);
+    }
+
+    #[test]
+    fn edge_bytes_lie_between_a_boundary_and_the_block_edge() {
+        let bounds = [0, 2 * MIB, 4 * MIB, 6 * MIB];
+        assert_eq!(edge_bytes(&bounds, 0, 6 * MIB), 0);
+        assert_eq!(edge_bytes(&bounds, MIB, 4 * MIB), 2 * MIB);
+        assert_eq!(edge_bytes(&bounds, MIB, MIB), MIB, "ends at a boundary");
+        assert_eq!(edge_bytes(&bounds, 2 * MIB, MIB), MIB, "starts at one");
+        assert_eq!(
+            edge_bytes(&bounds, MIB + MIB / 2, MIB),
+            MIB,
+            "one boundary inside"
+        );
+        assert_eq!(edge_bytes(&bounds, 5 * MIB / 2, MIB), 0, "inside one chunk");
     }
 }

@@ -737,13 +737,14 @@ fault_tests! {
     fail_mem_info => MemInfo,
 }
 
-/// Stitches that begin in the free end of a held handle and end in the free front of one
-/// (a 128 MiB segment of 16 MiB handles cut into 8 MiB blocks, the end of handle 0 and the
-/// front of handle 2 freed): one of 16 MiB from those two alone, then one of 24 MiB that maps
-/// new memory between them, on a fault device. Returns the device and the stitches made;
-/// checks that nothing is left once the pool is dropped and that each stitched allocation
-/// made holds its bytes.
-fn edges_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
+/// Runs `work` on a 4 GiB host device behind a fault device that fails as `plan` says, with a
+/// pool whose handles may be as large as the memory it holds (so that a few hundred MiB of it
+/// give segments of large handles); checks that nothing is left once the pool is dropped.
+/// Returns the fault device and what `work` counted (0 if the pool could not be made).
+fn large_handle_run(
+    plan: Option<(CallKind, u64)>,
+    work: impl FnOnce(&Pool, &SharedDevice) -> i64,
+) -> (Arc<FaultDevice>, i64) {
     let host = Arc::new(
         HostDevice::new(
             0,
@@ -759,20 +760,42 @@ fn edges_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
     if let Some((kind, n)) = plan {
         fault.fail_nth(kind, n);
     }
-    // Handles up to the pool's size, so that the 128 MiB segment, made once the pool holds
-    // 256 MiB, is of 16 MiB handles.
     let config = Config {
         chunk_divisor: 1,
         ..Config::default()
     };
-    let mut stitches = 0;
-    if let Ok(pool) = Pool::new(fault.clone() as SharedDevice, config) {
-        let malloc = |mib: usize| pool.malloc(mib * MIB, Stream::DEFAULT).ok();
-        let free = |ptr: Option<DevicePtr>| {
-            if let Some(ptr) = ptr {
-                let _ = pool.free(ptr);
-            }
-        };
+    let counted =
+        Pool::new(fault.clone() as SharedDevice, config).map_or(0, |pool| work(&pool, &bytes));
+    assert_eq!(
+        host.live_objects(),
+        (0, 0, 0),
+        "{plan:?}: driver objects left"
+    );
+    assert_eq!(host.created_bytes(), 0, "{plan:?}: physical bytes left");
+    (fault, counted)
+}
+
+/// `mib` MiB on the default stream, or None where an injected failure refuses it.
+fn malloc_mib(pool: &Pool, mib: usize) -> Option<DevicePtr> {
+    pool.malloc(mib * MIB, Stream::DEFAULT).ok()
+}
+
+/// Frees `ptr` if there is one; a failure injected into the free is the sweep's to check.
+fn free_if_any(pool: &Pool, ptr: Option<DevicePtr>) {
+    if let Some(ptr) = ptr {
+        let _ = pool.free(ptr);
+    }
+}
+
+/// Stitches that begin in the free end of a held handle and end in the free front of one
+/// (a 128 MiB segment of 16 MiB handles cut into 8 MiB blocks, the end of handle 0 and the
+/// front of handle 2 freed): one of 16 MiB from those two alone, then one of 24 MiB that maps
+/// new memory between them. Returns the device and the stitches made; each stitched
+/// allocation made holds its bytes.
+fn edges_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
+    large_handle_run(plan, |pool, bytes| {
+        let (malloc, free) = (|mib| malloc_mib(pool, mib), |ptr| free_if_any(pool, ptr));
+        // Made once the pool holds 256 MiB, the 128 MiB segment is of 16 MiB handles.
         let filler = malloc(256);
         free(malloc(128));
         let blocks: Vec<_> = (0..16).map(|_| malloc(8)).collect();
@@ -780,28 +803,21 @@ fn edges_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
         free(blocks[4]);
         for mib in [16, 24] {
             if let Some(big) = malloc(mib) {
-                common::write_pattern(&bytes, big, mib * MIB, 5);
-                assert!(common::has_pattern(&bytes, big, mib * MIB, 5), "{plan:?}");
+                common::write_pattern(bytes, big, mib * MIB, 5);
+                assert!(common::has_pattern(bytes, big, mib * MIB, 5), "{plan:?}");
                 free(Some(big));
             }
         }
         pool.check_invariants()
             .unwrap_or_else(|err| panic!("{plan:?}: {err}"));
-        stitches = pool.stats().stitches;
         for (i, &b) in blocks.iter().enumerate() {
             if i != 1 && i != 4 {
                 free(b);
             }
         }
         free(filler);
-    }
-    assert_eq!(
-        host.live_objects(),
-        (0, 0, 0),
-        "{plan:?}: driver objects left"
-    );
-    assert_eq!(host.created_bytes(), 0, "{plan:?}: physical bytes left");
-    (fault, stitches)
+        pool.stats().stitches
+    })
 }
 
 /// Each driver call of stitches that begin and end inside held handles, one of them with new
@@ -811,10 +827,21 @@ fn edges_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
 fn stitches_inside_held_handles_survive_each_call_failing() {
     let (clean, stitches) = edges_run(None);
     assert_eq!(stitches, 2, "the clean run stitches twice");
+    let runs = fail_each_call_of(&clean, edges_run);
+    assert!(runs > 30, "only {runs} calls failed in turn");
+}
+
+/// A scenario run with the driver call `plan` names failing (none: a clean run): its fault
+/// device and what it counted.
+type FaultRun = fn(Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64);
+
+/// Runs `run` once per driver call the `clean` run made, that call failing; checks that each
+/// failure fired. Returns the runs made.
+fn fail_each_call_of(clean: &FaultDevice, run: FaultRun) -> usize {
     let mut runs = 0;
     for kind in CallKind::ALL {
         for n in 1..=clean.calls(kind) {
-            let (fault, _) = edges_run(Some((kind, n)));
+            let (fault, _) = run(Some((kind, n)));
             assert_eq!(
                 fault.injected(),
                 1,
@@ -823,42 +850,16 @@ fn stitches_inside_held_handles_survive_each_call_failing() {
             runs += 1;
         }
     }
-    assert!(runs > 30, "only {runs} calls failed in turn");
+    runs
 }
 
 /// A stitch that gathers small-handle segments (the scenario of tests/pool.rs: six whole idle
 /// segments, four of them of 16 MiB handles, freed before a passed fence and mapped by no
-/// stitched range, released and made again in 32 MiB handles) on a fault device. Returns the device and
-/// the segments gathered; checks that nothing is left once the pool is dropped and that the
-/// stitched allocation, where it was made, holds its bytes.
+/// stitched range, released and made again in 32 MiB handles). Returns the device and the
+/// segments gathered; the stitched allocation, where it was made, holds its bytes.
 fn gathering_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
-    let host = Arc::new(
-        HostDevice::new(
-            0,
-            HostOptions {
-                total_memory: 4 << 30,
-                ..HostOptions::default()
-            },
-        )
-        .expect("host device"),
-    );
-    let bytes: SharedDevice = host.clone();
-    let fault = Arc::new(FaultDevice::new(bytes.clone()));
-    if let Some((kind, n)) = plan {
-        fault.fail_nth(kind, n);
-    }
-    let config = Config {
-        chunk_divisor: 1,
-        ..Config::default()
-    };
-    let mut gathered = 0;
-    if let Ok(pool) = Pool::new(fault.clone() as SharedDevice, config) {
-        let malloc = |mib: usize| pool.malloc(mib * MIB, Stream::DEFAULT).ok();
-        let free = |ptr: Option<DevicePtr>| {
-            if let Some(ptr) = ptr {
-                let _ = pool.free(ptr);
-            }
-        };
+    large_handle_run(plan, |pool, bytes| {
+        let (malloc, free) = (|mib| malloc_mib(pool, mib), |ptr| free_if_any(pool, ptr));
         let filler = malloc(256);
         let first: Vec<_> = [400, 420].map(malloc).into();
         let small: Vec<_> = [160, 180, 200, 220].map(malloc).into();
@@ -867,22 +868,15 @@ fn gathering_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
         free(malloc(820));
         bytes.synchronize_stream(Stream::DEFAULT).expect("sync");
         if let Some(big) = malloc(1580) {
-            common::write_pattern(&bytes, big, 1580 * MIB, 3);
-            assert!(common::has_pattern(&bytes, big, 1580 * MIB, 3), "{plan:?}");
+            common::write_pattern(bytes, big, 1580 * MIB, 3);
+            assert!(common::has_pattern(bytes, big, 1580 * MIB, 3), "{plan:?}");
             free(Some(big));
         }
         free(filler);
         pool.check_invariants()
             .unwrap_or_else(|err| panic!("{plan:?}: {err}"));
-        gathered = pool.stats().gathered_segments;
-    }
-    assert_eq!(
-        host.live_objects(),
-        (0, 0, 0),
-        "{plan:?}: driver objects left"
-    );
-    assert_eq!(host.created_bytes(), 0, "{plan:?}: physical bytes left");
-    (fault, gathered)
+        pool.stats().gathered_segments
+    })
 }
 
 /// Each driver call of a gathering stitch fails in turn (the fences' events, the release of
@@ -892,17 +886,6 @@ fn gathering_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
 fn a_gathering_stitch_survives_each_call_failing() {
     let (clean, gathered) = gathering_run(None);
     assert_eq!(gathered, 4, "the clean run gathers");
-    let mut runs = 0;
-    for kind in CallKind::ALL {
-        for n in 1..=clean.calls(kind) {
-            let (fault, _) = gathering_run(Some((kind, n)));
-            assert_eq!(
-                fault.injected(),
-                1,
-                "{kind:?} call {n}: the failure did not fire"
-            );
-            runs += 1;
-        }
-    }
+    let runs = fail_each_call_of(&clean, gathering_run);
     assert!(runs > 100, "only {runs} calls failed in turn");
 }

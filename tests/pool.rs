@@ -1722,6 +1722,35 @@ struct Gathering {
     reserved_after: i64,
 }
 
+/// A pool on a 4 GiB host device whose new segments get handles up to 32 MiB (`chunk_divisor`
+/// 1), holding a 256 MiB filler, then segments of 400 and 420 MiB and four of 160, 180, 200 and
+/// 220 MiB (smaller handles: made while the pool was smaller), all allocated. Returns the
+/// device, the pool, the filler, the first two and the four.
+#[allow(clippy::type_complexity)]
+fn six_segments_on_a_growing_pool() -> (
+    Arc<glake::device::host::HostDevice>,
+    Pool,
+    u64,
+    Vec<u64>,
+    Vec<u64>,
+) {
+    let host = common::host_device(4 << 30);
+    let config = Config {
+        chunk_divisor: 1,
+        ..Config::default()
+    };
+    let p = Pool::new(host.clone(), config).unwrap();
+    let mibs = |list: &[usize]| -> Vec<u64> {
+        list.iter()
+            .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
+            .collect()
+    };
+    let filler = mibs(&[256])[0];
+    let first = mibs(&[400, 420]);
+    let small = mibs(&[160, 180, 200, 220]);
+    (host, p, filler, first, small)
+}
+
 /// A stitch whose free blocks cover the request but gathers some of them into new memory:
 /// the new memory goes before the last piece, which stops short of its last chunk's end
 /// (here, where a live 2 MiB allocation holds that chunk's end), so the range handed out is
@@ -1729,22 +1758,8 @@ struct Gathering {
 /// held bytes into the middle of the allocation).
 #[test]
 fn new_memory_from_gathered_segments_goes_before_a_last_piece_cut_short() {
-    let host = common::host_device(4 << 30);
+    let (host, p, filler, first, small) = six_segments_on_a_growing_pool();
     let shared: SharedDevice = host.clone();
-    let config = Config {
-        chunk_divisor: 1,
-        ..Config::default()
-    };
-    let p = Pool::new(shared.clone(), config).unwrap();
-    let filler = p.malloc(256 * MIB, Stream::DEFAULT).unwrap();
-    let first: Vec<u64> = [400, 420]
-        .iter()
-        .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
-        .collect();
-    let small: Vec<u64> = [160, 180, 200, 220]
-        .iter()
-        .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
-        .collect();
     p.free(small[1]).unwrap();
     // The back of the 180 MiB segment.
     let held = p.malloc(2 * MIB, Stream::DEFAULT).unwrap();
@@ -1816,22 +1831,8 @@ fn a_block_short_of_whole_chunks_ends_a_stitch_with_all_its_bytes() {
 /// stitch until after the second, so that fence has not passed. Always on the host backend (a
 /// gated stream).
 fn gather_small_segments(gate: bool) -> (Arc<glake::device::host::HostDevice>, Pool, Gathering) {
-    let host = common::host_device(4 << 30);
+    let (host, p, _filler, first, small) = six_segments_on_a_growing_pool();
     let shared: SharedDevice = host.clone();
-    let config = Config {
-        chunk_divisor: 1,
-        ..Config::default()
-    };
-    let p = Pool::new(shared.clone(), config).unwrap();
-    let _filler = p.malloc(256 * MIB, Stream::DEFAULT).unwrap();
-    let first: Vec<u64> = [400, 420]
-        .iter()
-        .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
-        .collect();
-    let small: Vec<u64> = [160, 180, 200, 220]
-        .iter()
-        .map(|&m| p.malloc(m * MIB, Stream::DEFAULT).unwrap())
-        .collect();
     for &s in &small {
         p.free(s).unwrap();
     }

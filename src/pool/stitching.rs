@@ -60,13 +60,14 @@ fn mapping_order(
     } else {
         pieces.len()
     };
-    let handles = |ps: &[Piece]| -> Vec<(PhysHandle, usize)> {
-        ps.iter().flat_map(|p| p.handles.iter().copied()).collect()
-    };
-    let mut order = handles(&pieces[..split]);
-    order.extend(segment_handles(segment));
-    order.extend(handles(&pieces[split..]));
-    order
+    let (before, after) = pieces.split_at(split);
+    let handles = |p: &Piece| p.handles.clone();
+    before
+        .iter()
+        .flat_map(handles)
+        .chain(segment_handles(segment))
+        .chain(after.iter().flat_map(handles))
+        .collect()
 }
 
 /// What the driver made of a stitch job: the stitched range, and the shortfall's segment
@@ -263,14 +264,14 @@ impl Inner {
         } else {
             super::gather::Gathered::default()
         };
-        if gathered.bytes > 0 && grown == 0 && !plan.take.is_empty() {
-            // The plan covered the request, so its last piece may stop short of its last
-            // chunk's end: the gathered segments' new memory cannot follow it, and goes
-            // before it.
+        let grown = grown + gathered.bytes;
+        if grown > 0 && !plan.new_memory_before_last && self.stops_short(plan.take.last()) {
+            // New memory mapped after the last piece would follow its last chunk's end, not
+            // its bytes (a plan that covered the request, whose gathered segments became new
+            // memory): it goes before that piece.
             plan.new_memory_before_last = true;
         }
-        let grown = grown + gathered.bytes;
-        if plan.new_memory_before_last && grown > 0 {
+        if plan.new_memory_before_last {
             // The new segment is taken whole, so that the last piece follows it: the part of
             // its last granule the request would have left is taken from the last piece (at
             // least a piece's worth, more than a granule's rest).
@@ -339,7 +340,7 @@ impl Inner {
             ids,
             shortfall,
             shortfall_bytes: plan.shortfall,
-            new_memory_before_last: plan.new_memory_before_last && grown > 0,
+            new_memory_before_last: plan.new_memory_before_last,
             access: self.access.clone(),
             granularity: self.granularity,
             gathered: gathered.zombies,
@@ -389,6 +390,17 @@ impl Inner {
             candidates.retain(|c| c.block != id);
         }
         (first, candidates)
+    }
+
+    /// Whether the take `(block, bytes)` (from the block's first chunk boundary) stops before
+    /// the end of the whole chunks it starts in: a piece mapped after it would not follow its
+    /// bytes.
+    fn stops_short(&self, take: Option<&(BlockId, usize)>) -> bool {
+        take.and_then(|&(id, bytes)| {
+            let (lo, hi) = self.map.chunk_edges_of(id)?;
+            Some(lo + bytes as u64 != hi)
+        })
+        .unwrap_or(false)
     }
 
     /// The piece that takes `bytes` of free block `id`, from its start when it is the stitch's

@@ -820,6 +820,51 @@ fn edges_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
     })
 }
 
+/// Stitched ranges grown in place: six 6 MiB blocks with every other one freed, a 12 MiB
+/// stitch of two holes freed, then 18 MiB (grown by the third hole) and 24 MiB (grown by new
+/// memory). Returns the device and the growths made; each allocation made holds its bytes and
+/// the live blocks keep theirs.
+fn growth_run(plan: Option<(CallKind, u64)>) -> (Arc<FaultDevice>, i64) {
+    large_handle_run(plan, |pool, bytes| {
+        let (malloc, free) = (|mib| malloc_mib(pool, mib), |ptr| free_if_any(pool, ptr));
+        let blocks: Vec<_> = (0..6).map(|_| malloc(6)).collect();
+        for (i, &b) in blocks.iter().enumerate() {
+            match (i % 2, b) {
+                (0, _) => free(b),
+                (_, Some(b)) => common::write_pattern(bytes, b, 6 * MIB, i as u64),
+                _ => {}
+            }
+        }
+        for mib in [12, 18, 24] {
+            if let Some(big) = malloc(mib) {
+                common::write_pattern(bytes, big, mib * MIB, 5);
+                assert!(common::has_pattern(bytes, big, mib * MIB, 5), "{plan:?}");
+                free(Some(big));
+            }
+        }
+        for (i, &b) in blocks.iter().enumerate().skip(1).step_by(2) {
+            if let Some(b) = b {
+                assert!(common::has_pattern(bytes, b, 6 * MIB, i as u64), "{plan:?}");
+            }
+        }
+        pool.check_invariants()
+            .unwrap_or_else(|err| panic!("{plan:?}: {err}"));
+        blocks.iter().skip(1).step_by(2).for_each(|&b| free(b));
+        pool.footprint().stitch_growths as i64
+    })
+}
+
+/// Each driver call of stitched ranges grown in place (by a free block, by new memory) fails
+/// in turn: the range, its pieces and the pool stay consistent, each allocation made holds its
+/// bytes, and dropping the pool leaks nothing.
+#[test]
+fn stitched_ranges_grown_in_place_survive_each_call_failing() {
+    let (clean, growths) = growth_run(None);
+    assert_eq!(growths, 2, "the clean run grows a range twice");
+    let runs = fail_each_call_of(&clean, growth_run);
+    assert!(runs > 20, "only {runs} calls failed in turn");
+}
+
 /// Each driver call of stitches that begin and end inside held handles, one of them with new
 /// memory before its last piece, fails in turn: the pool stays consistent, each allocation
 /// made holds its bytes, and dropping the pool leaks nothing.

@@ -943,6 +943,108 @@ fn a_larger_cached_stitch_serves_a_smaller_request_from_its_prefix() {
     p.check_invariants().unwrap();
 }
 
+/// A request larger than an idle stitched range whose pieces are all free grows that range
+/// where it is: the same address, its pieces kept, only the added pieces mapped; every byte
+/// is the allocation's own, and the live blocks around keep theirs.
+#[test]
+fn a_larger_request_grows_an_idle_stitched_range_in_place() {
+    let device = common::device();
+    let p = pool(&device);
+    let blocks = with_holes(&p, 10, 6 * MIB);
+    let live: Vec<(usize, u64)> = blocks
+        .iter()
+        .copied()
+        .enumerate()
+        .skip(1)
+        .step_by(2)
+        .collect();
+    for &(i, b) in &live {
+        common::write_pattern(&device, b, 6 * MIB, i as u64);
+    }
+    let first = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
+    p.free(first).unwrap();
+    let (reserved, mapped) = {
+        let s = p.stats();
+        (
+            s.reserved_bytes.all.current,
+            s.stitched_mapped_bytes.current,
+        )
+    };
+
+    let grown = p.malloc(24 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(grown, first, "grown at its address");
+    assert_eq!(p.footprint().stitch_growths, 1);
+    let s = p.stats();
+    assert_eq!((s.stitches, s.stitched_blocks.current), (2, 1));
+    assert_eq!(
+        s.stitched_mapped_bytes.current - mapped,
+        12 * MIB as i64,
+        "only the two added holes are mapped"
+    );
+    assert_eq!(
+        s.reserved_bytes.all.current, reserved,
+        "free holes cover it"
+    );
+    let snap = p.snapshot();
+    let range = snap.stitched.iter().find(|r| r.address == grown).unwrap();
+    assert_eq!((range.size, range.pieces.len()), (24 * MIB, 4));
+    common::write_pattern(&device, grown, 24 * MIB, 77);
+    assert!(common::has_pattern(&device, grown, 24 * MIB, 77));
+    for &(i, b) in &live {
+        assert!(common::has_pattern(&device, b, 6 * MIB, i as u64));
+    }
+    p.check_invariants().unwrap();
+
+    // Freed, the grown range serves its old size again from its prefix.
+    p.free(grown).unwrap();
+    let again = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!((again, p.stats().stitch_reuse_hits), (first, 1));
+    p.free(again).unwrap();
+    for &(_, b) in &live {
+        p.free(b).unwrap();
+    }
+    p.check_invariants().unwrap();
+    p.empty_cache().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+}
+
+/// With no free block left to add, an idle stitched range grows by new memory mapped after
+/// it: the request costs the new handles alone, as growing an expandable segment would.
+#[test]
+fn an_idle_stitched_range_grows_by_new_memory_when_no_free_block_is_left() {
+    let device = common::device();
+    let p = pool(&device);
+    let blocks = with_holes(&p, 4, 6 * MIB);
+    let first = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
+    p.free(first).unwrap();
+    let reserved = p.stats().reserved_bytes.all.current;
+
+    let grown = p.malloc(20 * MIB, Stream::DEFAULT).unwrap();
+    assert_eq!(grown, first);
+    assert_eq!(p.footprint().stitch_growths, 1);
+    assert_eq!(
+        p.stats().reserved_bytes.all.current - reserved,
+        8 * MIB as i64,
+        "the part the range lacked, new"
+    );
+    common::write_pattern(&device, grown, 20 * MIB, 3);
+    assert!(common::has_pattern(&device, grown, 20 * MIB, 3));
+    p.check_invariants().unwrap();
+
+    // Twice the range's size and more has no room after it: a new range.
+    p.free(grown).unwrap();
+    let larger = p.malloc(48 * MIB, Stream::DEFAULT).unwrap();
+    assert_ne!(larger, first);
+    assert_eq!(p.footprint().stitch_growths, 1);
+    common::write_pattern(&device, larger, 48 * MIB, 4);
+    assert!(common::has_pattern(&device, larger, 48 * MIB, 4));
+    p.free(larger).unwrap();
+    for &b in blocks.iter().skip(1).step_by(2) {
+        p.free(b).unwrap();
+    }
+    p.check_invariants().unwrap();
+}
+
 /// Memory of a private pool (a CUDA graph's) is used only by requests routed to it, stays
 /// through `empty_cache`, and joins the shared pool when the pool is released.
 #[test]
@@ -1867,10 +1969,16 @@ fn gather_small_segments(gate: bool) -> (Arc<glake::device::host::HostDevice>, P
         shared.synchronize_stream(Stream::DEFAULT).unwrap();
     }
     let reserved_before = p.stats().reserved_bytes.all.current;
-    // Stitch #2 maps every free segment whole: the two of stitch #1's idle range stay pieces.
+    // Stitch #2 grows stitch #1's idle range in place (its two pieces stay) by the four
+    // free segments, whole.
     let ptr = p.malloc(1580 * MIB, Stream::DEFAULT).unwrap();
     let stats = p.stats();
     assert_eq!(stats.stitches, 2);
+    assert_eq!(
+        (ptr, p.footprint().stitch_growths),
+        (one, 1),
+        "grown in place"
+    );
     if let Some(open) = open {
         open.send(()).unwrap();
         shared.synchronize_stream(Stream::DEFAULT).unwrap();

@@ -160,6 +160,7 @@ impl Inner {
     /// fence, mapped by no stitched range) when the stitch's new memory, `grown` bytes without
     /// them, then has fewer handles, and takes their segments off the books. Their bytes join
     /// the plan's shortfall. The caller has checked that the stitch is of the shared pool.
+    /// A plan that `grows` an idle stitched range may lose all its pieces so.
     pub(super) fn gather(
         &mut self,
         device: &dyn Device,
@@ -167,6 +168,7 @@ impl Inner {
         size: usize,
         grown: usize,
         stream: Stream,
+        grows: bool,
     ) -> Result<Gathered> {
         // Looked at on every stitch, so that the line moves on with stitches too.
         let on_stream = self.settled_on(device, stream);
@@ -217,8 +219,9 @@ impl Inner {
             self.map.epoch,
             picked.len()
         );
-        // A stitch keeps at least one piece of its own (else it would map new memory twice).
-        if picked.len() == plan.take.len() {
+        // A stitch keeps at least one piece of its own (else it would map new memory twice);
+        // a growth has its range's.
+        if picked.len() == plan.take.len() && !grows {
             picked.remove(0);
         }
         let handles: usize = picked

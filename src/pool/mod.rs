@@ -117,6 +117,8 @@ struct Inner {
     map: BlockMap,
     stitch: StitchCache,
     stitch_blocks: StitchBlocks,
+    /// Stitches that grew an idle stitched range in place (see `stitching::Growth`).
+    stitch_growths: u64,
     live: KeyMap<DevicePtr, Live>,
     pending: Vec<PendingFree>,
     stats: MemoryStats,
@@ -218,6 +220,9 @@ pub struct Footprint {
     /// last reset.
     pub stitches: u64,
     pub stitch_reuse_hits: u64,
+    /// Of the stitches, those that grew an idle stitched range in place (mapping only the
+    /// handles added), since the pool was made.
+    pub stitch_growths: u64,
 }
 
 /// Refuses a request that asks for more bytes (`asked`, booked as requested) than it hands out
@@ -284,6 +289,7 @@ impl Pool {
                 map: BlockMap::new(),
                 stitch: StitchCache::default(),
                 stitch_blocks: StitchBlocks::default(),
+                stitch_growths: 0,
                 live: KeyMap::default(),
                 pending: Vec::new(),
                 stats: MemoryStats::default(),
@@ -821,6 +827,7 @@ impl Pool {
             stitched_mapped: bytes(stats.stitched_mapped_bytes.current),
             stitches: times(stats.stitches),
             stitch_reuse_hits: times(stats.stitch_reuse_hits),
+            stitch_growths: inner.stitch_growths,
         }
     }
 

@@ -35,6 +35,27 @@ pub(super) struct StitchJob {
     /// Segments the stitch gathered, off the books: torn down before the shortfall is made,
     /// which takes their bytes.
     gathered: Vec<Zombie>,
+    /// The idle stitched range the job grows, if it grows one rather than mapping a new range.
+    grows: Option<Growth>,
+}
+
+/// A stitch that grows an idle stitched range in place: the range's pieces are all free and
+/// taken for the request, and the job's pieces are mapped in its room after its last handle,
+/// so only they are mapped and granted access. A shape a little larger than the last one
+/// (a longer sequence, a larger image) then costs the handles it adds, not all of them again.
+#[derive(Debug)]
+pub(super) struct Growth {
+    range: StitchId,
+    /// Where the job's first handle maps: the range's mapped end.
+    at: DevicePtr,
+    /// The blocks of the range's own pieces, taken for the request.
+    ids: Vec<BlockId>,
+}
+
+/// Address space a new stitched range reserves after its mapping, to grow into: as much as it
+/// maps, so a request up to about twice its size can grow it.
+fn growth_room(mapped: usize) -> usize {
+    mapped
 }
 
 /// A segment just made: its range and chunks.
@@ -105,7 +126,16 @@ impl StitchJob {
             }
         };
         let handles = mapping_order(&self.pieces, &segment, self.new_memory_before_last);
-        match map_range(device, &handles, 0, self.granularity, &self.access) {
+        let mapped = match &self.grows {
+            Some(growth) => map_at(device, growth.at, &handles, &self.access)
+                .map(|()| growth.at)
+                .map_err(|(err, zombie)| (err, Some(zombie))),
+            None => {
+                let room = growth_room(handles.iter().map(|&(_, len)| len).sum());
+                map_range(device, &handles, room, self.granularity, &self.access)
+            }
+        };
+        match mapped {
             Ok(va) => StitchMade {
                 result: Ok(Some((va, segment))),
                 leftovers,
@@ -185,15 +215,8 @@ impl Inner {
                     || pieces.iter().rev().skip(1).map(|p| p.len).sum::<usize>() < size;
                 whole
                     && !self.stitch.blocks[id].asleep
-                    && stitch::prefix(&self.stitch.blocks[id].pieces, size).all(|(addr, len)| {
-                        self.map.block_containing(addr).is_some_and(|b| {
-                            let b = &self.map.blocks[b];
-                            self.map.segments[b.segment].tag == tag
-                                && b.state == BlockState::Free
-                                && (b.owner.is_none() || b.owner == Some(stream))
-                                && addr + len as u64 <= b.addr + b.size as u64
-                        })
-                    })
+                    && stitch::prefix(&self.stitch.blocks[id].pieces, size)
+                        .all(|(addr, len)| self.free_for(addr, len, tag, stream))
             })?;
         let mut ids = Vec::new();
         for (addr, len) in stitch::prefix(&self.stitch.blocks[found].pieces, size) {
@@ -222,7 +245,11 @@ impl Inner {
         stream: Stream,
         tag: Tag,
     ) -> Result<Option<DevicePtr>> {
-        let Some(mut job) = self.prepare_stitch(device, size, stream, tag)? else {
+        let job = match self.prepare_growth(device, size, stream, tag)? {
+            Some(job) => Some(job),
+            None => self.prepare_stitch(device, size, stream, tag)?,
+        };
+        let Some(mut job) = job else {
             return Ok(None);
         };
         // A region's stitch is made under the lock, as its growth is: a sleep of the region
@@ -247,20 +274,137 @@ impl Inner {
     ) -> Result<Option<StitchJob>> {
         let min_piece = self.config.frag_limit.max(self.granularity);
         let (first, candidates) = self.stitch_candidates(tag, stream, min_piece);
-        let mut plan = match stitch::plan(first, candidates, size, self.config.max_stitch_pieces) {
-            Some(plan) => plan,
-            None => return Ok(None),
+        let Some(plan) = stitch::plan(first, candidates, size, self.config.max_stitch_pieces)
+        else {
+            return Ok(None);
         };
+        self.take_plan(device, plan, size, stream, tag, None)
+    }
+
+    /// A stitch that grows the largest idle stitched range of the shared pool that is smaller
+    /// than `size`, has all its pieces free for `stream` and room enough (see [`Growth`]): the
+    /// range's pieces are taken, and the rest of the request is planned as a stitch of its
+    /// own (free blocks, new memory, or both) to be mapped after them.
+    fn prepare_growth(
+        &mut self,
+        device: &dyn crate::device::Device,
+        size: usize,
+        stream: Stream,
+        tag: Tag,
+    ) -> Result<Option<StitchJob>> {
+        if tag != SHARED || self.routing > 0 {
+            return Ok(None);
+        }
+        let Some(range) = self.growable_range(size, stream) else {
+            return Ok(None);
+        };
+        let s = &self.stitch.blocks[range];
+        let (at, room, have) = (s.base() + s.mapped() as u64, s.room, s.size);
+        let max_pieces = self.config.max_stitch_pieces.saturating_sub(s.pieces.len());
+        let parts: Vec<(DevicePtr, usize)> = s.pieces.iter().map(|p| (p.addr, p.len)).collect();
+        let mut ids = Vec::with_capacity(parts.len());
+        for (addr, len) in parts {
+            match self.map.take_range(addr, len, stream) {
+                Some(id) => ids.push(id),
+                None => {
+                    self.give_back(&ids, stream);
+                    return Err(Error::internal(
+                        "a growable stitched range's piece is not free",
+                    ));
+                }
+            }
+        }
+        // In use from now on, so that no collection unmaps it while the job is made.
+        self.stitch.acquire(range, stream);
+        let rest = size - have;
+        let min_piece = self.config.frag_limit.max(self.granularity);
+        let (_, candidates) = self.stitch_candidates(tag, stream, min_piece);
+        // Its own piece count bounds the growth; with no free block to use, new memory alone.
+        let plan = (max_pieces > 0).then(|| {
+            stitch::plan(None, candidates, rest, max_pieces).unwrap_or(stitch::StitchPlan {
+                shortfall: rest,
+                ..stitch::StitchPlan::default()
+            })
+        });
+        let job = match plan {
+            Some(plan) => self.take_plan(device, plan, size, stream, tag, Some(room)),
+            None => Ok(None),
+        };
+        match job {
+            Ok(Some(mut job)) => {
+                job.grows = Some(Growth { range, at, ids });
+                Ok(Some(job))
+            }
+            other => {
+                self.let_go(Some(Growth { range, at, ids }), stream);
+                other
+            }
+        }
+    }
+
+    /// The idle stitched range a request of `size` bytes grows (see [`Inner::prepare_growth`]),
+    /// largest first among those of at least half its size.
+    fn growable_range(&self, size: usize, stream: Stream) -> Option<StitchId> {
+        self.stitch
+            .idle_candidates(size / 2, size.checked_sub(1)?)
+            .rev()
+            .take(REUSE_SCAN)
+            .find(|&id| {
+                let s = &self.stitch.blocks[id];
+                !s.asleep
+                    && s.ends_on_a_handle()
+                    && size - s.size <= s.room
+                    && s.pieces
+                        .iter()
+                        .all(|p| self.free_for(p.addr, p.len, SHARED, stream))
+            })
+    }
+
+    /// Whether `[addr, addr+len)` lies inside one free block of `tag` usable on `stream`.
+    fn free_for(&self, addr: DevicePtr, len: usize, tag: Tag, stream: Stream) -> bool {
+        self.map.block_containing(addr).is_some_and(|b| {
+            let b = &self.map.blocks[b];
+            self.map.segments[b.segment].tag == tag
+                && b.state == BlockState::Free
+                && (b.owner.is_none() || b.owner == Some(stream))
+                && addr + len as u64 <= b.addr + b.size as u64
+        })
+    }
+
+    /// A growth that did not happen: the range's pieces go back to the free blocks and the
+    /// range back to the idle ones.
+    fn let_go(&mut self, growth: Option<Growth>, stream: Stream) {
+        if let Some(growth) = growth {
+            self.give_back(&growth.ids, stream);
+            self.stitch.park(growth.range);
+        }
+    }
+
+    /// Takes the blocks of `plan` out of the free sets and books what it needs of new memory,
+    /// as a job for the driver serving a request of `size` bytes (a growth's plan covers the
+    /// part its range lacks). With `room`, none when the plan would map more than that.
+    fn take_plan(
+        &mut self,
+        device: &dyn crate::device::Device,
+        mut plan: stitch::StitchPlan,
+        size: usize,
+        stream: Stream,
+        tag: Tag,
+        room: Option<usize>,
+    ) -> Result<Option<StitchJob>> {
         // New memory comes in whole granules; what the request leaves of the last one stays
         // free in its segment.
         let grown = super::sizes::large_segment(plan.shortfall, self.granularity)?;
         if grown > 0 && !self.fits_cap(grown) {
             return Ok(None);
         }
+        if room.is_some_and(|room| self.plan_maps(&plan).saturating_add(grown) > room) {
+            return Ok(None);
+        }
         // Gathered segments leave the books now (their bytes join the shortfall, the cap sees
         // no change); their memory goes back to the device before the shortfall is made.
         let gathered = if self.config.gather && tag == SHARED && self.routing == 0 {
-            self.gather(device, &mut plan, size, grown, stream)?
+            self.gather(device, &mut plan, size, grown, stream, room.is_some())?
         } else {
             super::gather::Gathered::default()
         };
@@ -344,7 +488,25 @@ impl Inner {
             access: self.access.clone(),
             granularity: self.granularity,
             gathered: gathered.zombies,
+            grows: None,
         }))
+    }
+
+    /// Bytes the free blocks of `plan` map: the whole chunks of each of its pieces. Gathering
+    /// and the new memory's place move bytes between the pieces and the new memory, never
+    /// adding any.
+    fn plan_maps(&self, plan: &stitch::StitchPlan) -> usize {
+        let first = plan.first.iter().map(|&(id, b)| (id, b, true));
+        let rest = plan.take.iter().map(|&(id, b)| (id, b, false));
+        first
+            .chain(rest)
+            .map(|(id, bytes, first)| {
+                self.stitch_piece(id, bytes, first)
+                    .map_or(usize::MAX / 4, |(p, _)| {
+                        p.handles.iter().map(|&(_, len)| len).sum()
+                    })
+            })
+            .sum()
     }
 
     /// The free blocks of `tag` usable on `stream` that a stitch could map part of (at least
@@ -451,6 +613,7 @@ impl Inner {
             shortfall_bytes,
             new_memory_before_last,
             access,
+            grows,
             ..
         } = job;
         self.zombies.extend(made.leftovers);
@@ -461,6 +624,7 @@ impl Inner {
             Ok(Some(done)) => done,
             other => {
                 self.give_back(&ids, stream);
+                self.let_go(grows, stream);
                 return other.map(|_| None);
             }
         };
@@ -469,10 +633,11 @@ impl Inner {
             // (the allocation is made again under the lock).
             let handles = mapping_order(&pieces, &segment, new_memory_before_last);
             let mapped: usize = handles.iter().map(|&(_, len)| len).sum();
+            // A grown range keeps its own reservation: only the added mappings go.
             let stitched = Zombie {
                 unmaps: mappings(va, &handles),
                 handles: Vec::new(),
-                reservation: Some((va, mapped)),
+                reservation: grows.is_none().then(|| (va, mapped + growth_room(mapped))),
             };
             self.discard(device, stitched);
             if let Some((segment_va, chunks)) = &segment {
@@ -486,6 +651,7 @@ impl Inner {
                 );
             }
             self.give_back(&ids, stream);
+            self.let_go(grows, stream);
             return Ok(None);
         }
         if let (Some(plan), Some((segment_va, chunks))) = (shortfall, segment) {
@@ -516,27 +682,41 @@ impl Inner {
             );
         }
         let piece_count = pieces.len();
-        let id = self.stitch.insert(va, lead, pieces, stream);
-        let (va, mapped) = (self.stitch.blocks[id].va, self.stitch.blocks[id].mapped());
+        let grows_range = grows.is_some();
+        let mapped: usize = pieces.iter().flat_map(|p| &p.handles).map(|h| h.1).sum();
+        let id = match grows {
+            Some(growth) => {
+                self.stitch.grow(growth.range, pieces);
+                ids.splice(0..0, growth.ids);
+                self.stitch_growths += 1;
+                growth.range
+            }
+            None => {
+                self.stats.stitched_blocks.add(1);
+                let room = growth_room(mapped);
+                self.stitch.insert(va, lead, pieces, stream, room)
+            }
+        };
+        let va = self.stitch.blocks[id].va;
         self.stitch_blocks.blocks.insert(id, ids);
         self.register(va, Target::Stitched(id), size, stream, PoolKind::Large);
         self.stats.stitches += 1;
         self.stats.stitched_bytes += size as i64;
         self.stats.stitched_pieces += piece_count as i64;
         self.stats.stitched_allocations += 1;
-        self.stats.stitched_blocks.add(1);
         self.stats.stitched_mapped_bytes.add(mapped as i64);
         if log::log_enabled!(log::Level::Debug) {
             // What a stitch costs on CUDA grows with the handles it maps; an idle range at least
             // as large that could not be reused had some of its pieces in use.
-            let mappings: usize = self.stitch.blocks[id]
-                .pieces
+            let handles = &self.stitch.blocks[id].pieces;
+            let mappings: usize = handles[handles.len() - piece_count..]
                 .iter()
                 .map(|p| p.handles.len())
                 .sum();
             let idle_larger = self.stitch.idle_candidates(size, usize::MAX).count();
+            let grew = if grows_range { " (grown in place)" } else { "" };
             log::debug!(
-                "glake: fuse {piece_count} pieces ({mappings} handles) into {size} bytes at {va:#x} on device {} ({idle_larger} idle stitched ranges as large were not free)",
+                "glake: fuse {piece_count} pieces ({mappings} handles) into {size} bytes at {va:#x}{grew} on device {} ({idle_larger} idle stitched ranges as large were not free)",
                 device.ordinal()
             );
         }
@@ -613,7 +793,7 @@ impl Inner {
         let zombie = Zombie {
             unmaps,
             handles: Vec::new(),
-            reservation: Some((s.base(), s.mapped())),
+            reservation: Some((s.base(), s.reserved())),
         };
         self.bury(device, zombie);
     }

@@ -45,6 +45,9 @@ pub struct Stitched {
     /// mapped, and is mapped again over the pieces' new memory when the region wakes (or
     /// freed then, if its allocation was freed meanwhile).
     pub asleep: bool,
+    /// Address space reserved after the mapped bytes: a larger request can grow the range
+    /// there, mapping (and paying the access grant of) only the handles it adds.
+    pub room: usize,
 }
 
 impl Stitched {
@@ -60,6 +63,17 @@ impl Stitched {
             .flat_map(|p| &p.handles)
             .map(|&(_, len)| len)
             .sum()
+    }
+
+    /// Bytes of address space it holds from [`Stitched::base`].
+    pub fn reserved(&self) -> usize {
+        self.mapped() + self.room
+    }
+
+    /// Whether pieces mapped after its last handle would follow its bytes: its last piece
+    /// ends where its last handle does.
+    pub fn ends_on_a_handle(&self) -> bool {
+        self.va + self.size as u64 == self.base() + self.mapped() as u64
     }
 }
 
@@ -79,13 +93,15 @@ pub struct StitchCache {
 }
 
 impl StitchCache {
-    /// Registers a range mapped at `base` whose bytes start `lead` bytes into it.
+    /// Registers a range mapped at `base` whose bytes start `lead` bytes into it, with `room`
+    /// bytes of address space reserved after its mapping.
     pub fn insert(
         &mut self,
         base: DevicePtr,
         lead: usize,
         pieces: Vec<Piece>,
         stream: Stream,
+        room: usize,
     ) -> StitchId {
         let size = pieces.iter().map(|p| p.len).sum();
         let va = base + lead as u64;
@@ -99,6 +115,7 @@ impl StitchCache {
             stream,
             last_use: self.clock,
             asleep: false,
+            room,
         });
         self.by_va.insert(va, id);
         self.mapped_bytes += self.blocks[id].mapped();
@@ -125,6 +142,21 @@ impl StitchCache {
         s.in_use = true;
         s.stream = stream;
         s.last_use = self.clock;
+    }
+
+    /// Appends `pieces`, mapped in its room after its last handle, to range `id`, which an
+    /// allocation holds (so it sits in no idle list).
+    pub fn grow(&mut self, id: StitchId, pieces: Vec<Piece>) {
+        let s = &mut self.blocks[id];
+        let added: usize = pieces
+            .iter()
+            .flat_map(|p| &p.handles)
+            .map(|&(_, l)| l)
+            .sum();
+        s.size += pieces.iter().map(|p| p.len).sum::<usize>();
+        s.room = s.room.saturating_sub(added);
+        s.pieces.extend(pieces);
+        self.mapped_bytes += added;
     }
 
     /// Marks a stitched range idle (its allocation was freed); it stays mapped.
@@ -163,7 +195,11 @@ impl StitchCache {
 
     /// Idle ranges whose size lies in `[min, max]`, smallest first, and of one size the most
     /// recently used first.
-    pub fn idle_candidates(&self, min: usize, max: usize) -> impl Iterator<Item = StitchId> + '_ {
+    pub fn idle_candidates(
+        &self,
+        min: usize,
+        max: usize,
+    ) -> impl DoubleEndedIterator<Item = StitchId> + '_ {
         self.idle_by_size
             .range((min, Reverse(u64::MAX), 0)..=(max, Reverse(0), usize::MAX))
             .map(|&(_, _, id)| id)
@@ -455,9 +491,9 @@ mod tests {
     #[test]
     fn ranges_of_one_size_are_offered_most_recently_used_first() {
         let mut c = StitchCache::default();
-        let old = c.insert(100, 0, vec![piece(0)], Stream(1));
-        let new = c.insert(200, 0, vec![piece(8)], Stream(1));
-        let larger = c.insert(300, 0, vec![piece(16), piece(24)], Stream(1));
+        let old = c.insert(100, 0, vec![piece(0)], Stream(1), 0);
+        let new = c.insert(200, 0, vec![piece(8)], Stream(1), 0);
+        let larger = c.insert(300, 0, vec![piece(16), piece(24)], Stream(1), 0);
         c.park(new);
         c.park(old);
         c.park(larger);
@@ -480,8 +516,8 @@ mod tests {
     #[test]
     fn cache_reuse_by_size() {
         let mut c = StitchCache::default();
-        let a = c.insert(100, 0, vec![piece(0), piece(8)], Stream(1));
-        let b = c.insert(200, 0, vec![piece(16)], Stream(1));
+        let a = c.insert(100, 0, vec![piece(0), piece(8)], Stream(1), 0);
+        let b = c.insert(200, 0, vec![piece(16)], Stream(1), 0);
         c.park(a);
         c.park(b);
         assert_eq!(c.idle_candidates(4, 40).collect::<Vec<_>>(), vec![b, a]);
@@ -498,8 +534,8 @@ mod tests {
     #[test]
     fn a_sleeping_range_counts_no_mapped_bytes_and_is_marked_once() {
         let mut c = StitchCache::default();
-        let a = c.insert(100, 0, vec![piece(0), piece(8)], Stream(1));
-        let b = c.insert(200, 0, vec![piece(16)], Stream(1));
+        let a = c.insert(100, 0, vec![piece(0), piece(8)], Stream(1), 0);
+        let b = c.insert(200, 0, vec![piece(16)], Stream(1), 0);
         assert_eq!(c.mapped_bytes, 12);
         assert!(c.set_asleep(a, true));
         assert!(!c.set_asleep(a, true), "already asleep: nothing changes");
@@ -511,5 +547,28 @@ mod tests {
         assert!(c.set_asleep(b, true));
         c.remove(b);
         assert_eq!(c.mapped_bytes, 8);
+    }
+
+    #[test]
+    fn a_range_grows_into_its_room_and_keeps_its_address() {
+        let mut c = StitchCache::default();
+        let a = c.insert(100, 0, vec![piece(0)], Stream(1), 12);
+        assert!(c.blocks[a].ends_on_a_handle());
+        assert_eq!(c.blocks[a].reserved(), 16);
+        c.grow(a, vec![piece(8), piece(16)]);
+        let s = &c.blocks[a];
+        assert_eq!((s.va, s.size, s.mapped(), s.room), (100, 12, 12, 4));
+        assert_eq!(s.reserved(), 16, "the address space held does not change");
+        assert_eq!(c.mapped_bytes, 12);
+        assert_eq!(c.by_va(100), Some(a));
+        assert_eq!(c.containing(111), Some(a));
+        // A last piece shorter than its handle leaves bytes after the range that are not its.
+        let short = Piece {
+            addr: 40,
+            len: 3,
+            handles: vec![(PhysHandle(2), 4)],
+        };
+        let b = c.insert(200, 0, vec![short], Stream(1), 4);
+        assert!(!c.blocks[b].ends_on_a_handle());
     }
 }

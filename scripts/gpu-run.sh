@@ -33,10 +33,11 @@ done
 if ./gpu-bundle/quickstart > "$logs/quickstart.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
 echo "quickstart: $r" | tee -a "$summary"
 # Trace replay on the GPU: the same allocator, real driver calls; the JSON rows also replay
-# without gathering, so that the driver time it saves is measured in the same call.
+# without growing idle stitched ranges in place, so that the driver time it saves is measured
+# in the same call.
 if [ -x gpu-bundle/glake-replay ]; then
   if ./gpu-bundle/glake-replay --backend cuda --driver-calls traces/*.txt.gz > "$logs/replay-cuda.log" 2>&1 &&
-     ./gpu-bundle/glake-replay --backend cuda --json --config caching,stitch,stitch-nogather \
+     ./gpu-bundle/glake-replay --backend cuda --json --config caching,stitch,stitch-nogrow \
        traces/*.txt.gz > "$out/replay-cuda.jsonl" 2>> "$logs/replay-cuda.log"; then
     r=ok
   else

@@ -63,6 +63,10 @@ pub struct Config {
     /// makes releases it and makes its bytes again in large handles (`GLAKE_GATHER`): each
     /// later stitch over that memory grants fewer handles (see `pool::gather`).
     pub gather: bool,
+    /// A stitch for a request larger than an idle stitched range whose pieces are all free
+    /// grows that range in place (`GLAKE_GROW_STITCHED`): it maps, and grants access to, only
+    /// the handles it adds (see `pool::stitching::Growth`).
+    pub grow_stitched: bool,
     /// Where a sleeping region's bytes wait on the host (`GLAKE_SLEEP_HOST`).
     pub sleep_host: SleepHost,
     /// The sleep region of every allocation made outside another region
@@ -109,6 +113,7 @@ impl Default for Config {
             chunk_divisor: 2048,
             segment_handles: 32,
             gather: true,
+            grow_stitched: true,
             sleep_host: SleepHost::Pinned,
             default_region: None,
             guard: false,
@@ -173,6 +178,9 @@ const SEGMENT_HANDLES: Var = Var {
 };
 const GATHER: Var = Var {
     names: &["GLAKE_GATHER"],
+};
+const GROW_STITCHED: Var = Var {
+    names: &["GLAKE_GROW_STITCHED"],
 };
 const SLEEP_HOST: Var = Var {
     names: &["GLAKE_SLEEP_HOST"],
@@ -337,10 +345,15 @@ impl Config {
         }
         CHUNK_DIVISOR.read_count(1, &mut self.chunk_divisor);
         SEGMENT_HANDLES.read_count(1, &mut self.segment_handles);
-        if let Some((name, value)) = GATHER.lookup() {
-            match parse_bool(&value) {
-                Some(on) => self.gather = on,
-                None => warn_bad_value(name, &value, &format!("{}", self.gather as u8)),
+        for (var, field) in [
+            (GATHER, &mut self.gather),
+            (GROW_STITCHED, &mut self.grow_stitched),
+        ] {
+            if let Some((name, value)) = var.lookup() {
+                match parse_bool(&value) {
+                    Some(on) => *field = on,
+                    None => warn_bad_value(name, &value, &format!("{}", *field as u8)),
+                }
             }
         }
         if let Some((name, value)) = SLEEP_HOST.lookup() {

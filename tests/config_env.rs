@@ -34,6 +34,8 @@ const ALL_NAMES: &[&str] = &[
     "GLAKE_SWAP_WARMUP",
     "GLAKE_SWAP_BANDWIDTH",
     "GLAKE_SEGMENT_HANDLES",
+    "GLAKE_GATHER",
+    "GLAKE_GROW_STITCHED",
 ];
 
 fn clear() {
@@ -99,6 +101,17 @@ fn environment_names_and_aliases() {
     set("vmmDefragment", "maybe");
     set("GLAKE_MEMORY_FRACTION", "2");
     assert_eq!(Config::from_env(), Config::default());
+    clear();
+
+    // Switches of the stitch: off, on, and a bad value that keeps the default.
+    set("GLAKE_GROW_STITCHED", "0");
+    set("GLAKE_GATHER", "0");
+    let c = Config::from_env();
+    assert!(!c.grow_stitched && !c.gather);
+    set("GLAKE_GROW_STITCHED", "1");
+    set("GLAKE_GATHER", "sometimes");
+    let c = Config::from_env();
+    assert!(c.grow_stitched && c.gather);
     clear();
 
     set("GLAKE_SLEEP_HOST", "Pageable");

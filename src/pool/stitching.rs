@@ -292,7 +292,7 @@ impl Inner {
         stream: Stream,
         tag: Tag,
     ) -> Result<Option<StitchJob>> {
-        if tag != SHARED || self.routing > 0 {
+        if tag != SHARED || self.routing > 0 || !self.config.grow_stitched {
             return Ok(None);
         }
         let Some(range) = self.growable_range(size, stream) else {

@@ -29,7 +29,7 @@ pub const TABLE: &[Entry] = &[
     },
     Entry {
         name: "stitch",
-        description: "defaults: stitch before growing, frag_limit 2 MiB, reuse_limit 10, handles up to 32 MiB and 1/2048 of the pool (at most 32 per segment from 512 MiB), small-handle segments gathered",
+        description: "defaults: stitch before growing, frag_limit 2 MiB, reuse_limit 10, handles up to 32 MiB and 1/2048 of the pool (at most 32 per segment from 512 MiB), small-handle segments gathered, idle stitched ranges grown in place",
         apply: |_| {},
     },
     Entry {
@@ -41,6 +41,11 @@ pub const TABLE: &[Entry] = &[
         name: "stitch-nogather",
         description: "stitch, small-handle segments a stitch maps whole are not gathered into large handles",
         apply: |c| c.gather = false,
+    },
+    Entry {
+        name: "stitch-nogrow",
+        description: "stitch, a larger request never grows an idle stitched range in place",
+        apply: |c| c.grow_stitched = false,
     },
     Entry {
         name: "stitch-fl8m",

@@ -1694,6 +1694,29 @@ fn a_stitch_is_mapped_without_holding_up_other_threads() {
     );
 }
 
+/// A stitch that grows an idle stitched range maps what it adds without the pool's lock; the
+/// range stays out of other requests' reach meanwhile.
+#[test]
+fn a_stitched_range_grows_without_holding_up_other_threads() {
+    // A 16 MiB stitch of two free 8 MiB segments, freed: 24 MiB grows it by new memory. The
+    // other thread's requests come from a cached small-pool segment.
+    let prepare = |pool: &Pool| {
+        free_segments(pool, &[8 * MIB, MIB / 2, 8 * MIB]);
+        pool.free(pool.malloc(16 * MIB, Stream::DEFAULT).expect("stitch"))
+            .expect("free");
+    };
+    let meanwhile = |pool: &Pool| {
+        // Held by the growth: not reusable, and the pool is consistent while it is mapped.
+        assert_eq!(pool.stats().stitch_reuse_hits, 0);
+        common::check(pool);
+    };
+    let pool =
+        mapping_does_not_hold_up_others(Config::default(), prepare, 24 * MIB, MIB / 2, meanwhile);
+    let stats = pool.stats();
+    assert_eq!((stats.stitches, pool.footprint().stitch_growths), (2, 1));
+    assert_eq!(stats.stitched_blocks.current, 1, "one range, grown");
+}
+
 /// Access granted to a peer while a stitch (with memory it makes for its shortfall) is being
 /// mapped reaches everything booked afterwards: the stitch made with the old access is
 /// dropped and made again.

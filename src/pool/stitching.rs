@@ -40,16 +40,15 @@ pub(super) struct StitchJob {
 }
 
 /// A stitch that grows an idle stitched range in place: the range's pieces are all free and
-/// taken for the request, and the job's pieces are mapped in its room after its last handle,
-/// so only they are mapped and granted access. A shape a little larger than the last one
-/// (a longer sequence, a larger image) then costs the handles it adds, not all of them again.
+/// taken for the request (in use, their blocks booked to it as an allocation's are), and the
+/// job's pieces are mapped in its room after its last handle, so only they are mapped and
+/// granted access. A shape a little larger than the last one (a longer sequence, a larger
+/// image) then costs the handles it adds, not all of them again.
 #[derive(Debug)]
 pub(super) struct Growth {
     range: StitchId,
     /// Where the job's first handle maps: the range's mapped end.
     at: DevicePtr,
-    /// The blocks of the range's own pieces, taken for the request.
-    ids: Vec<BlockId>,
 }
 
 /// Address space a new stitched range reserves after its mapping, to grow into: as much as it
@@ -316,6 +315,7 @@ impl Inner {
         }
         // In use from now on, so that no collection unmaps it while the job is made.
         self.stitch.acquire(range, stream);
+        self.stitch_blocks.blocks.insert(range, ids);
         let rest = size - have;
         let min_piece = self.config.frag_limit.max(self.granularity);
         let (_, candidates) = self.stitch_candidates(tag, stream, min_piece);
@@ -332,11 +332,11 @@ impl Inner {
         };
         match job {
             Ok(Some(mut job)) => {
-                job.grows = Some(Growth { range, at, ids });
+                job.grows = Some(Growth { range, at });
                 Ok(Some(job))
             }
             other => {
-                self.let_go(Some(Growth { range, at, ids }), stream);
+                self.let_go(Some(Growth { range, at }), stream);
                 other
             }
         }
@@ -375,7 +375,8 @@ impl Inner {
     /// range back to the idle ones.
     fn let_go(&mut self, growth: Option<Growth>, stream: Stream) {
         if let Some(growth) = growth {
-            self.give_back(&growth.ids, stream);
+            let ids = self.stitch_blocks.blocks.remove(&growth.range);
+            self.give_back(&ids.unwrap_or_default(), stream);
             self.stitch.park(growth.range);
         }
     }
@@ -687,7 +688,8 @@ impl Inner {
         let id = match grows {
             Some(growth) => {
                 self.stitch.grow(growth.range, pieces);
-                ids.splice(0..0, growth.ids);
+                let own = self.stitch_blocks.blocks.remove(&growth.range);
+                ids.splice(0..0, own.unwrap_or_default());
                 self.stitch_growths += 1;
                 growth.range
             }

@@ -865,6 +865,85 @@ fn stitched_ranges_grown_in_place_survive_each_call_failing() {
     assert!(runs > 20, "only {runs} calls failed in turn");
 }
 
+/// A 12 MiB stitched range of two free 6 MiB blocks, idle, then grown to 20 MiB by new
+/// memory, with the `nth` call of `kind` of that growth failing (none: a clean run); then the
+/// same request again, which must grow the range where it is; with `stuck_unmap`, the undoing
+/// of the failed growth's first mapping fails too, and the retry, which cannot map there until
+/// that unmap is retried, must be served elsewhere. Returns the growth's calls of `kind`.
+/// Checks the bytes, the pool and that dropping it leaks nothing.
+fn failed_growth_run(kind: CallKind, nth: Option<u64>, stuck_unmap: bool) -> u64 {
+    let host = Arc::new(
+        HostDevice::new(
+            0,
+            HostOptions {
+                total_memory: 1 << 30,
+                ..HostOptions::default()
+            },
+        )
+        .expect("host device"),
+    );
+    let bytes: SharedDevice = host.clone();
+    let fault = Arc::new(FaultDevice::new(bytes.clone()));
+    let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");
+    let malloc = |mib: usize| pool.malloc(mib * MIB, Stream::DEFAULT);
+    let blocks: Vec<_> = (0..4).map(|_| malloc(6).expect("block")).collect();
+    for &b in blocks.iter().step_by(2) {
+        pool.free(b).expect("free");
+    }
+    let range = malloc(12).expect("stitch");
+    pool.free(range).expect("free");
+    let before = fault.calls(kind);
+    if let Some(nth) = nth {
+        fault.fail_nth(kind, nth);
+    }
+    if stuck_unmap {
+        fault.fail_nth(CallKind::Unmap, 1);
+    }
+    let first = malloc(20);
+    let calls = fault.calls(kind) - before;
+    pool.check_invariants()
+        .unwrap_or_else(|err| panic!("{kind:?} {nth:?}: {err}"));
+    if let Ok(ptr) = first {
+        pool.free(ptr).expect("free");
+    }
+    let again = malloc(20).unwrap_or_else(|err| panic!("{kind:?} {nth:?}: the retry: {err}"));
+    if !stuck_unmap {
+        assert_eq!(again, range, "{kind:?} {nth:?}: grown where it was");
+    }
+    common::write_pattern(&bytes, again, 20 * MIB, 9);
+    assert!(common::has_pattern(&bytes, again, 20 * MIB, 9));
+    pool.check_invariants()
+        .unwrap_or_else(|err| panic!("{kind:?} {nth:?}: {err}"));
+    pool.free(again).expect("free");
+    for &b in blocks.iter().skip(1).step_by(2) {
+        pool.free(b).expect("free");
+    }
+    drop(pool);
+    assert_eq!(
+        host.live_objects(),
+        (0, 0, 0),
+        "{kind:?} {nth:?}: driver objects left"
+    );
+    calls
+}
+
+/// A growth whose driver call fails (making its new memory, mapping it, granting access to
+/// it) leaves nothing in its range's room: the range goes back to the idle ones and grows on
+/// the next try.
+#[test]
+fn a_failed_growth_leaves_its_range_growable() {
+    for kind in [CallKind::CreatePhysical, CallKind::Map, CallKind::SetAccess] {
+        let calls = failed_growth_run(kind, None, false);
+        assert!(calls > 0, "the growth makes {kind:?} calls");
+        for nth in 1..=calls {
+            failed_growth_run(kind, Some(nth), false);
+        }
+    }
+    // The range's access grant fails, and so does unmapping what the growth had mapped.
+    let grants = failed_growth_run(CallKind::SetAccess, None, false);
+    failed_growth_run(CallKind::SetAccess, Some(grants), true);
+}
+
 /// Each driver call of stitches that begin and end inside held handles, one of them with new
 /// memory before its last piece, fails in turn: the pool stays consistent, each allocation
 /// made holds its bytes, and dropping the pool leaks nothing.

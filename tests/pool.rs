@@ -1045,6 +1045,106 @@ fn an_idle_stitched_range_grows_by_new_memory_when_no_free_block_is_left() {
     p.check_invariants().unwrap();
 }
 
+/// Random mallocs and frees of 1-40 MiB on pools of large and small handles, tight and roomy:
+/// ranges grow in place hundreds of times, and every live allocation keeps its bytes, the pool
+/// stays consistent, and nothing is left on the device after it.
+#[test]
+fn random_work_that_grows_ranges_keeps_every_byte() {
+    const SIZES_MIB: [usize; 13] = [1, 2, 3, 5, 6, 7, 9, 12, 14, 18, 24, 30, 40];
+    let mut growths = 0;
+    for (seed, chunk_divisor, total) in [
+        (1u64, 1, 1usize << 30),
+        (2, 64, 1 << 30),
+        (3, 2048, 1 << 30),
+        (4, 1, 160 << 20),
+        (5, 2048, 160 << 20),
+    ] {
+        let host = common::host_device(total);
+        let device: SharedDevice = host.clone();
+        let config = Config {
+            chunk_divisor,
+            ..Config::default()
+        };
+        let p = pool_with(&device, config);
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut live: Vec<(u64, usize, u64)> = Vec::new();
+        for step in 0..400 {
+            if live.len() > 3 && (next() % 100 < 45 || live.len() > 40) {
+                let (ptr, len, tag) = live.swap_remove(next() as usize % live.len());
+                assert!(
+                    common::has_pattern(&device, ptr, len, tag),
+                    "seed {seed} step {step}"
+                );
+                p.free(ptr).unwrap();
+            } else {
+                let len = SIZES_MIB[next() as usize % SIZES_MIB.len()] * MIB
+                    + (next() % 4) as usize * (MIB / 2);
+                match p.malloc(len, Stream::DEFAULT) {
+                    Ok(ptr) => {
+                        let tag = next();
+                        common::write_pattern(&device, ptr, len, tag);
+                        live.push((ptr, len, tag));
+                    }
+                    Err(err) => assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}"),
+                }
+            }
+            if step % 8 == 0 {
+                for &(ptr, len, tag) in &live {
+                    assert!(
+                        common::has_pattern(&device, ptr, len, tag),
+                        "seed {seed} step {step}"
+                    );
+                }
+                p.check_invariants()
+                    .unwrap_or_else(|err| panic!("seed {seed} step {step}: {err}"));
+            }
+        }
+        growths += p.footprint().stitch_growths;
+        for (ptr, len, tag) in live {
+            assert!(common::has_pattern(&device, ptr, len, tag), "seed {seed}");
+            p.free(ptr).unwrap();
+        }
+        p.check_invariants().unwrap();
+        drop(p);
+        assert_eq!(
+            host.live_objects(),
+            (0, 0, 0),
+            "seed {seed}: driver objects left"
+        );
+    }
+    assert!(growths > 20, "only {growths} growths");
+}
+
+/// With `grow_stitched` off, a larger request stitches a range of its own.
+#[test]
+fn ranges_do_not_grow_when_growing_is_off() {
+    let device = common::device();
+    let config = Config {
+        grow_stitched: false,
+        ..Config::default()
+    };
+    let p = pool_with(&device, config);
+    let blocks = with_holes(&p, 4, 6 * MIB);
+    let first = p.malloc(12 * MIB, Stream::DEFAULT).unwrap();
+    p.free(first).unwrap();
+    let other = p.malloc(20 * MIB, Stream::DEFAULT).unwrap();
+    assert_ne!(other, first);
+    assert_eq!(p.footprint().stitch_growths, 0);
+    common::write_pattern(&device, other, 20 * MIB, 2);
+    assert!(common::has_pattern(&device, other, 20 * MIB, 2));
+    p.free(other).unwrap();
+    for &b in blocks.iter().skip(1).step_by(2) {
+        p.free(b).unwrap();
+    }
+    p.check_invariants().unwrap();
+}
+
 /// Memory of a private pool (a CUDA graph's) is used only by requests routed to it, stays
 /// through `empty_cache`, and joins the shared pool when the pool is released.
 #[test]

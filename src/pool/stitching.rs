@@ -37,6 +37,9 @@ pub(super) struct StitchJob {
     gathered: Vec<Zombie>,
     /// The idle stitched range the job grows, if it grows one rather than mapping a new range.
     grows: Option<Growth>,
+    /// A new range reserves room to grow into (see [`growth_room`]): only the shared pool's
+    /// ranges grow, and only with `Config::grow_stitched`.
+    may_grow: bool,
 }
 
 /// A stitch that grows an idle stitched range in place: the range's pieces are all free and
@@ -51,10 +54,15 @@ pub(super) struct Growth {
     at: DevicePtr,
 }
 
-/// Address space a new stitched range reserves after its mapping, to grow into: as much as it
-/// maps, so a request up to about twice its size can grow it.
-fn growth_room(mapped: usize) -> usize {
-    mapped
+/// Address space a new stitched range reserves after its mapping (`mapped` bytes), to grow
+/// into: as much as it maps, so a request up to about twice its size can grow it; none for a
+/// range that never grows.
+fn growth_room(mapped: usize, may_grow: bool) -> usize {
+    if may_grow {
+        mapped
+    } else {
+        0
+    }
 }
 
 /// A segment just made: its range and chunks.
@@ -126,11 +134,17 @@ impl StitchJob {
         };
         let handles = mapping_order(&self.pieces, &segment, self.new_memory_before_last);
         let mapped = match &self.grows {
+            // The mappings a failure left in the range's room go at once: the range goes back
+            // to the idle ones, and its next growth maps there again.
             Some(growth) => map_at(device, growth.at, &handles, &self.access)
                 .map(|()| growth.at)
-                .map_err(|(err, zombie)| (err, Some(zombie))),
+                .map_err(|(err, mut zombie)| match zombie.finish(device) {
+                    Ok(()) => (err, None),
+                    Err(_) => (err, Some(zombie)),
+                }),
             None => {
-                let room = growth_room(handles.iter().map(|&(_, len)| len).sum());
+                let mapped = handles.iter().map(|&(_, len)| len).sum();
+                let room = growth_room(mapped, self.may_grow);
                 map_range(device, &handles, room, self.granularity, &self.access)
             }
         };
@@ -299,7 +313,11 @@ impl Inner {
         };
         let s = &self.stitch.blocks[range];
         let (at, room, have) = (s.base() + s.mapped() as u64, s.room, s.size);
+        // Its own piece count bounds the growth.
         let max_pieces = self.config.max_stitch_pieces.saturating_sub(s.pieces.len());
+        if max_pieces == 0 {
+            return Ok(None);
+        }
         let parts: Vec<(DevicePtr, usize)> = s.pieces.iter().map(|p| (p.addr, p.len)).collect();
         let mut ids = Vec::with_capacity(parts.len());
         for (addr, len) in parts {
@@ -319,17 +337,12 @@ impl Inner {
         let rest = size - have;
         let min_piece = self.config.frag_limit.max(self.granularity);
         let (_, candidates) = self.stitch_candidates(tag, stream, min_piece);
-        // Its own piece count bounds the growth; with no free block to use, new memory alone.
-        let plan = (max_pieces > 0).then(|| {
-            stitch::plan(None, candidates, rest, max_pieces).unwrap_or(stitch::StitchPlan {
-                shortfall: rest,
-                ..stitch::StitchPlan::default()
-            })
+        // With no free block to use, new memory alone.
+        let plan = stitch::plan(None, candidates, rest, max_pieces).unwrap_or(stitch::StitchPlan {
+            shortfall: rest,
+            ..stitch::StitchPlan::default()
         });
-        let job = match plan {
-            Some(plan) => self.take_plan(device, plan, size, stream, tag, Some(room)),
-            None => Ok(None),
-        };
+        let job = self.take_plan(device, plan, size, stream, tag, Some(room));
         match job {
             Ok(Some(mut job)) => {
                 job.grows = Some(Growth { range, at });
@@ -354,6 +367,8 @@ impl Inner {
                 !s.asleep
                     && s.ends_on_a_handle()
                     && size - s.size <= s.room
+                    // Mappings a failed teardown left in its room would refuse the growth's.
+                    && !self.unmap_pending(s.base() + s.mapped() as u64, s.room)
                     && s.pieces
                         .iter()
                         .all(|p| self.free_for(p.addr, p.len, SHARED, stream))
@@ -490,6 +505,7 @@ impl Inner {
             granularity: self.granularity,
             gathered: gathered.zombies,
             grows: None,
+            may_grow: self.config.grow_stitched && tag == SHARED && self.routing == 0,
         }))
     }
 
@@ -615,6 +631,7 @@ impl Inner {
             new_memory_before_last,
             access,
             grows,
+            may_grow,
             ..
         } = job;
         self.zombies.extend(made.leftovers);
@@ -638,7 +655,9 @@ impl Inner {
             let stitched = Zombie {
                 unmaps: mappings(va, &handles),
                 handles: Vec::new(),
-                reservation: grows.is_none().then(|| (va, mapped + growth_room(mapped))),
+                reservation: grows
+                    .is_none()
+                    .then(|| (va, mapped + growth_room(mapped, may_grow))),
             };
             self.discard(device, stitched);
             if let Some((segment_va, chunks)) = &segment {
@@ -695,7 +714,7 @@ impl Inner {
             }
             None => {
                 self.stats.stitched_blocks.add(1);
-                let room = growth_room(mapped);
+                let room = growth_room(mapped, may_grow);
                 self.stitch.insert(va, lead, pieces, stream, room)
             }
         };

@@ -204,7 +204,7 @@ impl Inner {
     }
 
     /// Whether a teardown still to be retried unmaps part of `[va, va+size)`.
-    fn unmap_pending(&self, va: DevicePtr, size: usize) -> bool {
+    pub(super) fn unmap_pending(&self, va: DevicePtr, size: usize) -> bool {
         let end = va + size as u64;
         self.zombies
             .iter()

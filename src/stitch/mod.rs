@@ -153,6 +153,11 @@ impl StitchCache {
             .flat_map(|p| &p.handles)
             .map(|&(_, l)| l)
             .sum();
+        debug_assert!(
+            added <= s.room,
+            "a growth maps {added} bytes into {} of room",
+            s.room
+        );
         s.size += pieces.iter().map(|p| p.len).sum::<usize>();
         s.room = s.room.saturating_sub(added);
         s.pieces.extend(pieces);

@@ -745,16 +745,7 @@ fn large_handle_run(
     plan: Option<(CallKind, u64)>,
     work: impl FnOnce(&Pool, &SharedDevice) -> i64,
 ) -> (Arc<FaultDevice>, i64) {
-    let host = Arc::new(
-        HostDevice::new(
-            0,
-            HostOptions {
-                total_memory: 4 << 30,
-                ..HostOptions::default()
-            },
-        )
-        .expect("host device"),
-    );
+    let host = common::host_device(4 << 30);
     let bytes: SharedDevice = host.clone();
     let fault = Arc::new(FaultDevice::new(bytes.clone()));
     if let Some((kind, n)) = plan {
@@ -872,16 +863,7 @@ fn stitched_ranges_grown_in_place_survive_each_call_failing() {
 /// that unmap is retried, must be served elsewhere. Returns the growth's calls of `kind`.
 /// Checks the bytes, the pool and that dropping it leaks nothing.
 fn failed_growth_run(kind: CallKind, nth: Option<u64>, stuck_unmap: bool) -> u64 {
-    let host = Arc::new(
-        HostDevice::new(
-            0,
-            HostOptions {
-                total_memory: 1 << 30,
-                ..HostOptions::default()
-            },
-        )
-        .expect("host device"),
-    );
+    let host = common::host_device(1 << 30);
     let bytes: SharedDevice = host.clone();
     let fault = Arc::new(FaultDevice::new(bytes.clone()));
     let pool = Pool::new(fault.clone() as SharedDevice, Config::default()).expect("pool");

@@ -46,6 +46,20 @@ fn with_holes(p: &Pool, count: usize, size: usize) -> Vec<u64> {
     blocks
 }
 
+/// Frees the blocks [`with_holes`] left live (the second, the fourth, ...) and checks the pool.
+fn free_the_rest(p: &Pool, blocks: &[u64]) {
+    for &b in blocks.iter().skip(1).step_by(2) {
+        p.free(b).unwrap();
+    }
+    p.check_invariants().unwrap();
+}
+
+/// Fills `len` bytes at `ptr` with the pattern of `seed` and reads them back.
+fn holds_its_bytes(device: &SharedDevice, ptr: u64, len: usize, seed: u64) {
+    common::write_pattern(device, ptr, len, seed);
+    assert!(common::has_pattern(device, ptr, len, seed));
+}
+
 #[test]
 fn small_and_large_requests_are_aligned_and_hold_bytes() {
     let device = common::device();
@@ -937,10 +951,7 @@ fn a_larger_cached_stitch_serves_a_smaller_request_from_its_prefix() {
     assert!(common::has_pattern(&device, small, 10 * MIB, 5));
     p.free(other).unwrap();
     p.free(small).unwrap();
-    for &b in blocks.iter().skip(1).step_by(2) {
-        p.free(b).unwrap();
-    }
-    p.check_invariants().unwrap();
+    free_the_rest(&p, &blocks);
 }
 
 /// A request larger than an idle stitched range whose pieces are all free grows that range
@@ -988,8 +999,7 @@ fn a_larger_request_grows_an_idle_stitched_range_in_place() {
     let snap = p.snapshot();
     let range = snap.stitched.iter().find(|r| r.address == grown).unwrap();
     assert_eq!((range.size, range.pieces.len()), (24 * MIB, 4));
-    common::write_pattern(&device, grown, 24 * MIB, 77);
-    assert!(common::has_pattern(&device, grown, 24 * MIB, 77));
+    holds_its_bytes(&device, grown, 24 * MIB, 77);
     for &(i, b) in &live {
         assert!(common::has_pattern(&device, b, 6 * MIB, i as u64));
     }
@@ -1027,8 +1037,7 @@ fn an_idle_stitched_range_grows_by_new_memory_when_no_free_block_is_left() {
         8 * MIB as i64,
         "the part the range lacked, new"
     );
-    common::write_pattern(&device, grown, 20 * MIB, 3);
-    assert!(common::has_pattern(&device, grown, 20 * MIB, 3));
+    holds_its_bytes(&device, grown, 20 * MIB, 3);
     p.check_invariants().unwrap();
 
     // Twice the range's size and more has no room after it: a new range.
@@ -1036,13 +1045,9 @@ fn an_idle_stitched_range_grows_by_new_memory_when_no_free_block_is_left() {
     let larger = p.malloc(48 * MIB, Stream::DEFAULT).unwrap();
     assert_ne!(larger, first);
     assert_eq!(p.footprint().stitch_growths, 1);
-    common::write_pattern(&device, larger, 48 * MIB, 4);
-    assert!(common::has_pattern(&device, larger, 48 * MIB, 4));
+    holds_its_bytes(&device, larger, 48 * MIB, 4);
     p.free(larger).unwrap();
-    for &b in blocks.iter().skip(1).step_by(2) {
-        p.free(b).unwrap();
-    }
-    p.check_invariants().unwrap();
+    free_the_rest(&p, &blocks);
 }
 
 /// Random mallocs and frees of 1-40 MiB on pools of large and small handles, tight and roomy:
@@ -1136,13 +1141,9 @@ fn ranges_do_not_grow_when_growing_is_off() {
     let other = p.malloc(20 * MIB, Stream::DEFAULT).unwrap();
     assert_ne!(other, first);
     assert_eq!(p.footprint().stitch_growths, 0);
-    common::write_pattern(&device, other, 20 * MIB, 2);
-    assert!(common::has_pattern(&device, other, 20 * MIB, 2));
+    holds_its_bytes(&device, other, 20 * MIB, 2);
     p.free(other).unwrap();
-    for &b in blocks.iter().skip(1).step_by(2) {
-        p.free(b).unwrap();
-    }
-    p.check_invariants().unwrap();
+    free_the_rest(&p, &blocks);
 }
 
 /// Memory of a private pool (a CUDA graph's) is used only by requests routed to it, stays

@@ -13,6 +13,8 @@ ENVIRONMENT = {
     "max_chunk": "GLAKE_MAX_CHUNK",
     "chunk_divisor": "GLAKE_CHUNK_DIVISOR",
     "segment_handles": "GLAKE_SEGMENT_HANDLES",
+    "gather": "GLAKE_GATHER",
+    "grow_stitched": "GLAKE_GROW_STITCHED",
     "time_calls": "GLAKE_TIME_CALLS",
     "log": "GLAKE_LOG",
 }

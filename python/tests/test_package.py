@@ -26,6 +26,10 @@ def test_options_map_keywords_and_gmlake_spellings():
         "GLAKE_REUSE_LIMIT": "4",
         "GLAKE_AUTO_GC": "100",
     }
+    assert options.environment(grow_stitched=False, gather=True) == {
+        "GLAKE_GROW_STITCHED": "0",
+        "GLAKE_GATHER": "1",
+    }
     with pytest.raises(TypeError, match="unknown glake option 'fraglimit'"):
         options.environment(fraglimit=1)
 

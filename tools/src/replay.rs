@@ -188,6 +188,8 @@ pub struct ReplayResult {
     /// Peak live over peak reserved.
     pub utilization: f64,
     pub stitches: u64,
+    /// Of the stitches, those that grew an idle stitched range in place.
+    pub growths: u64,
     pub stitched_allocations: u64,
     pub reuse_hits: u64,
     pub collections: u64,
@@ -507,6 +509,7 @@ fn run(
             peak_live as f64 / peak_reserved as f64
         },
         stitches: count(stats.stitches),
+        growths: pool.footprint().stitch_growths,
         stitched_allocations: count(stats.stitched_allocations),
         reuse_hits: count(stats.stitch_reuse_hits),
         collections: count(stats.stitch_collections),

@@ -177,7 +177,7 @@ fn json_opt(value: Option<usize>) -> String {
 
 /// One replay as a single-line JSON object.
 pub fn json_line(r: &ReplayResult) -> String {
-    let fields: [(&str, String); 27] = [
+    let fields: [(&str, String); 28] = [
         ("trace", json_string(&r.trace)),
         ("config", json_string(&r.config)),
         ("backend", json_string(r.backend.name())),
@@ -187,6 +187,7 @@ pub fn json_line(r: &ReplayResult) -> String {
         ("peak_reserved_bytes", r.peak_reserved_bytes.to_string()),
         ("utilization", format!("{:.6}", r.utilization)),
         ("stitches", r.stitches.to_string()),
+        ("growths", r.growths.to_string()),
         ("stitched_allocations", r.stitched_allocations.to_string()),
         ("reuse_hits", r.reuse_hits.to_string()),
         ("collections", r.collections.to_string()),
@@ -414,6 +415,7 @@ mod tests {
             peak_reserved_bytes: 4 << 30,
             utilization: 0.75,
             stitches: 2,
+            growths: 1,
             stitched_allocations: 5,
             reuse_hits: 3,
             collections: 0,

@@ -518,3 +518,28 @@ fn the_recorded_traces_keep_the_pool_consistent() {
         }
     }
 }
+
+/// On a recorded trace of changing image sizes, stitched ranges grow in place by default, and
+/// fewer handles are mapped than with growing switched off; off, none grows.
+#[test]
+fn ranges_grow_in_place_on_the_vision_trace_and_not_when_switched_off() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../traces/trace_vision.txt.gz");
+    let trace = trace::load(Path::new(path), 0).unwrap();
+    let options = ReplayOptions::default();
+    let replay = |name: &str| trace::replay(&trace, &configs::named(name).unwrap(), &options);
+    let (grown, not) = (replay("stitch").unwrap(), replay("stitch-nogrow").unwrap());
+    assert!(grown.growths > 0);
+    assert_eq!(not.growths, 0);
+    let maps = |r: &glake_tools::replay::ReplayResult| {
+        r.driver_by_kind
+            .iter()
+            .find(|c| c.kind == glake::device::CallKind::Map)
+            .map_or(0, |c| c.calls)
+    };
+    assert!(
+        maps(&grown) < maps(&not),
+        "{} against {}",
+        maps(&grown),
+        maps(&not)
+    );
+}

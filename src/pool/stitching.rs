@@ -305,7 +305,7 @@ impl Inner {
         stream: Stream,
         tag: Tag,
     ) -> Result<Option<StitchJob>> {
-        if tag != SHARED || self.routing > 0 || !self.config.grow_stitched {
+        if !self.ranges_grow(tag) {
             return Ok(None);
         }
         let Some(range) = self.growable_range(size, stream) else {
@@ -353,6 +353,12 @@ impl Inner {
                 other
             }
         }
+    }
+
+    /// Whether `tag`'s stitched ranges grow in place: the shared pool's, with growing on and
+    /// no capture routing requests to a private pool.
+    fn ranges_grow(&self, tag: Tag) -> bool {
+        self.config.grow_stitched && tag == SHARED && self.routing == 0
     }
 
     /// The idle stitched range a request of `size` bytes grows (see [`Inner::prepare_growth`]),
@@ -505,7 +511,7 @@ impl Inner {
             granularity: self.granularity,
             gathered: gathered.zombies,
             grows: None,
-            may_grow: self.config.grow_stitched && tag == SHARED && self.routing == 0,
+            may_grow: self.ranges_grow(tag),
         }))
     }
 

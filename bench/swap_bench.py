@@ -258,7 +258,10 @@ def child(args):
                 plan = report["plan"] or {}
                 row.update(phase=report["phase"], plan=plan, trials=report["trials"],
                            recompute_ms=report["recompute_ms"],
+                           warmup_recompute_ms=report["warmup_recompute_ms"],
                            warmup_steps=report["warmup_steps"],
+                           block_fwd_ms=report["block_fwd_ms"],
+                           block_recompute_ms=report["block_recompute_ms"],
                            profile_ms=report["profile_ms"],
                            warmup_forward_ms=report["warmup_forward_ms"],
                            resident_state_blocks=report["resident_state_blocks"],

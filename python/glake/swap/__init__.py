@@ -41,7 +41,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import planner
-from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, Timer
+from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, TimedContext, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
                      memory_correction, pace_factor, peak_error, profile_disturbed, room_left,
@@ -197,12 +197,16 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.measured = []          # search.Measurement of stable steps
         self.trials = []            # search.Trial per plan tried in this search
         self.deferred = None        # the planner's trial, waiting on a faster-predicted one
+        self.opening_recompute = False  # the trial under way measures full recomputation first
         self.bandwidth_scale = 1.0  # share of the measured bandwidth the planner is told
         self.recompute_ms = None    # step with every block recomputed (median of warm-up's)
         self.pace = 1.0             # profile times scaled by it (_pace_profile)
-        self.block_fwd_ms = None    # each block's forward there (what its recompute costs)
+        self.warm_recompute_ms = None  # warm-up's own measurement of that step
+        self.block_fwd_ms = None    # each block's forward there
+        self.block_recompute_ms = None  # each block's recompute in that step's backward
         self._warm_steps = []       # warm-up's measured steps, ms
         self._block_timers = {}     # block -> [Timer] of its forwards in those steps
+        self._recompute_timers = {}  # block -> [Timer] of its recomputes in their backwards
         self.warm_peak = None       # peak allocated bytes over warm-up (CUDA)
         self.resident_states = []   # step mode: blocks whose states stay on the device
         self.reprofiled = False     # profiled again since the last warm-up
@@ -278,6 +282,29 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if self.cuda and self.phase in ("search", "stable", "profile"):
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def _times_blocks(self):
+        """Whether this step times each block's forward and recompute: warm-up's measured
+        steps, and the steps of a search trial that recomputes every block (see
+        _start_recompute_trial)."""
+        if self.phase == "warmup":
+            return self._warm_measured(self.iteration)
+        return self.phase == "search" and bool(self.trials) and self.trials[-1].recompute
+
+    def _take_block_timings(self):
+        """Each block's forward and recompute time, the median of the steps timed since the
+        last call (kept as they were when some block has none)."""
+        forwards, self._block_timers = self._block_timers, {}
+        recomputes, self._recompute_timers = self._recompute_timers, {}
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        blocks = range(len(self.blocks))
+        if all(forwards.get(b) for b in blocks):
+            self.block_fwd_ms = [statistics.median(t.ns() / 1e6 for t in forwards[b])
+                                 for b in blocks]
+        if all(recomputes.get(b) for b in blocks):
+            self.block_recompute_ms = [statistics.median(t.ns() / 1e6 for t in recomputes[b])
+                                       for b in blocks]
+
     @staticmethod
     def _warm_measured(step):
         """Whether warm-up's step number `step` (from 1) is measured as full recomputation."""
@@ -295,8 +322,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self._forget_search()
         self.iteration, self.reprofiled = 0, False
         self.marks, self.expected, self.measured = None, {}, []
-        self.recompute_ms = None
-        self.block_fwd_ms, self._block_timers, self._warm_steps = None, {}, []
+        self.recompute_ms = self.warm_recompute_ms = None
+        self.block_fwd_ms, self.block_recompute_ms = None, None
+        self._block_timers, self._recompute_timers, self._warm_steps = {}, {}, []
         self.swapper.forget()
 
     def _forget_search(self):
@@ -306,6 +334,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.phase, self.decisions = "warmup", None
         self._stop_moving_states()
         self.trials, self.chosen, self.deferred = [], None, None
+        self.opening_recompute = False
         self.correction, self.corrections = 0, 0
         self.whole_error, self.overshot = 0, []
         self.bandwidth_scale = 1.0
@@ -346,13 +375,20 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             decisions = {}
         elif self.decisions is not None and b in self.decisions:
             decisions = self.decisions[b]
-        timer = (Timer(self.cuda) if self.phase == "warmup"
-                 and self._warm_measured(self.iteration) else None)
+        timer = Timer(self.cuda) if self._times_blocks() else None
         if decisions is None:
             out = original(*args, **kwargs)
         elif not decisions and not profiling:
-            # Nothing kept or swapped: PyTorch's own checkpoint, with no dispatch mode to pay.
-            out = checkpoint(original, *args, use_reentrant=False, **kwargs)
+            # Nothing kept or swapped: PyTorch's own checkpoint, with no dispatch mode to pay
+            # (its recompute in the backward timed where the forward is).
+            if timer is None:
+                out = checkpoint(original, *args, use_reentrant=False, **kwargs)
+            else:
+                recomputes = self._recompute_timers.setdefault(b, [])
+                out = checkpoint(original, *args, use_reentrant=False,
+                                 context_fn=lambda: (contextlib.nullcontext(),
+                                                     TimedContext(self.cuda, recomputes)),
+                                 **kwargs)
         else:
             cache = {}
             records = [] if profiling else None
@@ -403,12 +439,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.expected = {b: [r.func for r in recs] for b, recs in self.marks.records.items()}
         if self.bandwidth is None:
             self.bandwidth = self._measure_bandwidth()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        timers, self._block_timers = self._block_timers, {}
-        if len(timers) == len(self.blocks):
-            self.block_fwd_ms = [statistics.median(t.ns() / 1e6 for t in timers[b])
-                                 for b in range(len(timers))]
+        self._take_block_timings()
         self.profile, self.meaning = self._build_profile()
         simulated_ms = self._pace_profile()
         self.marks = None
@@ -563,7 +594,14 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         faster: the planner's plan then waits, and is tried only if it is still predicted
         faster than every step measured by then (search.worth_trying). A plan's first step is
         where the allocator meets its layout; under a tight cap, trying the likelier winner
-        first spares the search a step that may not fit."""
+        first spares the search a step that may not fit.
+
+        The whole-block plan is predicted from full recomputation's step and each block's
+        recompute: when warm-up measured them, they are measured again first, as a trial in
+        the search's conditions (_after_opening_trial). On the host-paced MoE benchmark,
+        warm-up's steps ran up to 20% above the pace of the steps that followed (the
+        allocator and the caches still settling), and the whole-block plans predicted from
+        them were over their measured steps by 19-27%."""
         per_op = self.trials[-1] if self.trials else None
         whole = self._whole_block_plan()
         if per_op is None or whole is None:
@@ -574,7 +612,30 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         log.info("glake.swap: the whole-block plan is predicted faster (%.1f ms against "
                  "%.1f): tried first", prediction.step_ns / 1e6, per_op.prediction.step_ns / 1e6)
         self.deferred = per_op
+        if self.warm_recompute_ms is not None:
+            self.trials.pop()
+            self.opening_recompute = True
+            self._start_recompute_trial()
+            return
         self._start_whole_blocks(kept, choices, prediction, replace=True)
+
+    def _after_opening_trial(self, trial):
+        """After full recomputation measured at the search's start (_whole_blocks_first):
+        its step and block timings replace warm-up's, and the whole-block plan made from them
+        is tried if it is still predicted faster than the planner's plan and than every step
+        measured, else the planner's plan if worth it. True when a trial started."""
+        self.opening_recompute = False
+        if trial.steps:
+            self.recompute_ms = trial.step_ms
+        self._take_block_timings()
+        whole = self._whole_block_plan()
+        per_op = self.deferred
+        if whole is not None and worth_trying(whole[2].step_ns / 1e6, self.trials,
+                                              self.recompute_ms) and (
+                per_op is None or whole[2].step_ns < per_op.prediction.step_ns):
+            self._start_whole_blocks(*whole)
+            return True
+        return self._resume_deferred()
 
     def _resume_deferred(self):
         """Tries the planner's deferred plan (planned again: the goal or the bandwidth may
@@ -589,15 +650,21 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self._replan()
         return True
 
+    def _block_savings_ms(self):
+        """What running each block as written saves against recomputing it: its recompute in
+        the backward as timed, else (not timed) its forward."""
+        return self.block_recompute_ms or self.block_fwd_ms
+
     def _whole_block_plan(self):
         """The whole-block plan (search.blocks_to_keep) for the goal, as (kept blocks, choices,
-        prediction): its step predicted from warm-up's measured step less the recomputes it
-        skips (plus the copy waits the simulation adds to full recomputation's), its peak by
-        the planner's simulation; with carried states, the number of them kept on the device
-        that predicts the fastest step. None when there is nothing to try: no goal or
-        warm-up timing, no block fits, or a trial had the plan."""
+        prediction): its step predicted from full recomputation's measured step less the
+        recomputes it skips (plus the copy waits the simulation adds to full recomputation's),
+        its peak by the planner's simulation; with carried states, the number of them kept on
+        the device that predicts the fastest step. None when there is nothing to try: no goal
+        or timing of full recomputation, no block fits, or a trial had the plan."""
         goal = self._goal(whole_blocks=True)
-        if goal is None or self.recompute_ms is None or self.block_fwd_ms is None:
+        savings = self._block_savings_ms()
+        if goal is None or self.recompute_ms is None or savings is None:
             return None
         base = self._full_recompute_choices()
         d2h, h2d = self.bandwidth
@@ -620,7 +687,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
 
         def best_for(resident):
             """(predicted ms, kept blocks, choices, simulation) with `resident` kept."""
-            kept = blocks_to_keep(self.block_fwd_ms, block_bytes,
+            kept = blocks_to_keep(savings, block_bytes,
                                   lambda k: simulate(k, resident).peak_bytes <= goal)
             if not kept:
                 return None
@@ -629,7 +696,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             # recomputes less leaves the copies less time to hide in, one that keeps states
             # copies less (the simulation's waits against full recomputation's).
             extra = (run.exposed_wait_ns - full.exposed_wait_ns) / 1e6
-            ms = self.recompute_ms - sum(self.block_fwd_ms[b] for b in kept) + extra
+            ms = self.recompute_ms - sum(savings[b] for b in kept) + extra
             return ms, kept, keeping(kept, resident), run
 
         full = simulate(())
@@ -779,7 +846,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                         torch.cuda.max_memory_allocated(self.device))
         if self.phase == "warmup":
             self._warm_steps.append(m.step_ms)
-            self.recompute_ms = statistics.median(self._warm_steps)
+            self.recompute_ms = self.warm_recompute_ms = statistics.median(self._warm_steps)
             return
         if self.phase == "stable":
             self.measured.append(m)
@@ -825,7 +892,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if trial.seen > 1:
             trial.steps.append(m)
             miss = abs(m.step_ms - trial.summary["predicted_step_ms"]) / m.step_ms
-            first = len(self.trials) == 1 and len(trial.steps) == 1 and not trial.whole_blocks
+            # (A trial of full recomputation is predicted by warm-up's step, not the profile.)
+            first = (len(self.trials) == 1 and len(trial.steps) == 1
+                     and not (trial.whole_blocks or trial.recompute))
             if first and miss > _PROFILE_MISS:
                 if not self.reprofiled:
                     log.warning("glake.swap: the plan's step measured %.1f ms against %.1f "
@@ -841,7 +910,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         the prediction or the search is over, keeps the fastest plan measured."""
         log.info("glake.swap: trial %d: %s", len(self.trials), trial.describe())
         if trial.recompute:
-            self._finish_search()
+            if not (self.opening_recompute and self._after_opening_trial(trial)):
+                self._finish_search()
             return
         if trial.whole_blocks and self._grow_whole_blocks(trial):
             return
@@ -909,11 +979,15 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                            dataclasses.replace(simulated, step_ns=int(self.recompute_ms * 1e6)))
 
     def _start_recompute_trial(self):
-        """Starts measuring full recomputation as a trial (see _finish_search)."""
+        """Starts measuring full recomputation as a trial (see _finish_search and
+        _whole_blocks_first), its blocks timed afresh."""
         self._adopt_full_recompute()
         self.history.append(dict(self._summary(), recompute_trial=True))
-        log.info("glake.swap: recomputing every block measured %.1f ms in warm-up, faster than "
-                 "every plan tried: measured again", self.recompute_ms)
+        self._block_timers, self._recompute_timers = {}, {}
+        log.info("glake.swap: recomputing every block measured %.1f ms in warm-up%s: measured "
+                 "again", self.recompute_ms,
+                 " (the whole-block plan is predicted from it)" if self.opening_recompute
+                 else ", faster than every plan tried")
         self.trials.append(Trial(self.history[-1], self.choices, self.decisions,
                                  self.prediction, 1.0, recompute=True))
 
@@ -925,7 +999,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "plan": self.history[-1] if self.history else None,
                 "trials": [t.describe() for t in self.trials],
                 "recompute_ms": self.recompute_ms,
+                "warmup_recompute_ms": self.warm_recompute_ms,
                 "warmup_steps": list(self._warm_steps),
+                "block_fwd_ms": self.block_fwd_ms,
+                "block_recompute_ms": self.block_recompute_ms,
                 "measured": [vars(m) for m in self.measured],
                 "resident_state_blocks": len(self.resident_states),
                 "pace": self.pace,
@@ -951,6 +1028,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "bandwidth": self.bandwidth, "prefetch": self.settings.prefetch + 1,
                 "preference": self.settings.preference, "pace": self.pace,
                 "recompute_ms": self.recompute_ms, "block_fwd_ms": self.block_fwd_ms,
+                "block_recompute_ms": self.block_recompute_ms,
                 "budget": self._budget() if self.target_bytes is not None else None,
                 "correction": self.correction, "whole_error": self.whole_error,
                 "resident_states": list(self.resident_states),

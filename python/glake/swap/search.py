@@ -190,9 +190,9 @@ def blocks_to_keep(saving_ms, block_bytes, fits):
     checkpoint with no dispatch mode: where the step is paced by the host (a model that syncs
     on data-dependent routing), an op-level plan's per-op dispatch costs more than it saves,
     and keeping whole blocks is what beats full recomputation. Blocks are taken by step time
-    saved (`saving_ms`: each block's forward, which its recompute repeats) per byte it keeps
-    (`block_bytes`), each one added while `fits(kept)` says the plan's peak stays under the
-    goal. Returns the kept blocks in order."""
+    saved (`saving_ms`: each block's recompute, which running it as written spares) per byte
+    it keeps (`block_bytes`), each one added while `fits(kept)` says the plan's peak stays
+    under the goal. Returns the kept blocks in order."""
     order = sorted(range(len(saving_ms)),
                    key=lambda b: (-saving_ms[b] / max(block_bytes[b], 1), b))
     kept = []

@@ -163,6 +163,10 @@ def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exac
     smart._plan = plan_then_whole_blocks
     same(train(model, 8), reference)
     assert len(smart.block_fwd_ms) == LAYERS and all(ms > 0 for ms in smart.block_fwd_ms)
+    # A kept block saves its recompute, as timed in warm-up's backwards.
+    assert len(smart.block_recompute_ms) == LAYERS
+    assert all(ms > 0 for ms in smart.block_recompute_ms)
+    assert smart._block_savings_ms() is smart.block_recompute_ms
     trial = started["trial"]
     kept = trial.summary["kept_blocks"]
     assert trial.whole_blocks and 0 < len(kept) < LAYERS, trial.summary
@@ -170,7 +174,8 @@ def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exac
     assert started["decisions"] == {b: {} for b in range(LAYERS) if b not in kept}
     assert started["prediction"].peak_bytes <= target
     assert started["prediction"].step_ns == pytest.approx(
-        (started["recompute_ms"] - sum(smart.block_fwd_ms[b] for b in kept)) * 1e6, abs=1)
+        (started["recompute_ms"] - sum(smart.block_recompute_ms[b] for b in kept)) * 1e6,
+        abs=1)
     totals = smart.report()["profile_ms"]
     assert totals["forward"] > 0 and totals["backward"] > 0, totals
 
@@ -191,14 +196,17 @@ def test_full_recomputation_is_timed_over_every_warmup_step_but_the_first(monkey
 
     def plan_and_look():
         seen.update(timers={b: len(t) for b, t in smart._block_timers.items()},
+                    recomputes={b: len(t) for b, t in smart._recompute_timers.items()},
                     steps=list(smart._warm_steps))
         planned()
     smart._plan = plan_and_look
     train(model, FIRST_PLANNED)
     measured = swap._WARMUP_STEPS - swap._WARMUP_UNMEASURED
     assert measured >= 3
-    # Each block's forward is timed in each measured step, and its recompute cost is their median.
+    # Each block's forward, and its recompute in the backward, are timed in each measured step;
+    # the block's figures are their medians.
     assert seen["timers"] == {b: measured for b in range(LAYERS)}, seen
+    assert seen["recomputes"] == {b: measured for b in range(LAYERS)}, seen
     assert len(smart.block_fwd_ms) == LAYERS and all(ms > 0 for ms in smart.block_fwd_ms)
     if DEVICE == "cuda":  # steps are timed by events on the device only
         assert len(seen["steps"]) == measured, seen
@@ -252,8 +260,9 @@ def test_a_whole_block_plan_predicted_faster_is_tried_first_and_the_planners_onl
 
         def plan_with_cheap_recompute():
             # Warm-up's step as if it had taken no time: the whole-block plan's prediction
-            # (that step less the kept blocks' forwards) beats the planner's.
-            smart.recompute_ms = 0.0
+            # (that step less the kept blocks' recomputes) beats the planner's. (Untimed, as
+            # on the CPU: not measured again first, see the next test.)
+            smart.recompute_ms, smart.warm_recompute_ms = 0.0, None
             planned()
         smart._plan = plan_with_cheap_recompute
         train(model, FIRST_PLANNED)
@@ -271,6 +280,48 @@ def test_a_whole_block_plan_predicted_faster_is_tried_first_and_the_planners_onl
         outcomes.append((smart.phase, [t.whole_blocks for t in smart.trials]))
         smart.remove()
     assert outcomes == [("stable", [True]), ("search", [True, False])], outcomes
+
+
+def test_full_recomputation_is_measured_again_before_a_whole_block_plan_is_predicted_from_it():
+    target = halfway_target()
+    outcomes = []
+    for measured_ms in (0.0, None):
+        model = fresh()
+        smart = swap.apply(model, target=target, margin=0)
+        planned = smart._plan
+
+        def plan_with_cheap_recompute():
+            # As above, but warm-up timed its steps (as on CUDA).
+            smart.recompute_ms = smart.warm_recompute_ms = 0.0
+            planned()
+        smart._plan = plan_with_cheap_recompute
+        train(model, FIRST_PLANNED)
+        # Full recomputation first, every block under PyTorch's checkpoint and timed, the
+        # planner's plan waiting.
+        again = smart.trials[-1]
+        assert len(smart.trials) == 1 and again.recompute, smart.report()
+        assert smart.opening_recompute and smart.deferred is not None
+        assert smart.decisions == {b: {} for b in range(LAYERS)}
+        assert smart._times_blocks()
+        per_op = smart.deferred.prediction.step_ns / 1e6
+        # Measured either far under the planner's prediction (the whole-block plan made from
+        # it is faster still) or far over it (the planner's plan is tried instead).
+        step = 0.0 if measured_ms is not None else 10 * per_op
+        again.steps = [swap.search.Measurement(step, 0.0, step, 0, 0)]
+        train(model, 1)  # a step whose blocks are timed again
+        smart._trial_done(again)
+        assert smart.recompute_ms == step and not smart.opening_recompute
+        assert smart.block_recompute_ms is not None and smart._block_timers == {}
+        outcomes.append([("recompute" if t.recompute else "whole" if t.whole_blocks
+                          else "planner") for t in smart.trials])
+        if measured_ms is not None:
+            whole = smart.trials[-1]
+            kept = whole.summary["kept_blocks"]
+            assert whole.prediction.step_ns / 1e6 < step
+            assert smart.deferred is not None, "the planner's plan still waits for its turn"
+            assert smart.decisions == {b: {} for b in range(LAYERS) if b not in kept}
+        smart.remove()
+    assert outcomes == [["recompute", "whole"], ["recompute", "planner"]], outcomes
 
 
 def test_a_whole_block_plan_that_peaked_under_its_prediction_is_planned_again_keeping_more(

@@ -116,6 +116,16 @@ def build(name, torch):
     return model
 
 
+def write_planning_record(logs, label, smart):
+    """The planner's inputs and trials (SmartSwap.planning_record) under `logs`, to simulate
+    away from the GPU machine; nothing without `logs` or before the profiled step."""
+    record = smart.planning_record() if logs else None
+    if record is not None:
+        path = pathlib.Path(logs) / f"{label}.plan.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+
+
 def child(args):
     """One method on one model in this process; prints one JSON line per cap."""
     # A fixed cuBLAS workspace, so that the loss check below can ask for determinism.
@@ -269,10 +279,7 @@ def child(args):
                            pace=report["pace"],
                            predicted_step_ms=plan.get("predicted_step_ms"),
                            predicted_peak=plan.get("predicted_peak_bytes"))
-                if args.logs:  # the planner's inputs and trials, to simulate away from here
-                    record = pathlib.Path(args.logs) / f"{label}.plan.json"
-                    record.parent.mkdir(parents=True, exist_ok=True)
-                    record.write_text(json.dumps(smart.planning_record()))
+                write_planning_record(args.logs, label, smart)
         except torch.OutOfMemoryError as e:
             row.update(oom=True, error=str(e).splitlines()[0][:800])
             if smart is not None:  # where SmartSwap was when the step ran out
@@ -285,6 +292,7 @@ def child(args):
                                t.untyped_storage().nbytes()
                                for g in smart.states.groups.values() for t in g),
                            state_blocks_out=sorted(smart.states.out))
+                write_planning_record(args.logs, label, smart)
             opt.zero_grad(set_to_none=True)
         finally:
             if smart is not None:

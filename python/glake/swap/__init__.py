@@ -598,41 +598,51 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
 
         The whole-block plan is predicted from full recomputation's step and each block's
         recompute: when warm-up measured them, they are measured again first, as a trial in
-        the search's conditions (_after_opening_trial). On the host-paced MoE benchmark,
-        warm-up's steps ran up to 20% above the pace of the steps that followed (the
-        allocator and the caches still settling), and the whole-block plans predicted from
-        them were over their measured steps by 19-27%."""
+        the search's conditions, and the choice is made from that (_after_opening_trial). On
+        the host-paced MoE benchmark, warm-up's steps ran up to 30% above the pace of the
+        steps that followed (the allocator and the caches still settling): the whole-block
+        plans predicted from them were over their measured steps by 19-27%, and at a 50% cap
+        the planner's plan, predicted faster on that figure, went first and ran out of
+        memory. Full recomputation is also the plan least likely not to fit: warm-up ran
+        it."""
         per_op = self.trials[-1] if self.trials else None
         whole = self._whole_block_plan()
         if per_op is None or whole is None:
             return
-        kept, choices, prediction = whole
-        if prediction.step_ns >= per_op.prediction.step_ns:
-            return
-        log.info("glake.swap: the whole-block plan is predicted faster (%.1f ms against "
-                 "%.1f): tried first", prediction.step_ns / 1e6, per_op.prediction.step_ns / 1e6)
         self.deferred = per_op
         if self.warm_recompute_ms is not None:
             self.trials.pop()
             self.opening_recompute = True
             self._start_recompute_trial()
             return
+        kept, choices, prediction = whole
+        if prediction.step_ns >= per_op.prediction.step_ns:
+            self.deferred = None
+            return
+        log.info("glake.swap: the whole-block plan is predicted faster (%.1f ms against "
+                 "%.1f): tried first", prediction.step_ns / 1e6, per_op.prediction.step_ns / 1e6)
         self._start_whole_blocks(kept, choices, prediction, replace=True)
 
     def _after_opening_trial(self, trial):
         """After full recomputation measured at the search's start (_whole_blocks_first):
-        its step and block timings replace warm-up's, and the whole-block plan made from them
-        is tried if it is still predicted faster than the planner's plan and than every step
-        measured, else the planner's plan if worth it. True when a trial started."""
+        its step and block timings replace warm-up's, and of the whole-block plan made from
+        them and the planner's (deferred) plan, the one predicted faster is tried, if it is
+        predicted faster than every step measured (search.worth_trying); the other may follow.
+        True when a trial started."""
         self.opening_recompute = False
         if trial.steps:
             self.recompute_ms = trial.step_ms
         self._take_block_timings()
         whole = self._whole_block_plan()
+        whole_ms = None if whole is None else whole[2].step_ns / 1e6
         per_op = self.deferred
-        if whole is not None and worth_trying(whole[2].step_ns / 1e6, self.trials,
-                                              self.recompute_ms) and (
-                per_op is None or whole[2].step_ns < per_op.prediction.step_ns):
+        per_op_ms = None if per_op is None else per_op.prediction.step_ns / 1e6
+        if whole_ms is not None and worth_trying(whole_ms, self.trials, self.recompute_ms) and (
+                per_op_ms is None or whole_ms < per_op_ms
+                or not worth_trying(per_op_ms, self.trials, self.recompute_ms)):
+            log.info("glake.swap: full recomputation measured %.1f ms: the whole-block plan "
+                     "is tried (predicted %.1f ms, the planner's %s)", self.recompute_ms,
+                     whole_ms, "-" if per_op_ms is None else f"{per_op_ms:.1f}")
             self._start_whole_blocks(*whole)
             return True
         return self._resume_deferred()
@@ -986,7 +996,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self._block_timers, self._recompute_timers = {}, {}
         log.info("glake.swap: recomputing every block measured %.1f ms in warm-up%s: measured "
                  "again", self.recompute_ms,
-                 " (the whole-block plan is predicted from it)" if self.opening_recompute
+                 " (whole-block plans are predicted from it)" if self.opening_recompute
                  else ", faster than every plan tried")
         self.trials.append(Trial(self.history[-1], self.choices, self.decisions,
                                  self.prediction, 1.0, recompute=True))

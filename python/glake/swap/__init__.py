@@ -17,10 +17,11 @@ output bytes, each block's forward and backward time, memory at the block bounda
 and for each block's cheap outputs, to meet the target at the best predicted step; each plan
 is tried for a few steps: a step over the goal plans again for less, copies slower than
 predicted plan again with the bandwidth they showed, and the fastest plan measured, or full
-recomputation if it was faster, is kept; full recomputation that warm-up found faster is
-measured again as a trial first), stable (every 20th step is measured; one that
-waits for copies longer than its plan's trial did plans again at the bandwidth it showed and
-searches from there). New input shapes send it back to warm-up, with a log line saying so.
+recomputation if it was faster, is kept; where a plan of whole blocks kept or recomputed
+exists, full recomputation is timed again first and that plan goes next; full recomputation
+that warm-up found faster is measured again as a trial before it is kept), stable (every 20th
+step is measured; one that waits for copies longer than its plan's trial did plans again at
+the bandwidth it showed and searches from there). New input shapes send it back to warm-up, with a log line saying so.
 
 The blocks are the entries of the model's largest ModuleList of one class (the transformer
 layers). A block whose plan keeps everything runs as written; the others run under
@@ -597,52 +598,53 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         first spares the search a step that may not fit.
 
         The whole-block plan is predicted from full recomputation's step and each block's
-        recompute: when warm-up measured them, they are measured again first, as a trial in
-        the search's conditions, and the choice is made from that (_after_opening_trial). On
-        the host-paced MoE benchmark, warm-up's steps ran up to 30% above the pace of the
-        steps that followed (the allocator and the caches still settling): the whole-block
-        plans predicted from them were over their measured steps by 19-27%, and at a 50% cap
-        the planner's plan, predicted faster on that figure, went first and ran out of
-        memory. Full recomputation is also the plan least likely not to fit: warm-up ran
-        it."""
+        recompute: when warm-up timed them, they are timed again first, in a trial in the
+        search's conditions (after the profiled step, on the allocator's layout of then), and
+        the search goes on from that (_after_opening_trial). On the host-paced MoE benchmark
+        that measurement and warm-up's differed by up to 40%, either way; warm-up's figure
+        had put the planner's plan first at a 50% cap, and it ran out of memory there.
+        Full recomputation is also the plan least likely not to fit: warm-up ran it."""
         per_op = self.trials[-1] if self.trials else None
         whole = self._whole_block_plan()
         if per_op is None or whole is None:
             return
-        self.deferred = per_op
         if self.warm_recompute_ms is not None:
+            self.deferred = per_op
             self.trials.pop()
             self.opening_recompute = True
             self._start_recompute_trial()
             return
         kept, choices, prediction = whole
         if prediction.step_ns >= per_op.prediction.step_ns:
-            self.deferred = None
             return
         log.info("glake.swap: the whole-block plan is predicted faster (%.1f ms against "
                  "%.1f): tried first", prediction.step_ns / 1e6, per_op.prediction.step_ns / 1e6)
+        self.deferred = per_op
         self._start_whole_blocks(kept, choices, prediction, replace=True)
 
     def _after_opening_trial(self, trial):
         """After full recomputation measured at the search's start (_whole_blocks_first):
-        its step and block timings replace warm-up's, and of the whole-block plan made from
-        them and the planner's (deferred) plan, the one predicted faster is tried, if it is
-        predicted faster than every step measured (search.worth_trying); the other may follow.
-        True when a trial started."""
+        its step and block timings replace warm-up's, and its measured peak against the
+        simulated one aims whole-block plans (it is the plan of whole blocks that keeps none).
+        The whole-block plan made from them is tried next if it is predicted faster than every
+        step measured (search.worth_trying); the planner's (deferred) plan follows it, or
+        comes instead, on the same condition. Whole blocks go first even when the planner's
+        plan is predicted faster: on the MoE benchmark the planner's plans under 40-50% caps
+        ran out of memory in their first step (peaks 0.6 GB or more over the prediction) in
+        two calls out of two, where a whole-block plan at the same caps trained. True when a
+        trial started."""
         self.opening_recompute = False
         if trial.steps:
             self.recompute_ms = trial.step_ms
+            if self.target_bytes is not None:
+                self.whole_error = peak_error(trial.peak, trial.prediction.peak_bytes,
+                                              self._budget())
         self._take_block_timings()
         whole = self._whole_block_plan()
-        whole_ms = None if whole is None else whole[2].step_ns / 1e6
-        per_op = self.deferred
-        per_op_ms = None if per_op is None else per_op.prediction.step_ns / 1e6
-        if whole_ms is not None and worth_trying(whole_ms, self.trials, self.recompute_ms) and (
-                per_op_ms is None or whole_ms < per_op_ms
-                or not worth_trying(per_op_ms, self.trials, self.recompute_ms)):
+        if whole is not None and worth_trying(whole[2].step_ns / 1e6, self.trials,
+                                              self.recompute_ms):
             log.info("glake.swap: full recomputation measured %.1f ms: the whole-block plan "
-                     "is tried (predicted %.1f ms, the planner's %s)", self.recompute_ms,
-                     whole_ms, "-" if per_op_ms is None else f"{per_op_ms:.1f}")
+                     "is tried (predicted %.1f ms)", self.recompute_ms, whole[2].step_ns / 1e6)
             self._start_whole_blocks(*whole)
             return True
         return self._resume_deferred()

@@ -21,7 +21,8 @@ recomputation if it was faster, is kept; where a plan of whole blocks kept or re
 exists, full recomputation is timed again first and that plan goes next; full recomputation
 that warm-up found faster is measured again as a trial before it is kept), stable (every 20th
 step is measured; one that waits for copies longer than its plan's trial did plans again at
-the bandwidth it showed and searches from there). New input shapes send it back to warm-up, with a log line saying so.
+the bandwidth it showed and searches from there). New input shapes send it back to warm-up,
+with a log line saying so.
 
 The blocks are the entries of the model's largest ModuleList of one class (the transformer
 layers). A block whose plan keeps everything runs as written; the others run under

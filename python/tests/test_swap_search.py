@@ -119,21 +119,26 @@ def test_a_plan_not_tried_is_worth_a_trial_only_when_predicted_faster_than_any_m
 
 
 def test_a_fixed_miss_of_the_peak_is_corrected_once():
-    """Plans aim at the budget less the correction; each one peaks `miss` bytes over its aim.
-    The first step over the budget corrects by the miss, and the plan made for that goal keeps
-    to the budget, so nothing is corrected again."""
+    """Plans aim at the budget less the correction, each one predicted at or under its aim,
+    and peak `miss` bytes over their prediction. The first step over the budget corrects by
+    the miss, and the plan made for that goal keeps to the budget, so nothing is corrected
+    again; a plan far enough under its aim never goes over."""
     budget, miss = 28_000, 880
-    correction, corrections = 0, []
-    for _ in range(3):
-        peak = budget - correction + miss
-        new = search.memory_correction(correction, peak, budget)
-        if new is None:
-            break
-        corrections.append(new)
-        correction = new
-    assert corrections == [miss]
-    assert search.memory_correction(0, budget, budget) is None
-    assert search.memory_correction(100, budget + 5, budget) == 105
+    for under_goal in (0, 67, 500):
+        # Plans come in under their goal by `under_goal` (a plan moves whole tensors).
+        correction, corrections = 0, []
+        for _ in range(3):
+            predicted = budget - correction - under_goal
+            new = search.memory_correction(correction, predicted + miss, predicted, budget)
+            if new is None:
+                break
+            corrections.append(new)
+            correction = new
+        assert corrections == ([miss] if under_goal < miss else []), under_goal
+    assert search.memory_correction(0, budget, budget - 10, budget) is None
+    # At least what the step went over, even when its prediction was over the budget itself.
+    assert search.memory_correction(100, budget + 5, budget - 95, budget) == 105
+    assert search.memory_correction(100, budget + 5, budget + 50, budget) == 105
 
 
 def test_a_plans_peak_error_is_what_it_measured_over_its_prediction_bounded_below():

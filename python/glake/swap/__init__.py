@@ -881,7 +881,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         # The planner predicts allocated bytes; the allocator's cache may fill the rest of the
         # cap (that is what a cache does), so only allocated bytes over the budget correct it.
         corrected = (None if self.target_bytes is None else
-                     memory_correction(self.correction, m.allocated, self._budget()))
+                     memory_correction(self.correction, m.allocated,
+                                       trial.prediction.peak_bytes, self._budget()))
         # (Full recomputation is the least the executor can do: nothing to correct.)
         if (corrected is not None and self.corrections < _MAX_CORRECTIONS
                 and not trial.recompute):

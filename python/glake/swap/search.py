@@ -112,14 +112,20 @@ def profile_disturbed(measured_ms, simulated_ms):
     return bool(measured_ms and simulated_ms) and measured_ms / simulated_ms < DISTURBED_PACE
 
 
-def memory_correction(correction, allocated, budget):
-    """The goal's new correction after a step that peaked at `allocated` bytes, or None when it
-    kept to `budget`. Plans aim at the budget less the correction; a step over the budget adds
-    what it went over, so a plan whose peak the profile underrates by a fixed amount is
-    corrected once by it (comparing with the lowered goal instead corrected again at every
-    plan: on dense-3b three times 0.88 GB, for a miss of 0.88 GB)."""
+def memory_correction(correction, allocated, predicted, budget):
+    """The goal's new correction after a step that peaked at `allocated` bytes where its plan
+    predicted `predicted`, or None when it kept to `budget`. Plans aim at the budget less the
+    correction. A step over the budget corrects by what it went over, or by its whole miss
+    of the prediction where that is more, so a plan whose peak the profile underrates by a
+    fixed amount is corrected once by it, also when the plan came in under its goal (dense-1b
+    at 60%: a plan 67 MB under its goal missed its prediction by 142 MB, and adding only what
+    it went over, 15 MB a step, gave the same plan three times). Comparing with the lowered
+    goal instead corrected again at every plan (dense-3b: three times 0.88 GB, for a miss of
+    0.88 GB)."""
     over = allocated - budget
-    return correction + over if over > 0 else None
+    if over <= 0:
+        return None
+    return max(correction + over, allocated - predicted)
 
 
 # A whole-block plan whose measured peak left more than this share of the budget unused is

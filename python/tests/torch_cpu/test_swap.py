@@ -250,22 +250,35 @@ def test_full_recomputation_faster_in_warmup_is_measured_again_before_it_is_kept
     assert outcomes == [(True, "recompute"), (False, 0)], outcomes
 
 
+def plan_with_recompute_at(smart, ms, timed):
+    """Makes `smart` plan as if warm-up had measured full recomputation at `ms` (at 0 the
+    whole-block plan's prediction, that step less the kept blocks' recomputes, beats the
+    planner's). `timed`: as on CUDA, where warm-up's timing has the search time full
+    recomputation again first; untimed, as on the CPU, it does not."""
+    planned = smart._plan
+
+    def plan():
+        smart.recompute_ms = ms
+        smart.warm_recompute_ms = ms if timed else None
+        planned()
+    smart._plan = plan
+
+
+def at_first_plan(target, timed):
+    """A fresh model and its SmartSwap for `target`, trained up to the step that starts the
+    search, with full recomputation measured at 0 ms (plan_with_recompute_at)."""
+    model = fresh()
+    smart = swap.apply(model, target=target, margin=0)
+    plan_with_recompute_at(smart, 0.0, timed)
+    train(model, FIRST_PLANNED)
+    return model, smart
+
+
 def test_a_whole_block_plan_predicted_faster_is_tried_first_and_the_planners_only_if_worth_it():
     target = halfway_target()
     outcomes = []
     for measured_faster in (True, False):
-        model = fresh()
-        smart = swap.apply(model, target=target, margin=0)
-        planned = smart._plan
-
-        def plan_with_cheap_recompute():
-            # Warm-up's step as if it had taken no time: the whole-block plan's prediction
-            # (that step less the kept blocks' recomputes) beats the planner's. (Untimed, as
-            # on the CPU: not measured again first, see the next test.)
-            smart.recompute_ms, smart.warm_recompute_ms = 0.0, None
-            planned()
-        smart._plan = plan_with_cheap_recompute
-        train(model, FIRST_PLANNED)
+        _, smart = at_first_plan(target, timed=False)
         assert smart.trials and smart.trials[0].whole_blocks, smart.report()
         assert len(smart.trials) == 1 and smart.deferred is not None
         # The whole-block trial measured: the planner's plan is tried only if predicted faster.
@@ -286,16 +299,7 @@ def test_full_recomputation_is_measured_again_before_a_whole_block_plan_is_predi
     target = halfway_target()
     outcomes = []
     for faster_than_planner in (True, False):
-        model = fresh()
-        smart = swap.apply(model, target=target, margin=0)
-        planned = smart._plan
-
-        def plan_with_cheap_recompute():
-            # As above, but warm-up timed its steps (as on CUDA).
-            smart.recompute_ms = smart.warm_recompute_ms = 0.0
-            planned()
-        smart._plan = plan_with_cheap_recompute
-        train(model, FIRST_PLANNED)
+        model, smart = at_first_plan(target, timed=True)
         # Full recomputation first, every block under PyTorch's checkpoint and timed, the
         # planner's plan waiting.
         again = smart.trials[-1]
@@ -337,12 +341,7 @@ def test_a_whole_block_plan_that_peaked_under_its_prediction_is_planned_again_ke
     model = fresh()
     margin = 0.3  # room between the budget and the ceiling of whole-block goals
     smart = swap.apply(model, target=target, margin=margin)
-    planned = smart._plan
-
-    def plan_with_cheap_recompute():
-        smart.recompute_ms = 0.0  # the whole-block plan is tried first (as above)
-        planned()
-    smart._plan = plan_with_cheap_recompute
+    plan_with_recompute_at(smart, 0.0, timed=False)  # the whole-block plan is tried first
     train(model, FIRST_PLANNED)
     first = smart.trials[0]
     if DEVICE == "cuda" and not first.whole_blocks:

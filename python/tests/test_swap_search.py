@@ -117,7 +117,6 @@ def test_a_plan_not_tried_is_worth_a_trial_only_when_predicted_faster_than_any_m
         "unmeasured trials count for nothing")
 
 
-
 def test_a_fixed_miss_of_the_peak_is_corrected_once():
     """Plans aim at the budget less the correction, each one predicted at or under its aim,
     and peak `miss` bytes over their prediction. The first step over the budget corrects by
@@ -139,6 +138,14 @@ def test_a_fixed_miss_of_the_peak_is_corrected_once():
     # At least what the step went over, even when its prediction was over the budget itself.
     assert search.memory_correction(100, budget + 5, budget - 95, budget) == 105
     assert search.memory_correction(100, budget + 5, budget + 50, budget) == 105
+
+
+def test_forwards_the_profiling_slowed_are_brought_to_warmups():
+    limit = search.PROFILE_SLOWED
+    timed = [50, 100 * limit, 100, 200, 0, 30]
+    profiled = [100, 100, 100, 100, 100, 0]
+    # Half: brought down; at the limit or slower: kept; never made slower; missing: kept.
+    assert search.forward_scales(timed, profiled) == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
 
 
 def test_a_plans_peak_error_is_what_it_measured_over_its_prediction_bounded_below():

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import planner
+from .search import forward_scales
 from .states import state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -141,6 +142,18 @@ class ProfilingMixin:
                      "of its blocks' times", total / 1e6)
         return out
 
+    def _profiling_slowdown(self, fwd_ns):
+        """Per block, the factor its profiled forward and its ops' times are brought down by
+        (search.forward_scales against warm-up's timed forwards; all 1 without them)."""
+        if self.block_fwd_ms is None or len(self.block_fwd_ms) != len(fwd_ns):
+            return [1.0] * len(fwd_ns)
+        scales = forward_scales([int(ms * 1e6) for ms in self.block_fwd_ms], fwd_ns)
+        if min(scales) < 1.0:
+            log.info("glake.swap: the profiled forwards took %.1f times the ones warm-up timed "
+                     "(the profiling's own cost): the plan sees warm-up's",
+                     sum(fwd_ns) / max(1, sum(int(t * s) for t, s in zip(fwd_ns, scales))))
+        return scales
+
     def _build_profile(self):
         """The block-level iteration the planner sees, and per tensor which (block, op indexes)
         it stands for. In step mode the states are no tensors of the plan: they are off the
@@ -149,6 +162,8 @@ class ProfilingMixin:
         m, n_blocks = self.marks, len(self.blocks)
         ns = (lambda a, z: int(a.elapsed_time(z) * 1e6)) if self.cuda else (lambda a, z: 1000)
         fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]
+        scales = self._profiling_slowdown(fwd_ns)
+        fwd_ns = [int(t * s) for t, s in zip(fwd_ns, scales)]
         ops = [(t, planner.FORWARD) for t in fwd_ns]
         head = n_blocks
         ops.append((ns(m.fwd[n_blocks - 1][1], m.bwd[n_blocks - 1][0]) if self.cuda else 1000,
@@ -196,15 +211,16 @@ class ProfilingMixin:
             for i, r in enumerate(m.records.get(b, [])):
                 if r.mutated or r.bytes == 0:
                     continue
+                op_ns = int(r.gpu_ns * scales[b])
                 if r.heavy:
                     tensors.append(planner.Tensor(r.bytes, b, bwd_op[b], [bwd_op[b]],
-                                                  recompute_ns=max(r.gpu_ns, 1)))
+                                                  recompute_ns=max(op_ns, 1)))
                     meaning.append((b, [i]))
                     candidates += r.bytes
                     continue
                 group.append(i)
                 group_bytes += r.bytes
-                group_ns += r.gpu_ns
+                group_ns += op_ns
                 if group_bytes >= bucket:
                     tensors.append(planner.Tensor(group_bytes, b, bwd_op[b], [bwd_op[b]],
                                                   recompute_ns=max(group_ns, 1)))

@@ -250,6 +250,41 @@ def test_full_recomputation_faster_in_warmup_is_measured_again_before_it_is_kept
     assert outcomes == [(True, "recompute"), (False, 0)], outcomes
 
 
+def test_a_profile_slower_than_warmups_forwards_is_brought_to_them():
+    model = fresh()
+    smart = swap.apply(model, target=halfway_target(), margin=0)
+    build = smart._build_profile
+    built = {}
+
+    def build_three_ways():
+        smart.block_fwd_ms = None  # untimed: the profile as taken
+        built["as_taken"] = build()
+        taken = [built["as_taken"][0].ops[b][0] for b in range(LAYERS)]
+        # Warm-up's forwards at 95% of the profiled ones: within what a profile may add.
+        smart.block_fwd_ms = [ns * 0.95 / 1e6 for ns in taken]
+        built["close"] = build()
+        # At half: the profiling slowed them, and the plan sees warm-up's.
+        smart.block_fwd_ms = [ns * 0.5 / 1e6 for ns in taken]
+        built["half"] = build()
+        return built["half"]
+    smart._build_profile = build_three_ways
+    train(model, FIRST_PLANNED)
+    (taken, meaning), (close, _), (half, _) = built["as_taken"], built["close"], built["half"]
+    assert close.ops == taken.ops and close.tensors == taken.tensors
+    for b in range(LAYERS):
+        assert half.ops[b][0] == pytest.approx(taken.ops[b][0] / 2, abs=1)
+        assert half.ops[b][1] == planner.FORWARD
+    moved = [(t.recompute_ns, h.recompute_ns) for t, h, m in zip(taken.tensors, half.tensors,
+                                                                 meaning) if m is not None]
+    assert moved and all(h <= max(t // 2 + 1, 1) for t, h in moved), moved
+    # The backward ops keep their measured total with a shorter recompute taken out: at least
+    # as long (on the CPU they are twice the forward, untimed).
+    assert DEVICE == "cpu" or all(h[0] >= t[0] for t, h in zip(taken.ops[LAYERS:], half.ops[LAYERS:])
+               if t[1] == planner.BACKWARD)
+    assert smart.profile is half
+    smart.remove()
+
+
 def plan_with_recompute_at(smart, ms, timed):
     """Makes `smart` plan as if warm-up had measured full recomputation at `ms` (at 0 the
     whole-block plan's prediction, that step less the kept blocks' recomputes, beats the

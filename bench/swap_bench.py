@@ -384,8 +384,8 @@ def markdown(rows):
                    f"{ref['step_ms']:.0f} ms per step, peak reserved "
                    f"{ref['peak_reserved'] / GIB:.1f} GiB\n")
         out.append("| cap | method | tokens/s | vs unconstrained | peak reserved GiB | "
-                   "peak allocated GiB | predicted ms (measured) | predicted peak GiB | "
-                   "new stitches / reuses |")
+                   "peak allocated GiB | predicted ms (measured median; steps) | "
+                   "predicted peak GiB | new stitches / reuses |")
         out.append("|---|---|---|---|---|---|---|---|---|")
         for cap in sorted({r["cap"] for r in rows if r["model"] == name and r.get("cap")},
                           reverse=True):
@@ -398,7 +398,11 @@ def markdown(rows):
                     out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {method} | OOM | | "
                                "| | | | |")
                     continue
-                pred = (f"{r['predicted_step_ms']:.0f} ({r['step_ms']:.0f})"
+                # The measured steps' own spread beside their median: a host-paced step (the
+                # MoE) moves by a third from one step to the next.
+                steps = r.get("step_times_ms") or [r["step_ms"]]
+                pred = (f"{r['predicted_step_ms']:.0f} ({r['step_ms']:.0f}; "
+                        f"{min(steps):.0f}-{max(steps):.0f})"
                         if r.get("predicted_step_ms") else "")
                 peak = (f"{r['predicted_peak'] / GIB:.1f}" if r.get("predicted_peak") else "")
                 # Made in the measured steps: a stitch maps every handle of its pieces again.

@@ -29,7 +29,8 @@ def profile(record, at_warmup_pace):
     it is unchanged)."""
     ops = [list(op) for op in record["ops"]]
     tensors = [dict(t) for t in record["tensors"]]
-    timed = record.get("block_fwd_ms")
+    # Warm-up's forwards (records before they were kept apart: block_fwd_ms was warm-up's).
+    timed = record.get("warmup_block_fwd_ms") or record.get("block_fwd_ms")
     if at_warmup_pace and timed:
         scales = search.forward_scales([int(ms * 1e6) for ms in timed],
                                        [ops[b][0] for b in range(len(timed))])

@@ -205,7 +205,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.pace = 1.0             # profile times scaled by it (_pace_profile)
         self.warm_recompute_ms = None  # warm-up's own measurement of that step
         self.block_fwd_ms = None    # each block's forward there
+        self.warm_block_fwd_ms = None  # warm-up's (the search's opening trial times them again)
         self.block_recompute_ms = None  # each block's recompute in that step's backward
+        self.forward_scales = []    # per block, what the profiled forward is brought down by
         self._warm_steps = []       # warm-up's measured steps, ms
         self._block_timers = {}     # block -> [Timer] of its forwards in those steps
         self._recompute_timers = {}  # block -> [Timer] of its recomputes in their backwards
@@ -286,11 +288,12 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
 
     def _times_blocks(self):
         """Whether this step times each block's forward and recompute: warm-up's measured
-        steps, and the steps of a search trial that recomputes every block (see
-        _start_recompute_trial)."""
+        steps, and the steps of the search's opening trial of full recomputation (see
+        _whole_blocks_first)."""
         if self.phase == "warmup":
             return self._warm_measured(self.iteration)
-        return self.phase == "search" and bool(self.trials) and self.trials[-1].recompute
+        return (self.phase == "search" and self.opening_recompute and bool(self.trials)
+                and self.trials[-1].recompute)
 
     def _take_block_timings(self):
         """Each block's forward and recompute time, the median of the steps timed since the
@@ -325,7 +328,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.iteration, self.reprofiled = 0, False
         self.marks, self.expected, self.measured = None, {}, []
         self.recompute_ms = self.warm_recompute_ms = None
-        self.block_fwd_ms, self.block_recompute_ms = None, None
+        self.block_fwd_ms, self.block_recompute_ms, self.warm_block_fwd_ms = None, None, None
         self._block_timers, self._recompute_timers, self._warm_steps = {}, {}, []
         self.swapper.forget()
 
@@ -442,6 +445,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if self.bandwidth is None:
             self.bandwidth = self._measure_bandwidth()
         self._take_block_timings()
+        self.warm_block_fwd_ms = self.block_fwd_ms
         self.profile, self.meaning = self._build_profile()
         simulated_ms = self._pace_profile()
         self.marks = None
@@ -450,6 +454,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                         "with more work: profiling again", self.recompute_ms / simulated_ms)
             self._reprofile()
             return
+        self._floor_forwards()
         self.target_bytes = self._resolve_target()
         self._replan()
         self._whole_blocks_first()
@@ -592,36 +597,22 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         return schedule, state_release
 
     def _whole_blocks_first(self):
-        """Starts the whole-block plan's trial before the planner's when it is predicted
-        faster: the planner's plan then waits, and is tried only if it is still predicted
-        faster than every step measured by then (search.worth_trying). A plan's first step is
-        where the allocator meets its layout; under a tight cap, trying the likelier winner
-        first spares the search a step that may not fit.
-
-        The whole-block plan is predicted from full recomputation's step and each block's
-        recompute: when warm-up timed them, they are timed again first, in a trial in the
-        search's conditions (after the profiled step, on the allocator's layout of then), and
-        the search goes on from that (_after_opening_trial). On the host-paced MoE benchmark
-        that measurement and warm-up's differed by up to 40%, either way; warm-up's figure
-        had put the planner's plan first at a 50% cap, and it ran out of memory there.
-        Full recomputation is also the plan least likely not to fit: warm-up ran it."""
+        """Where a whole-block plan exists, opens the search with a trial of full
+        recomputation, the planner's plan waiting (`deferred`); _after_opening_trial goes on
+        from its measurement. The whole-block plan is predicted from full recomputation's step
+        and each block's recompute: timed again in the search's conditions (after the profiled
+        step, on the allocator's layout of then). On the host-paced MoE benchmark that
+        measurement and warm-up's differed by up to 40%, either way; warm-up's figure had put
+        the planner's plan first at a 50% cap, and it ran out of memory there. A plan's first
+        step is where the allocator meets its layout, and full recomputation is the plan
+        least likely not to fit there: warm-up ran it."""
         per_op = self.trials[-1] if self.trials else None
-        whole = self._whole_block_plan()
-        if per_op is None or whole is None:
+        if per_op is None or self._whole_block_plan() is None:
             return
-        if self.warm_recompute_ms is not None:
-            self.deferred = per_op
-            self.trials.pop()
-            self.opening_recompute = True
-            self._start_recompute_trial()
-            return
-        kept, choices, prediction = whole
-        if prediction.step_ns >= per_op.prediction.step_ns:
-            return
-        log.info("glake.swap: the whole-block plan is predicted faster (%.1f ms against "
-                 "%.1f): tried first", prediction.step_ns / 1e6, per_op.prediction.step_ns / 1e6)
         self.deferred = per_op
-        self._start_whole_blocks(kept, choices, prediction, replace=True)
+        self.trials.pop()
+        self.opening_recompute = True
+        self._start_recompute_trial()
 
     def _after_opening_trial(self, trial):
         """After full recomputation measured at the search's start (_whole_blocks_first):
@@ -878,6 +869,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             return
         trial = self.trials[-1]
         trial.seen += 1
+        if trial.seen == 1 and self._times_blocks():
+            # The trial's first step is not one of its measured steps (see Trial): nor are its
+            # blocks' timings.
+            self._block_timers, self._recompute_timers = {}, {}
         # The planner predicts allocated bytes; the allocator's cache may fill the rest of the
         # cap (that is what a cache does), so only allocated bytes over the budget correct it.
         corrected = (None if self.target_bytes is None else
@@ -906,9 +901,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if trial.seen > 1:
             trial.steps.append(m)
             miss = abs(m.step_ms - trial.summary["predicted_step_ms"]) / m.step_ms
-            # (A trial of full recomputation is predicted by warm-up's step, not the profile.)
-            first = (len(self.trials) == 1 and len(trial.steps) == 1
-                     and not (trial.whole_blocks or trial.recompute))
+            # The planner's first plan, on its first measured step (full recomputation's and
+            # whole blocks' steps are predicted from warm-up's timings, not the profile).
+            first = (not (trial.whole_blocks or trial.recompute) and len(trial.steps) == 1
+                     and self._planner_trials() == 1)
             if first and miss > _PROFILE_MISS:
                 if not self.reprofiled:
                     log.warning("glake.swap: the plan's step measured %.1f ms against %.1f "
@@ -934,7 +930,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 self._finish_search()
             return
         factor = bandwidth_correction(trial, self.bandwidth[1])
-        if (factor is not None and len(self.trials) < _MAX_TRIALS
+        if (factor is not None and self._planner_trials() < _MAX_TRIALS
                 and self.target_bytes is not None):
             self.bandwidth_scale = trial.bandwidth_scale * factor
             self._replan()
@@ -944,6 +940,11 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if not any(t.whole_blocks for t in self.trials) and self._try_whole_blocks():
             return
         self._finish_search()
+
+    def _planner_trials(self):
+        """How many of the search's trials are the planner's plans (not full recomputation,
+        not whole blocks): what _MAX_TRIALS bounds for re-plans at a corrected bandwidth."""
+        return sum(not (t.recompute or t.whole_blocks) for t in self.trials)
 
     def _finish_search(self):
         """Keeps the fastest plan measured, or full recomputation when it ran faster. Warm-up
@@ -998,10 +999,12 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self._adopt_full_recompute()
         self.history.append(dict(self._summary(), recompute_trial=True))
         self._block_timers, self._recompute_timers = {}, {}
-        log.info("glake.swap: recomputing every block measured %.1f ms in warm-up%s: measured "
-                 "again", self.recompute_ms,
-                 " (whole-block plans are predicted from it)" if self.opening_recompute
-                 else ", faster than every plan tried")
+        if self.opening_recompute:
+            log.info("glake.swap: recomputing every block measured %.1f ms in warm-up: timed "
+                     "again first (whole-block plans are predicted from it)", self.recompute_ms)
+        else:
+            log.info("glake.swap: recomputing every block measured %.1f ms, faster than every "
+                     "plan tried: measured again", self.recompute_ms)
         self.trials.append(Trial(self.history[-1], self.choices, self.decisions,
                                  self.prediction, 1.0, recompute=True))
 
@@ -1022,7 +1025,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "pace": self.pace,
                 "step_in_backward": self.backward_step,
                 "profile_ms": self._profile_totals(),
-                "warmup_forward_ms": (sum(self.block_fwd_ms) if self.block_fwd_ms else None),
+                "warmup_forward_ms": (sum(self.warm_block_fwd_ms) if self.warm_block_fwd_ms
+                                      else None),
                 "swapped_out_bytes": self.swapper.bytes_out,
                 "swapped_in_bytes": self.swapper.bytes_in}
 
@@ -1043,6 +1047,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "preference": self.settings.preference, "pace": self.pace,
                 "recompute_ms": self.recompute_ms, "block_fwd_ms": self.block_fwd_ms,
                 "block_recompute_ms": self.block_recompute_ms,
+                "warmup_block_fwd_ms": self.warm_block_fwd_ms,
                 "budget": self._budget() if self.target_bytes is not None else None,
                 "correction": self.correction, "whole_error": self.whole_error,
                 "resident_states": list(self.resident_states),

@@ -3,6 +3,7 @@
 bandwidth, and the block-level iteration the planner reads. A mixin of SmartSwap: it uses the
 instance's blocks, marks, swapper and settings."""
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -147,12 +148,26 @@ class ProfilingMixin:
         (search.forward_scales against warm-up's timed forwards; all 1 without them)."""
         if self.block_fwd_ms is None or len(self.block_fwd_ms) != len(fwd_ns):
             return [1.0] * len(fwd_ns)
-        scales = forward_scales([int(ms * 1e6) for ms in self.block_fwd_ms], fwd_ns)
-        if min(scales) < 1.0:
-            log.info("glake.swap: the profiled forwards took %.1f times the ones warm-up timed "
-                     "(the profiling's own cost): the plan sees warm-up's",
-                     sum(fwd_ns) / max(1, sum(int(t * s) for t, s in zip(fwd_ns, scales))))
-        return scales
+        return forward_scales([int(ms * 1e6) for ms in self.block_fwd_ms], fwd_ns)
+
+    def _floor_forwards(self):
+        """Brings the forwards the profiling slowed (`forward_scales` below 1) to the forward
+        warm-up timed, and their ops' recompute times by as much. After the pace is applied:
+        these forwards were timed at the step's pace already, and pacing them again would
+        give the swaps more time to leave than the real forward does."""
+        scales, p, pace = self.forward_scales, self.profile, self.pace
+        if min(scales, default=1.0) >= 1.0:
+            return
+        profiled = sum(p.ops[b][0] for b in range(len(scales))) / pace
+        p.ops = [(int(ns / pace * scales[i]), phase) if i < len(scales) and scales[i] < 1.0
+                 else (ns, phase) for i, (ns, phase) in enumerate(p.ops)]
+        p.tensors = [dataclasses.replace(t, recompute_ns=max(
+            1, int(t.recompute_ns / pace * scales[m[0]])))
+            if m is not None and m[0] != "state" and t.recompute_ns is not None
+            and scales[m[0]] < 1.0 else t for t, m in zip(p.tensors, self.meaning)]
+        log.info("glake.swap: the profiled forwards took %.1f times the ones warm-up timed "
+                 "(the profiling's own cost): the plan sees warm-up's", profiled / max(
+                     1, sum(p.ops[b][0] for b in range(len(scales)))))
 
     def _build_profile(self):
         """The block-level iteration the planner sees, and per tensor which (block, op indexes)
@@ -162,8 +177,9 @@ class ProfilingMixin:
         m, n_blocks = self.marks, len(self.blocks)
         ns = (lambda a, z: int(a.elapsed_time(z) * 1e6)) if self.cuda else (lambda a, z: 1000)
         fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]
-        scales = self._profiling_slowdown(fwd_ns)
-        fwd_ns = [int(t * s) for t, s in zip(fwd_ns, scales)]
+        # The forwards as timed (slowed ones are brought down after pacing: _floor_forwards).
+        self.forward_scales = self._profiling_slowdown(fwd_ns)
+        timed_fwd_ns = [int(t * s) for t, s in zip(fwd_ns, self.forward_scales)]
         ops = [(t, planner.FORWARD) for t in fwd_ns]
         head = n_blocks
         ops.append((ns(m.fwd[n_blocks - 1][1], m.bwd[n_blocks - 1][0]) if self.cuda else 1000,
@@ -175,7 +191,8 @@ class ProfilingMixin:
             total = (ns(m.bwd[b][0], nxt[0]) - waits.get(b, 0) if (self.cuda and nxt)
                      else 2 * fwd_ns[b])
             bwd_op[b] = len(ops)
-            ops.append((max(total - fwd_ns[b], fwd_ns[b]), planner.BACKWARD))
+            # The profiled backward recomputed the block unrecorded, at the timed forward's pace.
+            ops.append((max(total - timed_fwd_ns[b], timed_fwd_ns[b]), planner.BACKWARD))
         tail = len(ops)
         last = m.end or m.bwd[0]
         ops.append((ns(last[0], m.next_start) if self.cuda else 1000, planner.OPTIMIZER))
@@ -211,16 +228,15 @@ class ProfilingMixin:
             for i, r in enumerate(m.records.get(b, [])):
                 if r.mutated or r.bytes == 0:
                     continue
-                op_ns = int(r.gpu_ns * scales[b])
                 if r.heavy:
                     tensors.append(planner.Tensor(r.bytes, b, bwd_op[b], [bwd_op[b]],
-                                                  recompute_ns=max(op_ns, 1)))
+                                                  recompute_ns=max(r.gpu_ns, 1)))
                     meaning.append((b, [i]))
                     candidates += r.bytes
                     continue
                 group.append(i)
                 group_bytes += r.bytes
-                group_ns += op_ns
+                group_ns += r.gpu_ns
                 if group_bytes >= bucket:
                     tensors.append(planner.Tensor(group_bytes, b, bwd_op[b], [bwd_op[b]],
                                                   recompute_ns=max(group_ns, 1)))

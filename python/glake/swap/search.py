@@ -142,6 +142,8 @@ def memory_correction(correction, allocated, predicted, budget):
     over = allocated - budget
     if over <= 0:
         return None
+    # (A plan predicted at or under its goal misses by at least correction + over: the max is
+    # then the miss; the first term holds where a plan was predicted over its goal.)
     return max(correction + over, allocated - predicted)
 
 

@@ -263,15 +263,17 @@ def test_a_profile_slower_than_warmups_forwards_is_brought_to_them():
         # Warm-up's forwards at 95% of the profiled ones: within what a profile may add.
         smart.block_fwd_ms = [ns * 0.95 / 1e6 for ns in taken]
         built["close"] = build()
-        # At half: the profiling slowed them, and the plan sees warm-up's.
+        assert smart.forward_scales == [1.0] * LAYERS
+        # At half: the profiling slowed them, and the plan sees warm-up's (_floor_forwards,
+        # once the profile is paced).
         smart.block_fwd_ms = [ns * 0.5 / 1e6 for ns in taken]
-        built["half"] = build()
-        return built["half"]
+        return build()
     smart._build_profile = build_three_ways
     train(model, FIRST_PLANNED)
-    (taken, meaning), (close, _), (half, _) = built["as_taken"], built["close"], built["half"]
+    (taken, meaning), (close, _) = built["as_taken"], built["close"]
+    half = smart.profile
     assert close.ops == taken.ops and close.tensors == taken.tensors
-    for b in range(LAYERS):
+    for b in range(LAYERS):  # warm-up's forward itself, whatever the pace
         assert half.ops[b][0] == pytest.approx(taken.ops[b][0] / 2, abs=1)
         assert half.ops[b][1] == planner.FORWARD
     moved = [(t.recompute_ns, h.recompute_ns) for t, h, m in zip(taken.tensors, half.tensors,
@@ -279,92 +281,120 @@ def test_a_profile_slower_than_warmups_forwards_is_brought_to_them():
     assert moved and all(h <= max(t // 2 + 1, 1) for t, h in moved), moved
     # The backward ops keep their measured total with a shorter recompute taken out: at least
     # as long (on the CPU they are twice the forward, untimed).
-    assert DEVICE == "cpu" or all(h[0] >= t[0] for t, h in zip(taken.ops[LAYERS:], half.ops[LAYERS:])
-               if t[1] == planner.BACKWARD)
-    assert smart.profile is half
+    assert DEVICE == "cpu" or all(h[0] >= t[0] for t, h in zip(taken.ops[LAYERS:],
+                                                             half.ops[LAYERS:])
+                                  if t[1] == planner.BACKWARD)
     smart.remove()
 
 
-def plan_with_recompute_at(smart, ms, timed):
-    """Makes `smart` plan as if warm-up had measured full recomputation at `ms` (at 0 the
-    whole-block plan's prediction, that step less the kept blocks' recomputes, beats the
-    planner's). `timed`: as on CUDA, where warm-up's timing has the search time full
-    recomputation again first; untimed, as on the CPU, it does not."""
+def at_first_plan(target, margin=0):
+    """A fresh model and its SmartSwap for `target`, trained up to the step that starts the
+    search, warm-up's full recomputation taken as measured at 0 ms (as on CUDA, where warm-up
+    times it): where a whole-block plan exists, the search opens with full recomputation."""
+    model = fresh()
+    smart = swap.apply(model, target=target, margin=margin)
     planned = smart._plan
 
     def plan():
-        smart.recompute_ms = ms
-        smart.warm_recompute_ms = ms if timed else None
+        smart.recompute_ms = smart.warm_recompute_ms = 0.0
         planned()
     smart._plan = plan
-
-
-def at_first_plan(target, timed):
-    """A fresh model and its SmartSwap for `target`, trained up to the step that starts the
-    search, with full recomputation measured at 0 ms (plan_with_recompute_at)."""
-    model = fresh()
-    smart = swap.apply(model, target=target, margin=0)
-    plan_with_recompute_at(smart, 0.0, timed)
     train(model, FIRST_PLANNED)
     return model, smart
 
 
-def test_a_whole_block_plan_predicted_faster_is_tried_first_and_the_planners_only_if_worth_it():
+def end_opening_trial(smart, step_ms, peak_over=0):
+    """Ends the search's opening trial of full recomputation as measured at `step_ms`, its
+    peak `peak_over` bytes over the simulated one; returns the trial."""
+    again = smart.trials[-1]
+    assert again.recompute and smart.opening_recompute, smart.report()
+    peak = again.prediction.peak_bytes + peak_over
+    again.steps = [swap.search.Measurement(step_ms, 0.0, step_ms, peak, peak)]
+    smart._trial_done(again)
+    return again
+
+
+def opened(target, recompute_ms_of, peak_over_budgets=0):
+    """at_first_plan, then its opening trial ended as measured at `recompute_ms_of` the
+    planner's predicted step, peaking `peak_over_budgets` budgets over its simulated peak.
+    Returns SmartSwap and the planner's predicted step (ms)."""
+    _, smart = at_first_plan(target)
+    per_op = smart.deferred.prediction.step_ns / 1e6
+    end_opening_trial(smart, recompute_ms_of(per_op),
+                      peak_over=int(peak_over_budgets * smart._budget()))
+    return smart, per_op
+
+
+def kinds(smart):
+    return [("recompute" if t.recompute else "whole" if t.whole_blocks else "planner")
+            for t in smart.trials]
+
+
+def test_after_the_opening_trial_whole_blocks_are_tried_and_the_planners_plan_if_worth_it():
     target = halfway_target()
     outcomes = []
     for measured_faster in (True, False):
-        _, smart = at_first_plan(target, timed=False)
-        assert smart.trials and smart.trials[0].whole_blocks, smart.report()
-        assert len(smart.trials) == 1 and smart.deferred is not None
+        smart, per_op = opened(target, lambda ms: 10 * ms)
+        assert kinds(smart) == ["recompute", "whole"], smart.report()
         # The whole-block trial measured: the planner's plan is tried only if predicted faster.
-        whole = smart.trials[0]
-        predicted = smart.deferred.prediction.step_ns / 1e6
-        step = predicted * (0.5 if measured_faster else 2.0)
+        whole = smart.trials[-1]
+        step = per_op * (0.5 if measured_faster else 2.0)
         # Its peak as predicted: no room left to plan whole blocks again with.
         peak = whole.prediction.peak_bytes
         whole.steps = [swap.search.Measurement(step, 0.0, step, peak, peak)]
-        smart.recompute_ms = 10 * predicted
         smart._trial_done(whole)
-        outcomes.append((smart.phase, [t.whole_blocks for t in smart.trials]))
+        outcomes.append((smart.phase, kinds(smart)))
         smart.remove()
-    assert outcomes == [("stable", [True]), ("search", [True, False])], outcomes
+    assert outcomes == [("stable", ["recompute", "whole"]),
+                        ("search", ["recompute", "whole", "planner"])], outcomes
 
 
 def test_full_recomputation_is_measured_again_before_a_whole_block_plan_is_predicted_from_it():
     target = halfway_target()
+    model, smart = at_first_plan(target)
+    # Full recomputation first, every block under PyTorch's checkpoint and timed, the
+    # planner's plan waiting.
+    assert kinds(smart) == ["recompute"] and smart.opening_recompute
+    assert smart.deferred is not None and not smart.deferred.steps
+    assert smart.decisions == {b: {} for b in range(LAYERS)}
+    assert smart._times_blocks()
+    per_op = smart.deferred.prediction.step_ns / 1e6
+    # Measured far over the planner's prediction: the whole-block plan made from it goes next
+    # all the same (its step predicted as the one measured less the kept blocks' recomputes,
+    # timed again in the trial's steps), the planner's plan still waiting. Its peak over the
+    # simulated one by a tenth of the budget aims the whole-block plans that much lower.
+    step = 10 * per_op
+    smart.block_recompute_ms = None  # timed again below, not warm-up's left in place
+    train(model, 1)
+    error = smart._budget() // 10
+    end_opening_trial(smart, step, peak_over=error)
+    assert smart.recompute_ms == step and not smart.opening_recompute
+    assert smart.whole_error == error
+    assert len(smart.block_recompute_ms) == LAYERS and smart._block_timers == {}
+    assert kinds(smart) == ["recompute", "whole"]
+    whole = smart.trials[-1]
+    kept = whole.summary["kept_blocks"]
+    assert whole.prediction.step_ns == pytest.approx(
+        (step - sum(smart.block_recompute_ms[b] for b in kept)) * 1e6, abs=1)
+    assert smart.deferred is not None, "the planner's plan still waits for its turn"
+    assert smart.decisions == {b: {} for b in range(LAYERS) if b not in kept}
+    smart.remove()
+
+
+def test_without_a_whole_block_plan_after_the_opening_trial_the_planners_plan_or_recomputing():
+    # The opening trial peaks a whole budget over its simulation: no whole block fits the goal
+    # that error leaves. The planner's plan is tried if predicted faster than full
+    # recomputation measured; else recomputing every block is kept.
+    target = halfway_target()
     outcomes = []
-    for faster_than_planner in (True, False):
-        model, smart = at_first_plan(target, timed=True)
-        # Full recomputation first, every block under PyTorch's checkpoint and timed, the
-        # planner's plan waiting.
-        again = smart.trials[-1]
-        assert len(smart.trials) == 1 and again.recompute, smart.report()
-        assert smart.opening_recompute and smart.deferred is not None
-        assert smart.decisions == {b: {} for b in range(LAYERS)}
-        assert smart._times_blocks()
-        per_op = smart.deferred.prediction.step_ns / 1e6
-        # Measured far under the planner's prediction, or far over it: the whole-block plan
-        # made from it goes next either way, the planner's plan still waiting. Its peak over
-        # the simulated one by a tenth of the budget aims the whole-block plans that lower.
-        step = 0.0 if faster_than_planner else 10 * per_op
-        error = smart._budget() // 10
-        peak = again.prediction.peak_bytes + error
-        again.steps = [swap.search.Measurement(step, 0.0, step, peak, peak)]
-        train(model, 1)  # a step whose blocks are timed again
-        smart._trial_done(again)
-        assert smart.recompute_ms == step and not smart.opening_recompute
-        assert smart.whole_error == error
-        assert smart.block_recompute_ms is not None and smart._block_timers == {}
-        outcomes.append([("recompute" if t.recompute else "whole" if t.whole_blocks
-                          else "planner") for t in smart.trials])
-        whole = smart.trials[-1]
-        kept = whole.summary["kept_blocks"]
-        assert whole.prediction.step_ns / 1e6 < step
-        assert whole.prediction.step_ns / 1e6 < per_op or not faster_than_planner
-        assert smart.deferred is not None, "the planner's plan still waits for its turn"
-        assert smart.decisions == {b: {} for b in range(LAYERS) if b not in kept}
+    for recompute_slower in (True, False):
+        smart, _ = opened(target, lambda ms: 10 * ms if recompute_slower else 0.0,
+                          peak_over_budgets=1)
+        assert smart._whole_block_plan() is None
+        outcomes.append((smart.phase, kinds(smart), smart.history[-1].get("chosen")))
         smart.remove()
-    assert outcomes == [["recompute", "whole"]] * 2, outcomes
+    assert outcomes == [("search", ["recompute", "planner"], None),
+                        ("stable", ["recompute"], "recompute")], outcomes
 
 
 def test_a_whole_block_plan_that_peaked_under_its_prediction_is_planned_again_keeping_more(
@@ -373,17 +403,15 @@ def test_a_whole_block_plan_that_peaked_under_its_prediction_is_planned_again_ke
     # one more.
     monkeypatch.setattr(swap.search, "MAX_OVERRATE", 0.3)
     target = halfway_target()
-    model = fresh()
     margin = 0.3  # room between the budget and the ceiling of whole-block goals
-    smart = swap.apply(model, target=target, margin=margin)
-    plan_with_recompute_at(smart, 0.0, timed=False)  # the whole-block plan is tried first
-    train(model, FIRST_PLANNED)
-    first = smart.trials[0]
-    if DEVICE == "cuda" and not first.whole_blocks:
+    _, smart = at_first_plan(target, margin)
+    if DEVICE == "cuda" and not smart.opening_recompute:
         # (On an H200 the 30% margin put the planner's goal, 49.9 MB, under full
-        # recomputation's peak, 71.1 MB: recomputing everything came first.)
+        # recomputation's peak, 71.1 MB: no whole-block plan was made.)
         smart.remove()
         pytest.skip("the margin put the goal below full recomputation's peak on this device")
+    end_opening_trial(smart, 0.0)
+    first = smart.trials[-1]
     assert first.whole_blocks, smart.report()
     kept = first.summary["kept_blocks"]
     assert 0 < len(kept) < LAYERS, first.summary
@@ -402,7 +430,7 @@ def test_a_whole_block_plan_that_peaked_under_its_prediction_is_planned_again_ke
     ceiling = int(target * (1 - margin / 2))
     assert smart._goal(whole_blocks=True) == min(ceiling, budget - smart.whole_error)
     grown = smart.trials[-1]
-    assert len(smart.trials) == 2 and grown.whole_blocks, smart.report()
+    assert kinds(smart) == ["recompute", "whole", "whole"], smart.report()
     assert budget < grown.prediction.peak_bytes <= ceiling
     assert set(grown.summary["kept_blocks"]) > set(kept), (kept, grown.summary)
     assert smart.deferred is not None, "the planner's plan still waits for its turn"
@@ -661,28 +689,31 @@ def train_step(model, opt, ids, seen=None):
 
 
 def test_states_a_plan_moves_leave_in_its_first_step_after_another_plan_brought_them_back():
-    """Under the "memory" preference the search adopts two plans before one step when the
-    whole-block plan is predicted faster than the planner's: states the planner's plan kept
-    (brought back from warm-up) leave again in that step's forward, where the whole-block plan
+    """Under the "memory" preference the search adopts two plans before one step where a
+    whole-block plan exists: states the planner's plan kept (brought back from warm-up) leave
+    again in that step's forward, where the search's opening trial of full recomputation
     counts them out, and the step stays exact."""
 
-    def run(target=None, whole_first=False, seen=None):
+    def run(target=None, opening=False, seen=None):
         model = fresh()
         torch.manual_seed(0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
         smart = swap.apply(model, optimizer=opt, target=target, preference="memory",
                            margin=0, states_in_step=False)
-        if whole_first:
+        if opening:
             planned = smart._plan
 
             def plan():
-                smart.recompute_ms = 0.0  # the whole-block plan predicted faster
+                # Warm-up's full recomputation as timed (as on CUDA): a whole-block plan can
+                # be made, and the search opens with full recomputation.
+                smart.recompute_ms = smart.warm_recompute_ms = 0.0
                 planned()
             smart._plan = plan
-        if seen is not None:  # after the last block's forward: the plan on trial, the blocks
-            # whose states it moves, and those whose states are on the device
+        if seen is not None:  # after the last block's forward: whether full recomputation is
+            # on trial, the blocks whose states the plan moves, those whose states are on the
+            # device
             model.layers[-1].register_forward_hook(lambda m, a, o: seen.append(
-                (smart.phase, smart.trials[-1].whole_blocks if smart.trials else None,
+                (smart.phase, smart.trials[-1].recompute if smart.trials else None,
                  set(smart.states.groups), blocks_with_states_on_device(opt, model))))
         losses = [train_step(model, opt, torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
                   for _ in range(FIRST_PLANNED + 1)]
@@ -694,16 +725,15 @@ def test_states_a_plan_moves_leave_in_its_first_step_after_another_plan_brought_
     probe.remove()
     seen = []
     torch.manual_seed(2)
-    smart, losses = run(int(0.9 * baseline), whole_first=True, seen=seen)
+    smart, losses = run(int(0.9 * baseline), opening=True, seen=seen)
     assert losses == reference
-    # The first planned step runs the whole-block plan (adopted after the planner's); on CUDA
-    # its measured peak may send the search on to another plan afterwards.
-    phase, whole_blocks, moved, on_device = seen[FIRST_PLANNED - 1]
+    # The first planned step runs full recomputation (adopted after the planner's plan).
+    phase, recomputing, moved, on_device = seen[FIRST_PLANNED - 1]
     smart.remove()
-    if DEVICE == "cuda" and not whole_blocks:
-        # The sizes are the device's own there: the whole-block plan may not fit the target.
+    if DEVICE == "cuda" and not recomputing:
+        # The sizes are the device's own there: no whole-block plan may fit the target.
         pytest.skip("no whole-block plan fit the target on this device: nothing to check")
-    assert phase == "search" and whole_blocks and moved, seen
+    assert phase == "search" and recomputing and moved, seen
     assert not moved & set(on_device), seen
 
 

@@ -381,6 +381,26 @@ def test_full_recomputation_is_measured_again_before_a_whole_block_plan_is_predi
     smart.remove()
 
 
+def test_the_planners_plan_after_the_opening_trials_is_planned_again_at_the_bandwidth_it_showed():
+    # Full recomputation and whole blocks measured first take none of the re-plans a planner's
+    # plan whose copies ran slow may ask for.
+    smart, per_op = opened(halfway_target(), lambda ms: 10 * ms)
+    whole = smart.trials[-1]
+    step = 2 * per_op
+    peak = whole.prediction.peak_bytes
+    whole.steps = [swap.search.Measurement(step, 0.0, step, peak, peak)]
+    smart._trial_done(whole)
+    planned = smart.trials[-1]
+    assert kinds(smart) == ["recompute", "whole", "planner"], smart.report()
+    # Its copies made the step wait a tenth of it beyond the prediction.
+    planned.summary["swapped_bytes"] = max(planned.summary["swapped_bytes"], 2**30)
+    waited = planned.prediction.exposed_wait_ns / 1e6 + 0.1 * per_op
+    planned.steps = [swap.search.Measurement(per_op, waited, per_op, 0, 0)]
+    smart._trial_done(planned)
+    assert smart.bandwidth_scale < 1.0, smart.report()
+    smart.remove()
+
+
 def test_without_a_whole_block_plan_after_the_opening_trial_the_planners_plan_or_recomputing():
     # The opening trial peaks a whole budget over its simulation: no whole block fits the goal
     # that error leaves. The planner's plan is tried if predicted faster than full

@@ -101,7 +101,9 @@ def pace_factor(measured_ms, simulated_ms):
 # A block whose forward warm-up timed (under PyTorch's checkpoint alone) at less than this share
 # of its forward in the profiled step was slowed by the profiling itself: on the host-paced MoE
 # benchmark the profiled forwards took 2-5 times warm-up's (each op recorded, the device held
-# back, the host syncing on routing), on dense models on an H200 they were within 3% of them.
+# back, the host syncing on routing); on dense models on an H200 most were within 3% of them
+# (in one dense-1b record three blocks of 22 at 0.81-0.86, which moved its plan's predicted
+# step by 2 ms of 257 and not its peak).
 PROFILE_SLOWED = 0.9
 
 

@@ -18,30 +18,26 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "python"))
 from glake.swap import planner, search  # noqa: E402
+from glake.swap.profiling import floored_profile  # noqa: E402
 
 GB = 1e9
 
 
 def profile(record, at_warmup_pace):
     """The record's profile; with `at_warmup_pace`, each block's forward op and the recompute
-    times of its tensors scaled to the forward warm-up timed (block_fwd_ms) where that is
-    shorter, by the rule SmartSwap plans by now (search.forward_scales; a record planned by
-    it is unchanged)."""
-    ops = [list(op) for op in record["ops"]]
-    tensors = [dict(t) for t in record["tensors"]]
+    times of its tensors brought to the forward warm-up timed where that is shorter, by the
+    rule SmartSwap plans by (search.forward_scales, profiling.floored_profile; a record
+    planned by it is unchanged)."""
+    taken = planner.Profile(ops=[tuple(op) for op in record["ops"]],
+                            tensors=[planner.Tensor(**t) for t in record["tensors"]],
+                            base_bytes=record["base_bytes"])
     # Warm-up's forwards (records before they were kept apart: block_fwd_ms was warm-up's).
     timed = record.get("warmup_block_fwd_ms") or record.get("block_fwd_ms")
-    if at_warmup_pace and timed:
-        scales = search.forward_scales([int(ms * 1e6) for ms in timed],
-                                       [ops[b][0] for b in range(len(timed))])
-        for b, scale in enumerate(scales):
-            ops[b][0] = int(ops[b][0] * scale)
-        for t, meaning in zip(tensors, record["meaning"]):
-            if meaning is not None and meaning[0] != "state" and t["recompute_ns"] is not None:
-                t["recompute_ns"] = max(1, int(t["recompute_ns"] * scales[meaning[0]]))
-    return planner.Profile(ops=[tuple(op) for op in ops],
-                           tensors=[planner.Tensor(**t) for t in tensors],
-                           base_bytes=record["base_bytes"])
+    if not (at_warmup_pace and timed):
+        return taken
+    scales = search.forward_scales([int(ms * 1e6) for ms in timed],
+                                   [ns for ns, _ in taken.ops[:len(timed)]])
+    return floored_profile(taken, record["meaning"], scales)
 
 
 def describe(prediction):

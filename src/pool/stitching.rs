@@ -420,7 +420,10 @@ impl Inner {
         if grown > 0 && !self.fits_cap(grown) {
             return Ok(None);
         }
-        if room.is_some_and(|room| self.plan_maps(&plan).saturating_add(grown) > room) {
+        if room.is_some_and(|room| {
+            self.plan_maps(&plan)
+                .is_none_or(|maps| maps.saturating_add(grown) > room)
+        }) {
             return Ok(None);
         }
         // Gathered segments leave the books now (their bytes join the shortfall, the cap sees
@@ -515,19 +518,17 @@ impl Inner {
         }))
     }
 
-    /// Bytes the free blocks of `plan` map: the whole chunks of each of its pieces. Gathering
-    /// and the new memory's place move bytes between the pieces and the new memory, never
-    /// adding any.
-    fn plan_maps(&self, plan: &stitch::StitchPlan) -> usize {
+    /// Bytes the free blocks of `plan` map: the whole chunks of each of its pieces (None when
+    /// one of them cannot be mapped as a piece). Gathering and the new memory's place move
+    /// bytes between the pieces and the new memory, never adding any.
+    fn plan_maps(&self, plan: &stitch::StitchPlan) -> Option<usize> {
         let first = plan.first.iter().map(|&(id, b)| (id, b, true));
         let rest = plan.take.iter().map(|&(id, b)| (id, b, false));
         first
             .chain(rest)
             .map(|(id, bytes, first)| {
-                self.stitch_piece(id, bytes, first)
-                    .map_or(usize::MAX / 4, |(p, _)| {
-                        p.handles.iter().map(|&(_, len)| len).sum()
-                    })
+                let (piece, _) = self.stitch_piece(id, bytes, first)?;
+                Some(piece.handles.iter().map(|&(_, len)| len).sum::<usize>())
             })
             .sum()
     }

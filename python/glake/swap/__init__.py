@@ -622,9 +622,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         step measured (search.worth_trying); the planner's (deferred) plan follows it, or
         comes instead, on the same condition. Whole blocks go first even when the planner's
         plan is predicted faster: on the MoE benchmark the planner's plans under 40-50% caps
-        ran out of memory in their first step (peaks 0.6 GB or more over the prediction) in
-        two calls out of two, where a whole-block plan at the same caps trained. True when a
-        trial started."""
+        ran out of memory in their first step (peaks at least 0.41 and 0.59 GB over the
+        prediction) in two calls out of two, where a whole-block plan at the same caps
+        trained. True when a trial started."""
         self.opening_recompute = False
         if trial.steps:
             self.recompute_ms = trial.step_ms
@@ -995,10 +995,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
 
     def _start_recompute_trial(self):
         """Starts measuring full recomputation as a trial (see _finish_search and
-        _whole_blocks_first), its blocks timed afresh."""
+        _whole_blocks_first)."""
         self._adopt_full_recompute()
         self.history.append(dict(self._summary(), recompute_trial=True))
-        self._block_timers, self._recompute_timers = {}, {}
         if self.opening_recompute:
             log.info("glake.swap: recomputing every block measured %.1f ms in warm-up: timed "
                      "again first (whole-block plans are predicted from it)", self.recompute_ms)

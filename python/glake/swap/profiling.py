@@ -50,6 +50,22 @@ def waits_by_block(times_ns, waits_before, n_blocks):
     return out
 
 
+def floored_profile(profile, meaning, scales, pace=1.0):
+    """`profile` (ops and recompute times scaled by `pace`) with the forward op of each block
+    whose scale is below 1, and the recompute times of that block's tensors (`meaning`: per
+    tensor its block and ops, None or a state otherwise), unpaced and scaled by it; the other
+    ops and tensors as they are. The profile's first ops are the blocks' forwards, in order."""
+    def floored(ns, scale):
+        return max(1, int(ns / pace * scale))
+
+    ops = [(floored(ns, scales[i]), phase) if i < len(scales) and scales[i] < 1.0
+           else (ns, phase) for i, (ns, phase) in enumerate(profile.ops)]
+    tensors = [dataclasses.replace(t, recompute_ns=floored(t.recompute_ns, scales[m[0]]))
+               if m is not None and m[0] != "state" and t.recompute_ns is not None
+               and scales[m[0]] < 1.0 else t for t, m in zip(profile.tensors, meaning)]
+    return dataclasses.replace(profile, ops=ops, tensors=tensors)
+
+
 class ProfilingMixin:
     """The profiling half of SmartSwap (see the module's documentation)."""
 
@@ -152,22 +168,18 @@ class ProfilingMixin:
 
     def _floor_forwards(self):
         """Brings the forwards the profiling slowed (`forward_scales` below 1) to the forward
-        warm-up timed, and their ops' recompute times by as much. After the pace is applied:
-        these forwards were timed at the step's pace already, and pacing them again would
-        give the swaps more time to leave than the real forward does."""
-        scales, p, pace = self.forward_scales, self.profile, self.pace
+        warm-up timed (floored_profile). After the pace is applied: these forwards were timed
+        at the step's pace already, and pacing them again would give the swaps more time to
+        leave than the real forward does."""
+        scales = self.forward_scales
         if min(scales, default=1.0) >= 1.0:
             return
-        profiled = sum(p.ops[b][0] for b in range(len(scales))) / pace
-        p.ops = [(int(ns / pace * scales[i]), phase) if i < len(scales) and scales[i] < 1.0
-                 else (ns, phase) for i, (ns, phase) in enumerate(p.ops)]
-        p.tensors = [dataclasses.replace(t, recompute_ns=max(
-            1, int(t.recompute_ns / pace * scales[m[0]])))
-            if m is not None and m[0] != "state" and t.recompute_ns is not None
-            and scales[m[0]] < 1.0 else t for t, m in zip(p.tensors, self.meaning)]
+        before = sum(ns for ns, _ in self.profile.ops[:len(scales)])
+        self.profile = floored_profile(self.profile, self.meaning, scales, self.pace)
+        after = sum(ns for ns, _ in self.profile.ops[:len(scales)])
         log.info("glake.swap: the profiled forwards took %.1f times the ones warm-up timed "
-                 "(the profiling's own cost): the plan sees warm-up's", profiled / max(
-                     1, sum(p.ops[b][0] for b in range(len(scales)))))
+                 "(the profiling's own cost): the plan sees warm-up's",
+                 before / self.pace / max(1, after))
 
     def _build_profile(self):
         """The block-level iteration the planner sees, and per tensor which (block, op indexes)

@@ -192,7 +192,7 @@ def child(args):
                 "glake.stitched_allocations")
 
     def run(steps, warm, smart=None, trace=None, alloc_trace=None):
-        """`warm` unmeasured steps (for SmartSwap: until it is stable, at most 40), then
+        """`warm` unmeasured steps (for SmartSwap: until it is stable, at most 80), then
         `steps` measured; the allocator's counters over the measured steps; with `trace` (a
         path less its suffix), one more step's profile: a timeline (.json) and two tables by
         device and by host time (.txt); with `alloc_trace` (a path), every allocation event
@@ -204,7 +204,7 @@ def child(args):
         finished = False
         try:
             i = 0
-            while i < warm or (smart is not None and smart.phase != "stable" and i < 40):
+            while i < warm or (smart is not None and smart.phase != "stable" and i < 80):
                 losses.append(step(i).item())
                 i += 1
             torch.cuda.reset_peak_memory_stats()

@@ -177,3 +177,35 @@ def test_a_profile_slower_than_warmup_is_disturbed():
     assert not search.profile_disturbed(290.0, 300.0)  # within DISTURBED_PACE
     assert search.profile_disturbed(380.0, 455.0)  # the dense-3b profile of 375 ms
     assert not search.profile_disturbed(None, 300.0) and not search.profile_disturbed(321.0, 0)
+
+
+def test_a_trial_measures_until_its_median_is_sure_within_bounds():
+    least = 3
+    assert not search.median_settled([100.0, 101.0], least)  # fewer than the least
+    assert search.median_settled([100.0, 101.0, 99.0], least)  # a dense model's steps
+    # The MoE benchmark's steps of one process: three leave the median unsure by a tenth.
+    moe = [221.4, 195.2, 191.1, 188.0, 158.7, 156.5, 153.7, 148.5, 144.8, 153.9]
+    assert not search.median_settled(moe[:3], least)
+    assert not search.median_settled(moe[:8], least)
+    assert search.median_settled(moe[:search.MAX_TRIAL_STEPS_FACTOR * least], least)
+    # Spread steps followed by steady ones: sure once enough agree.
+    steps = [100.0, 110.0, 90.0, 100.0, 101.0, 100.0, 99.0, 100.0]
+    assert not search.median_settled(steps[:3], least)
+    assert search.median_settled(steps, least)
+    assert search.median_settled([100.0], 1)  # one step asked for: no spread to go by
+
+
+def test_the_simulations_largest_miss_is_taken_either_way_from_measured_trials():
+    def measured(predicted, peak):
+        t = trial([10] if peak is not None else [])
+        t.prediction = SimpleNamespace(peak_bytes=predicted, exposed_wait_ns=0)
+        for m in t.steps:
+            m.allocated = peak
+        return t
+    # The MoE benchmark at a 50% cap: full recomputation 0.29 GB over its simulated peak,
+    # two whole-block plans 0.26 and 0.45 GB under theirs; an unmeasured plan counts not.
+    trials = [measured(5.307 * GB, 5.601 * GB), measured(7.629 * GB, 7.367 * GB),
+              measured(8.402 * GB, 7.955 * GB), measured(8.389 * GB, None)]
+    assert search.model_error(trials) == pytest.approx(0.447 * GB)
+    assert search.model_error(trials[:1]) == pytest.approx(0.294 * GB)
+    assert search.model_error([]) == 0

@@ -46,8 +46,8 @@ from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, TimedContext, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
-                     memory_correction, pace_factor, peak_error, profile_disturbed, room_left,
-                     stable_drift, worth_trying)
+                     median_settled, memory_correction, model_error, pace_factor, peak_error,
+                     profile_disturbed, room_left, stable_drift, worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -194,6 +194,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.correction = 0         # the planner's plans aim this far under the budget
         self.whole_error = 0        # whole-block plans' measured peak less predicted peak
         self.overshot = []          # choices of whole-block plans whose step went over the budget
+        self.untried_margin = 0     # bytes the planner's untried plan aims under the budget
         self.corrections = 0
         self.bandwidth = None
         self.measured = []          # search.Measurement of stable steps
@@ -342,6 +343,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.opening_recompute = False
         self.correction, self.corrections = 0, 0
         self.whole_error, self.overshot = 0, []
+        self.untried_margin = 0
         self.bandwidth_scale = 1.0
 
     # -- the wrapped forward ----------------------------------------------------------------
@@ -651,7 +653,18 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: a "
                      "measured step is as fast", deferred.prediction.step_ns / 1e6)
             return False
+        if (self.target_bytes is not None and self._planner_trials() == 0
+                and any(t.steps and t.peak <= self._budget() for t in self.trials)):
+            self.untried_margin = model_error(self.trials)
+            log.info("glake.swap: a measured plan fits the budget: the planner's plan aims "
+                     "%.2f GiB under it (the largest miss of a measured peak)",
+                     self.untried_margin / 2**30)
         self._replan()
+        if not worth_trying(self.prediction.step_ns / 1e6, self.trials[:-1], self.recompute_ms):
+            log.info("glake.swap: the planner's plan for that goal (predicted %.1f ms) is not "
+                     "tried: a measured step is as fast", self.prediction.step_ns / 1e6)
+            self.trials.pop()
+            return False
         return True
 
     def _block_savings_ms(self):
@@ -809,13 +822,15 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
 
     def _goal(self, whole_blocks=False):
         """Allocated bytes the plan aims at: the budget less the correction measured steps
-        asked for; for a whole-block plan, less the error the last one's measured peak showed
+        asked for (and, from the planner's first plan tried where a measured plan already fits
+        the budget, less the simulation's largest miss seen by then: _resume_deferred); for
+        a whole-block plan, less the error the last one's measured peak showed
         (its own: the two kinds of plan miss differently; on dense-3b the planner's plans
         peaked 0.9 GB over their prediction, whole-block plans 1.2 GB under it)."""
         if self.target_bytes is None:
             return None
         if not whole_blocks:
-            return max(0, self._budget() - self.correction)
+            return max(0, self._budget() - self.correction - self.untried_margin)
         # Never above the target less half the margin: a plan overrated by less than the last
         # one still peaks under the target.
         ceiling = int(self.target_bytes * (1 - self.settings.margin / 2))
@@ -912,7 +927,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                                 trial.summary["predicted_step_ms"])
                     self._reprofile()
                     return
-        if len(trial.steps) >= self.settings.search_steps:
+        if median_settled([s.step_ms for s in trial.steps], self.settings.search_steps):
             self._trial_done(trial)
 
     def _trial_done(self, trial):

@@ -2,6 +2,7 @@
 the measurements correct the planner's copy bandwidth and pick the plan that ran fastest, full
 recomputation (measured in warm-up) included. Kept free of torch so it can be tested alone."""
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -66,6 +67,41 @@ class Trial:
                 "measured_step_ms": self.step_ms, "measured_wait_ms": self.wait_ms,
                 "cpu_ms": (statistics.median(m.cpu_ms for m in self.steps)
                            if self.steps else None)}
+
+
+# A trial measures steps until their median is known to within this share of it (one standard
+# error), at least the settings' search_steps and at most MAX_TRIAL_STEPS_FACTOR times that.
+# Dense models on an H200 step within 1-2% of their median and settle at the least; the
+# host-paced MoE benchmark steps 145-221 ms around a median of 177 in one process, where three
+# steps leave the median unsure by about a tenth.
+MEDIAN_TOLERANCE = 0.03
+MAX_TRIAL_STEPS_FACTOR = 3
+
+
+def median_settled(step_ms, least):
+    """Whether the measured steps `step_ms` are enough to take their median as the trial's
+    step: at least `least` of them, and either MAX_TRIAL_STEPS_FACTOR * least or a median
+    whose standard error (as for a normal spread: 1.2533 standard deviations over the root of
+    the count) is within MEDIAN_TOLERANCE of it. The standard deviation, not a deviation from
+    the median: with three steps, one far off is what shows the spread."""
+    n = len(step_ms)
+    if n < least:
+        return False
+    if n >= MAX_TRIAL_STEPS_FACTOR * least or n < 2:
+        return True
+    error = 1.2533 * statistics.stdev(step_ms) / math.sqrt(n)
+    return error <= MEDIAN_TOLERANCE * statistics.median(step_ms)
+
+
+def model_error(trials):
+    """The largest miss, either way, of a measured peak from its plan's predicted one among
+    `trials` (bytes; 0 when none measured): how far the simulation has been seen to be off on
+    this workload. A plan of a kind not yet measured is aimed this far under the budget when a
+    measured plan already fits it, so a run that has a plan that trains does not risk running
+    out of memory on an untried one (on the MoE benchmark at a 50% cap, the planner's plan,
+    tried after two whole-block plans that fit, ran out of memory in its first step, at least
+    0.57 GB over its predicted peak; the search's trials had missed by up to 0.45 GB)."""
+    return max((abs(t.peak - t.prediction.peak_bytes) for t in trials if t.steps), default=0)
 
 
 def bandwidth_correction(trial, h2d_bytes_per_s):

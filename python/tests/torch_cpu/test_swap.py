@@ -401,6 +401,26 @@ def test_the_planners_plan_after_the_opening_trials_is_planned_again_at_the_band
     smart.remove()
 
 
+def test_the_planners_first_plan_after_plans_that_fit_aims_under_the_budget_by_their_misses():
+    # Full recomputation measured a twentieth of the budget over its simulated peak, the
+    # whole-block plan as predicted: the planner's plan, tried after them, aims that much
+    # lower than the budget, its own peak being untried.
+    smart, per_op = opened(halfway_target(), lambda ms: 10 * ms, peak_over_budgets=0.05)
+    budget = smart._budget()
+    miss = int(0.05 * budget)
+    whole = smart.trials[-1]
+    assert kinds(smart) == ["recompute", "whole"], smart.report()
+    step, peak = 2 * per_op, whole.prediction.peak_bytes
+    assert peak <= budget
+    whole.steps = [swap.search.Measurement(step, 0.0, step, peak, peak)]
+    smart._trial_done(whole)
+    assert kinds(smart) == ["recompute", "whole", "planner"], smart.report()
+    assert smart.untried_margin == miss
+    assert smart._goal() == budget - miss
+    assert smart.trials[-1].prediction.peak_bytes <= budget - miss
+    smart.remove()
+
+
 def test_without_a_whole_block_plan_after_the_opening_trial_the_planners_plan_or_recomputing():
     # The opening trial peaks a whole budget over its simulation: no whole block fits the goal
     # that error leaves. The planner's plan is tried if predicted faster than full

@@ -274,7 +274,8 @@ def test_a_profile_slower_than_warmups_forwards_is_brought_to_them():
     half = smart.profile
     assert close.ops == taken.ops and close.tensors == taken.tensors
     for b in range(LAYERS):  # warm-up's forward itself, whatever the pace
-        assert half.ops[b][0] == pytest.approx(taken.ops[b][0] / 2, abs=1)
+        # (each side truncated to whole nanoseconds)
+        assert half.ops[b][0] == pytest.approx(taken.ops[b][0] / 2, abs=2)
         assert half.ops[b][1] == planner.FORWARD
     moved = [(t.recompute_ns, h.recompute_ns) for t, h, m in zip(taken.tensors, half.tensors,
                                                                  meaning) if m is not None]
@@ -300,7 +301,21 @@ def at_first_plan(target, margin=0):
         planned()
     smart._plan = plan
     train(model, FIRST_PLANNED)
+    if DEVICE == "cuda" and not smart.opening_recompute:
+        # (On an H200 the planner's best peak for half the way, 71.95 MB, was over the
+        # target, 71.26 MB, where PyTorch's checkpoint of whole blocks reaches it: no plan to
+        # defer, full recomputation kept from the start.)
+        reason = f"no search opens at this target on this device: {smart.report()['plan']}"
+        smart.remove()
+        pytest.skip(reason)
+    assert smart.opening_recompute, smart.report()
     return model, smart
+
+
+def room_for_blocks(smart):
+    """Bytes between the budget and the opening trial's simulated peak: what whole blocks
+    kept as written can take."""
+    return smart._budget() - smart.trials[-1].prediction.peak_bytes
 
 
 def end_opening_trial(smart, step_ms, peak_over=0):
@@ -314,14 +329,13 @@ def end_opening_trial(smart, step_ms, peak_over=0):
     return again
 
 
-def opened(target, recompute_ms_of, peak_over_budgets=0):
+def opened(target, recompute_ms_of, peak_over=lambda smart: 0):
     """at_first_plan, then its opening trial ended as measured at `recompute_ms_of` the
-    planner's predicted step, peaking `peak_over_budgets` budgets over its simulated peak.
+    planner's predicted step, peaking `peak_over(smart)` bytes over its simulated peak.
     Returns SmartSwap and the planner's predicted step (ms)."""
     _, smart = at_first_plan(target)
     per_op = smart.deferred.prediction.step_ns / 1e6
-    end_opening_trial(smart, recompute_ms_of(per_op),
-                      peak_over=int(peak_over_budgets * smart._budget()))
+    end_opening_trial(smart, recompute_ms_of(per_op), peak_over=int(peak_over(smart)))
     return smart, per_op
 
 
@@ -362,11 +376,11 @@ def test_full_recomputation_is_measured_again_before_a_whole_block_plan_is_predi
     # Measured far over the planner's prediction: the whole-block plan made from it goes next
     # all the same (its step predicted as the one measured less the kept blocks' recomputes,
     # timed again in the trial's steps), the planner's plan still waiting. Its peak over the
-    # simulated one by a tenth of the budget aims the whole-block plans that much lower.
+    # simulated one by a tenth of the room whole blocks had aims them that much lower.
     step = 10 * per_op
     smart.block_recompute_ms = None  # timed again below, not warm-up's left in place
     train(model, 1)
-    error = smart._budget() // 10
+    error = room_for_blocks(smart) // 10
     end_opening_trial(smart, step, peak_over=error)
     assert smart.recompute_ms == step and not smart.opening_recompute
     assert smart.whole_error == error
@@ -402,12 +416,16 @@ def test_the_planners_plan_after_the_opening_trials_is_planned_again_at_the_band
 
 
 def test_the_planners_first_plan_after_plans_that_fit_aims_under_the_budget_by_their_misses():
-    # Full recomputation measured a twentieth of the budget over its simulated peak, the
-    # whole-block plan as predicted: the planner's plan, tried after them, aims that much
-    # lower than the budget, its own peak being untried.
-    smart, per_op = opened(halfway_target(), lambda ms: 10 * ms, peak_over_budgets=0.05)
-    budget = smart._budget()
-    miss = int(0.05 * budget)
+    # Full recomputation measured a tenth of the room whole blocks had over its simulated
+    # peak, the whole-block plan as predicted: the planner's plan, tried after them, aims
+    # that much lower than the budget, its own peak being untried.
+    misses = []
+
+    def tenth_of_room(smart):
+        misses.append(room_for_blocks(smart) // 10)
+        return misses[-1]
+    smart, per_op = opened(halfway_target(), lambda ms: 10 * ms, peak_over=tenth_of_room)
+    budget, miss = smart._budget(), misses[-1]
     whole = smart.trials[-1]
     assert kinds(smart) == ["recompute", "whole"], smart.report()
     step, peak = 2 * per_op, whole.prediction.peak_bytes
@@ -429,7 +447,7 @@ def test_without_a_whole_block_plan_after_the_opening_trial_the_planners_plan_or
     outcomes = []
     for recompute_slower in (True, False):
         smart, _ = opened(target, lambda ms: 10 * ms if recompute_slower else 0.0,
-                          peak_over_budgets=1)
+                          peak_over=lambda smart: smart._budget())
         assert smart._whole_block_plan() is None
         outcomes.append((smart.phase, kinds(smart), smart.history[-1].get("chosen")))
         smart.remove()
@@ -444,12 +462,9 @@ def test_a_whole_block_plan_that_peaked_under_its_prediction_is_planned_again_ke
     monkeypatch.setattr(swap.search, "MAX_OVERRATE", 0.3)
     target = halfway_target()
     margin = 0.3  # room between the budget and the ceiling of whole-block goals
+    # (On an H200 the 30% margin put the planner's goal, 49.9 MB, under full
+    # recomputation's peak, 71.1 MB: no whole-block plan was made, and at_first_plan skips.)
     _, smart = at_first_plan(target, margin)
-    if DEVICE == "cuda" and not smart.opening_recompute:
-        # (On an H200 the 30% margin put the planner's goal, 49.9 MB, under full
-        # recomputation's peak, 71.1 MB: no whole-block plan was made.)
-        smart.remove()
-        pytest.skip("the margin put the goal below full recomputation's peak on this device")
     end_opening_trial(smart, 0.0)
     first = smart.trials[-1]
     assert first.whole_blocks, smart.report()

@@ -657,7 +657,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 and any(t.steps and t.peak <= self._budget() for t in self.trials)):
             self.untried_margin = model_error(self.trials)
             log.info("glake.swap: a measured plan fits the budget: the planner's plan aims "
-                     "%.2f GiB under it (the largest miss of a measured peak)",
+                     "%.2f GiB under it (the most a measured peak came over its prediction)",
                      self.untried_margin / 2**30)
         self._replan()
         if not worth_trying(self.prediction.step_ns / 1e6, self.trials[:-1], self.recompute_ms):
@@ -823,10 +823,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
     def _goal(self, whole_blocks=False):
         """Allocated bytes the plan aims at: the budget less the correction measured steps
         asked for (and, from the planner's first plan tried where a measured plan already fits
-        the budget, less the simulation's largest miss seen by then: _resume_deferred); for
-        a whole-block plan, less the error the last one's measured peak showed
-        (its own: the two kinds of plan miss differently; on dense-3b the planner's plans
-        peaked 0.9 GB over their prediction, whole-block plans 1.2 GB under it)."""
+        the budget, less the most the simulation underrated a peak by then: _resume_deferred);
+        for a whole-block plan, less the error the last one's measured peak showed (its own:
+        the two kinds of plan miss differently; on dense-3b the planner's plans peaked 0.9 GB
+        over their prediction, whole-block plans 1.2 GB under it)."""
         if self.target_bytes is None:
             return None
         if not whole_blocks:

@@ -210,3 +210,12 @@ def test_the_simulations_largest_underrating_is_taken_from_measured_trials():
     assert search.model_error(trials) == pytest.approx(0.294 * GB)
     assert search.model_error(trials[1:]) == 0
     assert search.model_error([]) == 0
+
+
+def test_a_step_is_host_paced_where_the_profiling_doubled_the_median_forward():
+    # The MoE benchmark's profiles: forwards 2.4-2.9 times warm-up's; dense models: as timed.
+    assert search.host_paced([1 / 2.4] * 12)
+    assert search.host_paced([0.3, 0.4, 0.5, 1.0, 0.45])
+    assert not search.host_paced([1.0] * 22)
+    assert not search.host_paced([0.81, 0.86, 1.0])  # a few blocks slowed a little
+    assert not search.host_paced([])

@@ -46,8 +46,8 @@ from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, TimedContext, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
-                     median_settled, memory_correction, model_error, pace_factor, peak_error,
-                     profile_disturbed, room_left, stable_drift, worth_trying)
+                     host_paced, median_settled, memory_correction, model_error, pace_factor,
+                     peak_error, profile_disturbed, room_left, stable_drift, worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -652,6 +652,14 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         if not worth_trying(deferred.prediction.step_ns / 1e6, self.trials, self.recompute_ms):
             log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: a "
                      "measured step is as fast", deferred.prediction.step_ns / 1e6)
+            return False
+        fitting_whole = self.target_bytes is not None and any(
+            t.whole_blocks and t.steps and t.peak <= self._budget() for t in self.trials)
+        if fitting_whole and host_paced(self.forward_scales):
+            log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: the step "
+                     "is paced by the host (the profiled forwards took %.1f times warm-up's) "
+                     "and a whole-block plan fits", deferred.prediction.step_ns / 1e6,
+                     1 / statistics.median(self.forward_scales))
             return False
         if (self.target_bytes is not None and self._planner_trials() == 0
                 and any(t.steps and t.peak <= self._budget() for t in self.trials)):

@@ -156,6 +156,25 @@ def forward_scales(timed_ns, profiled_ns):
     return [t / p if 0 < t < PROFILE_SLOWED * p else 1.0 for t, p in zip(timed_ns, profiled_ns)]
 
 
+# Forwards the profiling made this many times slower than warm-up timed them (the median
+# block's) mark a step paced by the host: each op the profile records costs the host more
+# than the device. On the MoE benchmark (routing synced on the host) the profiled forwards
+# took 2.4-2.9 times warm-up's; on the dense models 1.0.
+HOST_PACED_SLOWDOWN = 2.0
+
+
+def host_paced(scales):
+    """Whether the per-block `scales` that bring the profiled forwards to warm-up's
+    (forward_scales) show a step paced by the host (HOST_PACED_SLOWDOWN). There the planner's
+    op-level plans are not worth the risk of a trial once a whole-block plan fits: their
+    per-op dispatch costs more than it saves (blocks_to_keep), and on the MoE benchmark with
+    the optimizer step in the backward the planner's plan ran out of memory in its first step
+    each time it was tried at a 40% or 50% cap: five trials in four calls on one H200
+    (2026-11-28 and -29), three of them after whole-block plans that fit, those three
+    0.57-0.59 GB over their predicted peaks."""
+    return bool(scales) and statistics.median(scales) * HOST_PACED_SLOWDOWN <= 1.0
+
+
 # A profile whose simulated full recomputation is this much slower than warm-up measured it
 # is taken again: warm-up's steps, doing more work, cannot be faster than the profiled one.
 # (Undisturbed profiles give 1.02-1.045 on dense models on an H200. In one process, a

@@ -396,6 +396,22 @@ def test_full_recomputation_is_measured_again_before_a_whole_block_plan_is_predi
     smart.remove()
 
 
+def test_where_the_host_paces_the_step_a_whole_block_plan_that_fits_ends_the_search():
+    # The same whole-block trial as in the test above, slower than the planner's prediction,
+    # but the profiling had made the forwards 2.5 times warm-up's: the planner's plan is not
+    # tried, the whole-block plan runs.
+    smart, per_op = opened(halfway_target(), lambda ms: 10 * ms)
+    smart.forward_scales = [0.4] * LAYERS
+    whole = smart.trials[-1]
+    step, peak = 2 * per_op, whole.prediction.peak_bytes
+    assert peak <= smart._budget()
+    whole.steps = [swap.search.Measurement(step, 0.0, step, peak, peak)]
+    smart._trial_done(whole)
+    assert (smart.phase, kinds(smart)) == ("stable", ["recompute", "whole"]), smart.report()
+    assert smart.chosen is whole and smart.deferred is None
+    smart.remove()
+
+
 def test_the_planners_plan_after_the_opening_trials_is_planned_again_at_the_bandwidth_it_showed():
     # Full recomputation and whole blocks measured first take none of the re-plans a planner's
     # plan whose copies ran slow may ask for.

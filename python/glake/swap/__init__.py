@@ -75,9 +75,10 @@ class Settings:
     only, so both plan the same here). `swap_bucket_size`: cheap outputs of a block are
     planned in buckets of at least this many bytes (0: one bucket per block). `prefetch`:
     blocks ahead that swap-ins start. `margin`: share of the target left for what the profile
-    cannot see (allocator rounding, the copy engine's buffers). `search_steps`: the least measured
-    steps per plan tried in the search (more, up to three times as many, while the steps
-    leave their median unsure by more than 3%: search.median_settled). `states_in_step` (the "memory" preference): optimizer states
+    cannot see (allocator rounding, the copy engine's buffers). `search_steps`: the least
+    measured steps per plan tried in the search (more, up to three times as many, while the
+    steps leave their median unsure by more than 3%: search.median_settled).
+    `states_in_step` (the "memory" preference): optimizer states
     come back only in the block-by-block optimizer step, never all at once (None: when the
     parameters, gradients and states would not fit the target together). `step_in_backward`
     (the "memory" preference): each block's part of the optimizer step runs in the backward

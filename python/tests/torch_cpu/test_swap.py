@@ -456,6 +456,28 @@ def test_the_planners_first_plan_after_plans_that_fit_aims_under_the_budget_by_t
     smart.remove()
 
 
+def test_the_planners_plan_aimed_lower_is_tried_only_if_still_predicted_faster():
+    # As above, but the whole-block trial measured just over the planner's first prediction:
+    # planned again for the lower goal, the planner's plan is tried only if that plan is
+    # still predicted faster than every step measured.
+    smart, per_op = opened(halfway_target(), lambda ms: 10 * ms,
+                           peak_over=lambda smart: room_for_blocks(smart) // 10)
+    whole = smart.trials[-1]
+    step, peak = per_op * 1.0001, whole.prediction.peak_bytes
+    whole.steps = [swap.search.Measurement(step, 0.0, step, peak, peak)]
+    smart._trial_done(whole)
+    assert smart.untried_margin > 0
+    if smart.phase == "search":
+        assert kinds(smart) == ["recompute", "whole", "planner"], smart.report()
+        assert smart.trials[-1].prediction.step_ns / 1e6 < step
+    else:
+        assert kinds(smart) == ["recompute", "whole"] and smart.chosen is whole
+        assert smart.history[-2]["predicted_step_ms"] >= step, smart.history
+    # (On the CPU the lower goal costs the plan more than the measured step.)
+    assert DEVICE == "cuda" or smart.phase == "stable"
+    smart.remove()
+
+
 def test_without_a_whole_block_plan_after_the_opening_trial_the_planners_plan_or_recomputing():
     # The opening trial peaks a whole budget over its simulation: no whole block fits the goal
     # that error leaves. The planner's plan is tried if predicted faster than full

@@ -239,7 +239,7 @@ def child(args):
         return times, losses, delta, peaks
 
     caps = [None] if method == "unconstrained" else [float(c) for c in args.caps.split(",")]
-    for cap in caps:
+    for n, cap in enumerate(caps, 1):
         row = {"model": name, "method": spec, "cap": cap, "tokens_per_step": batch * seq}
         smart = None
         torch.cuda.empty_cache()
@@ -299,6 +299,12 @@ def child(args):
                 smart.remove()
         row["limit"] = limit
         print(json.dumps(row), flush=True)
+        if row.get("oom") and n < len(caps):
+            # The next caps run in a fresh process (spawn): a step that ran out of memory
+            # leaves the allocator's cache laid out around what it held, which a lower cap
+            # would inherit (on the MoE benchmark a 40% run began with more reserved than its
+            # cap after a 50% run ran out of memory); a user's run starts clean.
+            return
     if method in ("glake", "unconstrained") and args.loss_steps:
         # Bit-identity of the loss: deterministic kernels (math attention, as flash
         # attention's backward is not deterministic; cuBLAS with a fixed workspace), fresh
@@ -346,8 +352,23 @@ def child(args):
 
 
 def spawn(method, name, args, reference_peak=0):
+    """The rows of `method` on model `name` at every cap, from child processes: one, and a
+    fresh one for the caps after a cap that ran out of memory."""
+    caps = args.caps.split(",")
+    rows = []
+    while caps:
+        got = spawn_once(method, name, args, reference_peak, ",".join(caps))
+        rows += got
+        done = len([r for r in got if "cap" in r])
+        if method == "unconstrained" or done == 0:
+            break
+        caps = caps[done:]
+    return rows
+
+
+def spawn_once(method, name, args, reference_peak, caps):
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child-method", method,
-           "--child-model", name, "--caps", args.caps, "--steps", str(args.steps),
+           "--child-model", name, "--caps", caps, "--steps", str(args.steps),
            "--reference-peak", str(reference_peak), "--loss-steps", str(args.loss_steps)]
     if args.trace_dir:
         cmd += ["--trace-dir", args.trace_dir]
@@ -360,7 +381,9 @@ def spawn(method, name, args, reference_peak=0):
     if args.logs:
         pathlib.Path(args.logs).mkdir(parents=True, exist_ok=True)
         log = pathlib.Path(args.logs) / f"{name}-{method.replace('@', '-on-')}.log"
-        log.write_text(proc.stderr)
+        first = caps == args.caps  # a later process of the same method adds to its log
+        with open(log, "w" if first else "a") as f:
+            f.write(proc.stderr)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0:
         print(f"{method} on {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}",

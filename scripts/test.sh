@@ -69,7 +69,7 @@ wheel_list=$(python3 -m zipfile -l build/wheel/glake-*-py3-none-*.whl)
 for f in glake/libgmlake.so glake/swap/executor.py glake/native/glake_allocator.cpp glake/native/own_allocator_pools.h glake/native/glake.h glake/_boot/sitecustomize.py glake-autoload.pth; do
   grep -q "$f" <<<"$wheel_list" || { echo "the wheel lacks $f" >&2; exit 1; }
 done
-GLAKE_LIBRARY="$PWD/target/release/libgmlake.so" python3 -m pytest -q python/tests/test_package.py python/tests/test_launch.py python/tests/test_swap_search.py
+GLAKE_LIBRARY="$PWD/target/release/libgmlake.so" python3 -m pytest -q python/tests/test_package.py python/tests/test_launch.py python/tests/test_swap_search.py python/tests/test_swap_bench.py
 # SmartSwap's PyTorch side on the CPU: with the interpreter in $GLAKE_TORCH_PYTHON, or python3
 # when it has torch (not installed here: the CUDA build of torch is several GB; the GPU suite
 # runs these tests too).

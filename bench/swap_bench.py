@@ -2,7 +2,8 @@
 """Training under a memory cap: SmartSwap (glake.swap on glake's allocator) against what users
 have today (full activation checkpointing, save_on_cpu with pinned memory, on PyTorch's native
 allocator), on dense decoder-only transformers of two widths and a mixture of experts, each
-method in its own process with the same seed and batches.
+method in its own process with the same seed and batches (its caps in turn, the caps after one
+that ran out of memory in a fresh process).
 
     python3 bench/swap_bench.py                                   # every model, every cap
     python3 bench/swap_bench.py --models dense-1b --caps 0.6 --steps 6

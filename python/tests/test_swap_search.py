@@ -207,9 +207,9 @@ def test_the_simulations_largest_underrating_is_taken_from_measured_trials():
     # counts not.
     trials = [measured(5.307 * GB, 5.601 * GB), measured(7.629 * GB, 7.367 * GB),
               measured(8.402 * GB, 7.955 * GB), measured(8.389 * GB, None)]
-    assert search.model_error(trials) == pytest.approx(0.294 * GB)
-    assert search.model_error(trials[1:]) == 0
-    assert search.model_error([]) == 0
+    assert search.peak_underrating(trials) == pytest.approx(0.294 * GB)
+    assert search.peak_underrating(trials[1:]) == 0
+    assert search.peak_underrating([]) == 0
 
 
 def test_a_step_is_host_paced_where_the_profiling_doubled_the_median_forward():

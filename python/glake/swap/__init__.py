@@ -46,8 +46,9 @@ from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, TimedContext, Timer
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
-                     host_paced, median_settled, memory_correction, model_error, pace_factor,
-                     peak_error, profile_disturbed, room_left, stable_drift, worth_trying)
+                     host_paced, median_settled, memory_correction, pace_factor, peak_underrating,
+                     peak_error, profile_disturbed, room_left, stable_drift, within_budget,
+                     worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -647,7 +648,11 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
 
     def _resume_deferred(self):
         """Tries the planner's deferred plan (planned again: the goal or the bandwidth may
-        have been corrected since) if it is still worth a trial; True when it started."""
+        have been corrected since) if it is still worth a trial, before and after planning
+        it again; never where the host paces the step and a whole-block plan fits
+        (search.host_paced). Where a measured plan fits the budget, its first plan aims under
+        the budget by the simulation's underrating so far (search.peak_underrating). True
+        when it started."""
         deferred, self.deferred = self.deferred, None
         if deferred is None:
             return False
@@ -655,17 +660,16 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: a "
                      "measured step is as fast", deferred.prediction.step_ns / 1e6)
             return False
-        fitting_whole = self.target_bytes is not None and any(
-            t.whole_blocks and t.steps and t.peak <= self._budget() for t in self.trials)
-        if fitting_whole and host_paced(self.forward_scales):
+        fitting = (within_budget(self.trials, self._budget())
+                   if self.target_bytes is not None else [])
+        if any(t.whole_blocks for t in fitting) and host_paced(self.forward_scales):
             log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: the step "
                      "is paced by the host (the profiled forwards took %.1f times warm-up's) "
                      "and a whole-block plan fits", deferred.prediction.step_ns / 1e6,
                      1 / statistics.median(self.forward_scales))
             return False
-        if (self.target_bytes is not None and self._planner_trials() == 0
-                and any(t.steps and t.peak <= self._budget() for t in self.trials)):
-            self.untried_margin = model_error(self.trials)
+        if fitting and self._planner_trials() == 0:
+            self.untried_margin = peak_underrating(self.trials)
             log.info("glake.swap: a measured plan fits the budget: the planner's plan aims "
                      "%.2f GiB under it (the most a measured peak came over its prediction)",
                      self.untried_margin / 2**30)

@@ -93,7 +93,7 @@ def median_settled(step_ms, least):
     return error <= MEDIAN_TOLERANCE * statistics.median(step_ms)
 
 
-def model_error(trials):
+def peak_underrating(trials):
     """The most a measured peak among `trials` came over its plan's predicted one (bytes; 0
     when none did, or none was measured): how far the simulation has been seen to underrate
     this workload. The planner's first plan, tried where a measured plan already fits the
@@ -245,13 +245,17 @@ def stable_drift(trial, measurement, h2d_bytes_per_s):
     return bandwidth_correction(later, h2d_bytes_per_s)
 
 
+def within_budget(trials, budget):
+    """The trials with measured steps whose highest one peaked at most `budget` bytes."""
+    return [t for t in trials if t.steps and t.peak <= budget]
+
+
 def fastest(trials, recompute_ms, budget=None):
     """The trial that ran fastest, or None when full recomputation (measured at `recompute_ms`,
     None if unmeasured) was faster than every trial. With `budget`, a trial whose measured
     steps peaked over it is taken only if every measured one did."""
     measured = [t for t in trials if t.steps]
-    within = [t for t in measured if t.peak <= budget] if budget else []
-    measured = within or measured
+    measured = (within_budget(trials, budget) if budget else []) or measured
     if not measured:
         return None if recompute_ms is not None else (trials[-1] if trials else None)
     best = min(measured, key=lambda t: t.step_ms)

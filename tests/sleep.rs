@@ -607,7 +607,9 @@ impl glake::device::interpose::Interposer for HeldMaps {
         call: impl FnOnce() -> glake::Result<T>,
     ) -> glake::Result<T> {
         use std::sync::atomic::Ordering::SeqCst;
-        if kind == CallKind::Map {
+        // Only maps made while held count: the ones that made the region's segments before
+        // must not tell the test that the stitch is under way.
+        if kind == CallKind::Map && self.hold.load(SeqCst) {
             self.waiting.fetch_add(1, SeqCst);
             while self.hold.load(SeqCst) {
                 std::thread::yield_now();

@@ -277,8 +277,9 @@ def child(args):
                            warmup_forward_ms=report["warmup_forward_ms"],
                            resident_state_blocks=report["resident_state_blocks"],
                            step_in_backward=report["step_in_backward"],
-                           pace=report["pace"],
+                           pace=report["pace"], saving_scale=report["saving_scale"],
                            predicted_step_ms=plan.get("predicted_step_ms"),
+                           searched_step_ms=plan.get("searched_step_ms"),
                            predicted_peak=plan.get("predicted_peak_bytes"))
                 write_planning_record(args.logs, label, smart)
         except torch.OutOfMemoryError as e:
@@ -408,7 +409,7 @@ def markdown(rows):
                    f"{ref['step_ms']:.0f} ms per step, peak reserved "
                    f"{ref['peak_reserved'] / GIB:.1f} GiB\n")
         out.append("| cap | method | tokens/s | vs unconstrained | peak reserved GiB | "
-                   "peak allocated GiB | predicted ms (measured median; steps) | "
+                   "peak allocated GiB | predicted ms / in search (measured median; steps) | "
                    "predicted peak GiB | new stitches / reuses |")
         out.append("|---|---|---|---|---|---|---|---|---|")
         for cap in sorted({r["cap"] for r in rows if r["model"] == name and r.get("cap")},
@@ -425,7 +426,11 @@ def markdown(rows):
                 # The measured steps' own spread beside their median: a host-paced step (the
                 # MoE) moves by a third from one step to the next.
                 steps = r.get("step_times_ms") or [r["step_ms"]]
-                pred = (f"{r['predicted_step_ms']:.0f} ({r['step_ms']:.0f}; "
+                # Beside the planner's prediction, what the plan kept measured in the search
+                # (its trial's median), against the stable steps.
+                searched = (f" / {r['searched_step_ms']:.0f}" if r.get("searched_step_ms")
+                            else "")
+                pred = (f"{r['predicted_step_ms']:.0f}{searched} ({r['step_ms']:.0f}; "
                         f"{min(steps):.0f}-{max(steps):.0f})"
                         if r.get("predicted_step_ms") else "")
                 peak = (f"{r['predicted_peak'] / GIB:.1f}" if r.get("predicted_peak") else "")

@@ -219,3 +219,24 @@ def test_a_step_is_host_paced_where_the_profiling_doubled_the_median_forward():
     assert not search.host_paced([1.0] * 22)
     assert not search.host_paced([0.81, 0.86, 1.0])  # a few blocks slowed a little
     assert not search.host_paced([])
+
+
+def test_whole_block_savings_are_scaled_by_what_their_trials_measured():
+    def whole(steps_ms, timed_saving_ms):
+        t = trial(steps_ms)
+        t.whole_blocks = True
+        t.summary["timed_saving_ms"] = timed_saving_ms
+        return t
+
+    # Nothing measured yet (or no full recomputation to measure from): the timings stand.
+    assert search.saving_scale([], 300.0) == 1.0
+    assert search.saving_scale([whole([], 20.0)], 300.0) == 1.0
+    assert search.saving_scale([whole([250.0], 20.0)], None) == 1.0
+    # Not a whole-block trial: nothing to learn from.
+    assert search.saving_scale([trial([250.0])], 300.0) == 1.0
+    # 50 ms saved for 20 timed, then 60 for 40: 110 for 60 in all.
+    scale = search.saving_scale([whole([250.0], 20.0), whole([240.0], 40.0)], 300.0)
+    assert scale == pytest.approx(110 / 60)
+    # Bounded: a noisy trial slower than full recomputation, or one far faster.
+    assert search.saving_scale([whole([310.0], 20.0)], 300.0) == search.MIN_SAVING_SCALE
+    assert search.saving_scale([whole([150.0], 20.0)], 300.0) == search.MAX_SAVING_SCALE

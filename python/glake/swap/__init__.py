@@ -47,8 +47,8 @@ from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, TimedConte
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
                      host_paced, median_settled, memory_correction, pace_factor, peak_underrating,
-                     peak_error, profile_disturbed, room_left, stable_drift, within_budget,
-                     worth_trying)
+                     peak_error, profile_disturbed, room_left, saving_scale, stable_drift,
+                     within_budget, worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -717,7 +717,8 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                                     self.settings.prefetch + 1)
 
         def best_for(resident):
-            """(predicted ms, kept blocks, choices, simulation) with `resident` kept."""
+            """(predicted ms, kept blocks, choices, simulation, timed saving ms) with
+            `resident` kept."""
             kept = blocks_to_keep(savings, block_bytes,
                                   lambda k: simulate(k, resident).peak_bytes <= goal)
             if not kept:
@@ -727,8 +728,12 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             # recomputes less leaves the copies less time to hide in, one that keeps states
             # copies less (the simulation's waits against full recomputation's).
             extra = (run.exposed_wait_ns - full.exposed_wait_ns) / 1e6
-            ms = self.recompute_ms - sum(savings[b] for b in kept) + extra
-            return ms, kept, keeping(kept, resident), run
+            timed = sum(savings[b] for b in kept)
+            ms = self.recompute_ms - scale * timed + extra
+            return ms, kept, keeping(kept, resident), run, timed
+
+        # What earlier whole-block trials measured their kept blocks to save.
+        scale = saving_scale(self.trials, self.recompute_ms)
 
         full = simulate(())
         carried = sorted((m[1] for m, t in zip(self.meaning, self.profile.tensors)
@@ -748,10 +753,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 best = fastest_found
         if best is None:
             return None
-        ms, kept, choices, run = best
+        ms, kept, choices, run, timed = best
         if any(t.choices == choices for t in self.trials) or choices in self.overshot:
             return None
-        return kept, choices, dataclasses.replace(run, step_ns=int(ms * 1e6))
+        return kept, choices, dataclasses.replace(run, step_ns=int(ms * 1e6)), timed
 
     def _grow_whole_blocks(self, trial):
         """After a whole-block trial whose measured peak left room under the budget
@@ -775,14 +780,15 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self._start_whole_blocks(*plan)
         return True
 
-    def _start_whole_blocks(self, kept, choices, prediction, replace=False):
+    def _start_whole_blocks(self, kept, choices, prediction, timed_saving_ms, replace=False):
         """Starts the trial of a whole-block plan, in place of the trial under way with
-        `replace`."""
+        `replace`; `timed_saving_ms` is the kept blocks' timed recomputes (saving_scale)."""
         if replace and self.trials:
             self.trials.pop()
         self._adopt(choices, 1.0)
         self.prediction = prediction
-        self.history.append(dict(self._summary(), kept_blocks=kept))
+        self.history.append(dict(self._summary(), kept_blocks=kept,
+                                 timed_saving_ms=timed_saving_ms))
         log.info("glake.swap: trying whole blocks: %d of %d run as written, the rest "
                  "recomputed (predicted %.1f ms)", len(kept), len(self.blocks),
                  prediction.step_ns / 1e6)
@@ -992,15 +998,17 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.chosen = best
         if best is None:
             self._adopt_full_recompute()
-            self.history.append(dict(self._summary(), chosen="recompute"))
             measured = (again.step_ms if again is not None and again.steps
                         else self.recompute_ms)
+            self.history.append(dict(self._summary(), chosen="recompute",
+                                     searched_step_ms=measured))
             log.info("glake.swap: stable; recomputing every block (%s ms measured) beats every "
                      "plan tried", "?" if measured is None else f"{measured:.1f}")
         else:
             self._adopt(best.choices, best.bandwidth_scale)
             self.prediction = best.prediction
-            self.history.append(dict(best.summary, chosen=self.trials.index(best)))
+            self.history.append(dict(best.summary, chosen=self.trials.index(best),
+                                     searched_step_ms=best.step_ms))
             log.info("glake.swap: stable; trial %d, predicted %.1f ms, measured %.1f ms",
                      self.trials.index(best) + 1, best.summary["predicted_step_ms"],
                      best.step_ms)
@@ -1051,6 +1059,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
                 "measured": [vars(m) for m in self.measured],
                 "resident_state_blocks": len(self.resident_states),
                 "pace": self.pace,
+                "saving_scale": saving_scale(self.trials, self.recompute_ms),
                 "step_in_backward": self.backward_step,
                 "profile_ms": self._profile_totals(),
                 "warmup_forward_ms": (sum(self.warm_block_fwd_ms) if self.warm_block_fwd_ms

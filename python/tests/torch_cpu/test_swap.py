@@ -1241,3 +1241,32 @@ def test_a_profile_slower_than_warmups_full_recomputation_is_taken_again_once(ca
     train(model, 1)  # the second profile is planned, however it compares
     assert smart.phase in ("search", "stable"), smart.phase
     smart.remove()
+
+
+def test_whole_blocks_planned_after_a_trial_are_predicted_at_the_savings_it_measured():
+    # The whole-block trial saved twice its kept blocks' timed recomputes: the next whole-block
+    # plan (aimed lower here, so that it keeps fewer blocks) is predicted from full
+    # recomputation's step less twice the timed recomputes of the blocks it keeps.
+    smart, _ = opened(halfway_target(), lambda ms: 10 * ms)
+    whole = smart.trials[-1]
+    assert kinds(smart) == ["recompute", "whole"], smart.report()
+    kept = whole.summary["kept_blocks"]
+    if len(kept) < 2:
+        smart.remove()
+        pytest.skip(f"one block kept at this target on this device: {kept}")
+    timed = whole.summary["timed_saving_ms"]
+    assert timed == pytest.approx(sum(smart.block_recompute_ms[b] for b in kept))
+    step = smart.recompute_ms - 2 * timed
+    peak = whole.prediction.peak_bytes
+    whole.steps = [swap.search.Measurement(step, 0.0, step, peak, peak)]
+    assert smart.report()["saving_scale"] == pytest.approx(2.0)
+    # Aimed under the first plan's peak by half the room its blocks took.
+    smart.whole_error = smart._budget() - peak + (peak - smart.trials[0].prediction.peak_bytes) // 2
+    plan = smart._whole_block_plan()
+    assert plan is not None, smart.report()
+    fewer, _, prediction, fewer_timed = plan
+    assert 0 < len(fewer) < len(kept)
+    assert fewer_timed == pytest.approx(sum(smart.block_recompute_ms[b] for b in fewer))
+    assert prediction.step_ns == pytest.approx((smart.recompute_ms - 2 * fewer_timed) * 1e6,
+                                               abs=1)
+    smart.remove()

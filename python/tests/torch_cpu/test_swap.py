@@ -476,8 +476,6 @@ def test_the_planners_plan_aimed_lower_is_tried_only_if_still_predicted_faster()
     else:
         assert kinds(smart) == ["recompute", "whole"] and smart.chosen is whole
         assert smart.history[-2]["predicted_step_ms"] >= step, smart.history
-    # (On the CPU the lower goal costs the plan more than the measured step.)
-    assert DEVICE == "cuda" or smart.phase == "stable"
     smart.remove()
 
 

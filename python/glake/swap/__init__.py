@@ -610,9 +610,12 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         measurement and warm-up's differed by up to 40%, either way; warm-up's figure had put
         the planner's plan first at a 50% cap, and it ran out of memory there. A plan's first
         step is where the allocator meets its layout, and full recomputation is the plan
-        least likely not to fit there: warm-up ran it."""
+        least likely not to fit there: warm-up ran it. Where the host paces the step
+        (search.host_paced) the search opens so even with no whole-block plan: the planner's
+        plan then runs only if full recomputation does not fit (_resume_deferred)."""
         per_op = self.trials[-1] if self.trials else None
-        if per_op is None or self._whole_block_plan() is None:
+        if per_op is None or (self._whole_block_plan() is None
+                              and not host_paced(self.forward_scales)):
             return
         self.deferred = per_op
         self.trials.pop()
@@ -649,10 +652,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
     def _resume_deferred(self):
         """Tries the planner's deferred plan (planned again: the goal or the bandwidth may
         have been corrected since) if it is still worth a trial, before and after planning
-        it again; never where the host paces the step and a whole-block plan fits
-        (search.host_paced). Where a measured plan fits the budget, its first plan aims under
-        the budget by the simulation's underrating so far (search.peak_underrating). True
-        when it started."""
+        it again; never where the host paces the step and a measured plan (whole blocks, or
+        full recomputation) fits (search.host_paced). Where a measured plan fits the budget,
+        its first plan aims under the budget by the simulation's underrating so far
+        (search.peak_underrating). True when it started."""
         deferred, self.deferred = self.deferred, None
         if deferred is None:
             return False
@@ -662,10 +665,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             return False
         fitting = (within_budget(self.trials, self._budget())
                    if self.target_bytes is not None else [])
-        if any(t.whole_blocks for t in fitting) and host_paced(self.forward_scales):
+        if fitting and host_paced(self.forward_scales):
             log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: the step "
                      "is paced by the host (the profiled forwards took %.1f times warm-up's) "
-                     "and a whole-block plan fits", deferred.prediction.step_ns / 1e6,
+                     "and a measured plan fits", deferred.prediction.step_ns / 1e6,
                      1 / statistics.median(self.forward_scales))
             return False
         if fitting and self._planner_trials() == 0:

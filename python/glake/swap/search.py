@@ -168,11 +168,13 @@ HOST_PACED_SLOWDOWN = 1.5
 def host_paced(scales):
     """Whether the per-block `scales` that bring the profiled forwards to warm-up's
     (forward_scales) show a step paced by the host (HOST_PACED_SLOWDOWN). There the planner's
-    op-level plans are not worth the risk of a trial once a whole-block plan fits: their
-    per-op dispatch costs more than it saves (blocks_to_keep), and on the MoE benchmark with
-    the optimizer step in the backward the planner's plan ran out of memory in its first step
-    each time it was tried at a 40% or 50% cap: six trials in five calls on one H200
-    (2026-11-28 and -29), four of them after whole-block plans that fit."""
+    op-level plans are not worth a trial once a measured plan fits, whole blocks or full
+    recomputation: their per-op dispatch costs more than it saves (blocks_to_keep). On the MoE
+    benchmark on one H200, each of the 14 measured in a run that also measured full
+    recomputation (bench/results, 2026-11-23 to -29) ran slower than it (436 ms against 283,
+    636 against 398, ...), and with the optimizer step in the backward they ran out of memory in
+    their first step each time they were tried at a 40% or 50% cap: six trials in five calls,
+    four of them after whole-block plans that fit."""
     return bool(scales) and statistics.median(scales) * HOST_PACED_SLOWDOWN <= 1.0
 
 

@@ -415,6 +415,29 @@ def test_where_the_host_paces_the_step_a_whole_block_plan_that_fits_ends_the_sea
     smart.remove()
 
 
+def test_where_the_host_paces_the_step_full_recomputation_that_fits_ends_the_search(monkeypatch):
+    # No whole-block plan at all: where the host paces the step the search still opens with
+    # full recomputation, and once that fits, the planner's plan is not tried; elsewhere the
+    # planner's plan is the search's first trial.
+    target = halfway_target()
+    monkeypatch.setattr(swap.SmartSwap, "_whole_block_plan", lambda self: None)
+    outcomes = []
+    for paced in (False, True):
+        monkeypatch.setattr(swap, "host_paced", lambda scales, paced=paced: paced)
+        model = fresh()
+        smart = swap.apply(model, target=target)
+        train(model, FIRST_PLANNED)
+        if paced:
+            # Measured within the budget (where the simulation puts it over, at the budget).
+            over = min(0, smart._budget() - smart.trials[-1].prediction.peak_bytes)
+            again = end_opening_trial(smart, 1.0, peak_over=over)
+            assert again.peak <= smart._budget()
+        outcomes.append((smart.phase, kinds(smart), smart.deferred is None))
+        smart.remove()
+    assert outcomes == [("search", ["planner"], True),
+                        ("stable", ["recompute"], True)], outcomes
+
+
 def test_the_planners_plan_after_the_opening_trials_is_planned_again_at_the_bandwidth_it_showed():
     # Full recomputation and whole blocks measured first take none of the re-plans a planner's
     # plan whose copies ran slow may ask for.

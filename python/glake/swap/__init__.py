@@ -614,8 +614,9 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         (search.host_paced) the search opens so even with no whole-block plan: the planner's
         plan then runs only if full recomputation does not fit (_resume_deferred)."""
         per_op = self.trials[-1] if self.trials else None
-        if per_op is None or (self._whole_block_plan() is None
-                              and not host_paced(self.forward_scales)):
+        if per_op is None or self.target_bytes is None:
+            return  # (no target: nothing is moved, nothing to weigh)
+        if self._whole_block_plan() is None and not host_paced(self.forward_scales):
             return
         self.deferred = per_op
         self.trials.pop()

@@ -436,6 +436,12 @@ def test_where_the_host_paces_the_step_full_recomputation_that_fits_ends_the_sea
         smart.remove()
     assert outcomes == [("search", ["planner"], True),
                         ("stable", ["recompute"], True)], outcomes
+    # With no target nothing is moved: no full recomputation to open with.
+    model = fresh()
+    smart = swap.apply(model)
+    train(model, FIRST_PLANNED)
+    assert kinds(smart) == ["planner"] and not smart.decisions, smart.report()
+    smart.remove()
 
 
 def test_the_planners_plan_after_the_opening_trials_is_planned_again_at_the_bandwidth_it_showed():

@@ -45,3 +45,21 @@ def test_caps_after_an_out_of_memory_run_in_a_fresh_process(monkeypatch):
 def test_a_child_that_gives_no_cap_row_is_not_started_again(monkeypatch):
     rows, calls = run_with(monkeypatch, "glake", ["0.8", "0.7"], crash_at={"0.8"})
     assert calls == ["0.8,0.7"] and [r for r in rows if "cap" in r] == []
+
+
+def test_the_table_shows_the_prediction_and_the_search_measurement_beside_the_median():
+    gib = 2**30
+    base = {"model": "moe", "oom": False, "tokens_per_s": 1000.0, "peak_reserved": 8 * gib,
+            "peak_allocated": 7 * gib}
+    rows = [dict(base, method="unconstrained", cap=None, step_ms=100.0),
+            dict(base, method="glake", cap=0.6, limit=9 * gib, step_ms=200.0,
+                 tokens_per_s=500.0, step_times_ms=[190.0, 200.0, 260.0],
+                 predicted_step_ms=210.0, searched_step_ms=230.0, predicted_peak=7.5 * gib),
+            dict(base, method="checkpoint", cap=0.6, limit=9 * gib, step_ms=250.0,
+                 tokens_per_s=400.0, step_times_ms=[250.0])]
+    table = swap_bench.markdown(rows)
+    glake = next(line for line in table.splitlines() if "| glake |" in line)
+    assert "| 210 / 230 (200; 190-260) | 7.5 |" in glake and "| 0.50 |" in glake
+    # Without a planner (checkpointing), no prediction cell.
+    checkpoint = next(line for line in table.splitlines() if "| checkpoint |" in line)
+    assert "| 0.40 |" in checkpoint and "/" not in checkpoint.split("|")[7]

@@ -212,14 +212,21 @@ def test_the_simulations_largest_underrating_is_taken_from_measured_trials():
     assert search.peak_underrating([]) == 0
 
 
-def test_a_step_is_host_paced_where_the_profiling_slowed_the_median_forward_by_half():
+def test_a_step_is_host_paced_where_the_profiling_slowed_the_forwards_by_half_in_all():
+    ms = 1_000_000
     # The MoE benchmark's profiles: forwards 2.0-5.5 times warm-up's; dense models: as timed.
-    assert search.host_paced([1 / 2.4] * 12)
-    assert search.host_paced([1 / 1.6] * 12)
-    assert search.host_paced([0.3, 0.4, 0.5, 1.0, 0.45])
-    assert not search.host_paced([1.0] * 22)
-    assert not search.host_paced([0.81, 0.86, 1.0])  # a few blocks slowed a little
-    assert not search.host_paced([])
+    assert search.host_paced([1 / 2.4] * 12, [7 * ms] * 12)
+    assert search.host_paced([1 / 1.6] * 12, [7 * ms] * 12)
+    assert not search.host_paced([1.0] * 22, [5 * ms] * 22)
+    assert not search.host_paced([0.81, 0.86, 1.0], [5 * ms] * 3)  # a few blocks, a little
+    assert not search.host_paced([], [])
+    # Taken all together: half the blocks slowed fourfold (the median block under 2) is 1.6
+    # times in all.
+    scales = [0.25] * 5 + [1.0] * 7
+    assert search.profiling_slowdown(scales, [8 * ms] * 12) == pytest.approx(96 / 66)
+    assert search.host_paced([0.25] * 6 + [1.0] * 6, [8 * ms] * 12)  # 96 / 60
+    # The blocks' own lengths weigh: one long block slowed counts more than a short one.
+    assert search.profiling_slowdown([0.5, 1.0], [10 * ms, 2 * ms]) == pytest.approx(12 / 7)
 
 
 def test_whole_block_savings_are_scaled_by_what_their_trials_measured():

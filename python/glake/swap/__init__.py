@@ -47,8 +47,8 @@ from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, TimedConte
 from .profiling import Marks, ProfilingMixin
 from .search import (Measurement, Trial, bandwidth_correction, blocks_to_keep, fastest,
                      host_paced, median_settled, memory_correction, pace_factor, peak_underrating,
-                     peak_error, profile_disturbed, room_left, saving_scale, stable_drift,
-                     within_budget, worth_trying)
+                     peak_error, profile_disturbed, profiling_slowdown, room_left, saving_scale,
+                     stable_drift, within_budget, worth_trying)
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -212,6 +212,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         self.warm_block_fwd_ms = None  # warm-up's (the search's opening trial times them again)
         self.block_recompute_ms = None  # each block's recompute in that step's backward
         self.forward_scales = []    # per block, what the profiled forward is brought down by
+        self.profiled_fwd_ns = []   # per block, the profiled forward as timed
         self._warm_steps = []       # warm-up's measured steps, ms
         self._block_timers = {}     # block -> [Timer] of its forwards in those steps
         self._recompute_timers = {}  # block -> [Timer] of its recomputes in their backwards
@@ -616,7 +617,7 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
         per_op = self.trials[-1] if self.trials else None
         if per_op is None or self.target_bytes is None:
             return  # (no target: nothing is moved, nothing to weigh)
-        if self._whole_block_plan() is None and not host_paced(self.forward_scales):
+        if self._whole_block_plan() is None and not self._host_paced():
             return
         self.deferred = per_op
         self.trials.pop()
@@ -650,6 +651,10 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             return True
         return self._resume_deferred()
 
+    def _host_paced(self):
+        """Whether the profiling showed a step paced by the host (search.host_paced)."""
+        return host_paced(self.forward_scales, self.profiled_fwd_ns)
+
     def _resume_deferred(self):
         """Tries the planner's deferred plan (planned again: the goal or the bandwidth may
         have been corrected since) if it is still worth a trial, before and after planning
@@ -666,11 +671,11 @@ class SmartSwap(ProfilingMixin, OptimizerStatesMixin):
             return False
         fitting = (within_budget(self.trials, self._budget())
                    if self.target_bytes is not None else [])
-        if fitting and host_paced(self.forward_scales):
+        if fitting and self._host_paced():
             log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: the step "
                      "is paced by the host (the profiled forwards took %.1f times warm-up's) "
                      "and a measured plan fits", deferred.prediction.step_ns / 1e6,
-                     1 / statistics.median(self.forward_scales))
+                     profiling_slowdown(self.forward_scales, self.profiled_fwd_ns))
             return False
         if fitting and self._planner_trials() == 0:
             self.untried_margin = peak_underrating(self.trials)

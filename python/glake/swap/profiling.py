@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import planner
-from .search import forward_scales
+from .search import forward_scales, profiling_slowdown
 from .states import state_tensors
 
 log = logging.getLogger("glake.swap")
@@ -174,12 +174,10 @@ class ProfilingMixin:
         scales = self.forward_scales
         if min(scales, default=1.0) >= 1.0:
             return
-        before = sum(ns for ns, _ in self.profile.ops[:len(scales)])
         self.profile = floored_profile(self.profile, self.meaning, scales, self.pace)
-        after = sum(ns for ns, _ in self.profile.ops[:len(scales)])
         log.info("glake.swap: the profiled forwards took %.1f times the ones warm-up timed "
                  "(the profiling's own cost): the plan sees warm-up's",
-                 before / self.pace / max(1, after))
+                 profiling_slowdown(scales, self.profiled_fwd_ns))
 
     def _build_profile(self):
         """The block-level iteration the planner sees, and per tensor which (block, op indexes)
@@ -191,6 +189,7 @@ class ProfilingMixin:
         fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]
         # The forwards as timed (slowed ones are brought down after pacing: _floor_forwards).
         self.forward_scales = self._profiling_slowdown(fwd_ns)
+        self.profiled_fwd_ns = fwd_ns
         timed_fwd_ns = [int(t * s) for t, s in zip(fwd_ns, self.forward_scales)]
         ops = [(t, planner.FORWARD) for t in fwd_ns]
         head = n_blocks

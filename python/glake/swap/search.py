@@ -156,26 +156,34 @@ def forward_scales(timed_ns, profiled_ns):
     return [t / p if 0 < t < PROFILE_SLOWED * p else 1.0 for t, p in zip(timed_ns, profiled_ns)]
 
 
-# Forwards the profiling made this many times slower than warm-up timed them (the median
-# block's) mark a step paced by the host: each op the profile records costs the host more
+# Forwards the profiling made this many times slower than warm-up timed them, all blocks
+# together, mark a step paced by the host: each op the profile records costs the host more
 # than the device. On the MoE benchmark (routing synced on the host) the profiled forwards
-# took 2.0-5.5 times warm-up's (one H200, 2026-11-28 and -29; at 2.1 times in all, the median
-# block under 2, the planner's plan was tried at a 40% cap and ran out of memory); on the
-# dense models 1.0, a few blocks of one record at 1.16-1.23.
+# took 2.0-5.5 times warm-up's (one H200, 2026-11-28 and -29); on the dense models 1.0, a few
+# blocks of one record at 1.16-1.23. (Taken per block, the median: at 2.1 times in all, the
+# median block was under 2, and the planner's plan tried at a 40% cap ran out of memory.)
 HOST_PACED_SLOWDOWN = 1.5
 
 
-def host_paced(scales):
-    """Whether the per-block `scales` that bring the profiled forwards to warm-up's
-    (forward_scales) show a step paced by the host (HOST_PACED_SLOWDOWN). There the planner's
-    op-level plans are not worth a trial once a measured plan fits, whole blocks or full
-    recomputation: their per-op dispatch costs more than it saves (blocks_to_keep). On the MoE
-    benchmark on one H200, each of the 14 measured in a run that also measured full
-    recomputation (bench/results, 2026-11-23 to -29) ran slower than it (436 ms against 283,
-    636 against 398, ...), and with the optimizer step in the backward they ran out of memory in
-    their first step each time they were tried at a 40% or 50% cap: six trials in five calls,
-    four of them after whole-block plans that fit."""
-    return bool(scales) and statistics.median(scales) * HOST_PACED_SLOWDOWN <= 1.0
+def profiling_slowdown(scales, profiled_ns):
+    """How many times the profiled forwards (`profiled_ns`, per block) took the ones warm-up
+    timed, all blocks together: `scales` (forward_scales) brings each to warm-up's. 1 where
+    there is nothing to compare."""
+    floored = sum(p * s for p, s in zip(profiled_ns, scales))
+    return sum(profiled_ns) / floored if floored > 0 else 1.0
+
+
+def host_paced(scales, profiled_ns):
+    """Whether the profiling slowed the forwards (profiling_slowdown) by HOST_PACED_SLOWDOWN
+    or more: a step paced by the host. There the planner's op-level plans are not worth a
+    trial once a measured plan fits, whole blocks or full recomputation: their per-op
+    dispatch costs more than it saves (blocks_to_keep). On the MoE benchmark on one H200,
+    each of the 14 measured in a run that also measured full recomputation (bench/results,
+    2026-11-23 to -29) ran slower than it (436 ms against 283, 636 against 398, ...), and with
+    the optimizer step in the backward they ran out of memory in their first step each time
+    they were tried at a 40% or 50% cap: six trials in five calls, four of them after
+    whole-block plans that fit."""
+    return profiling_slowdown(scales, profiled_ns) >= HOST_PACED_SLOWDOWN
 
 
 # A profile whose simulated full recomputation is this much slower than warm-up measured it

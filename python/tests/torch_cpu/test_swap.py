@@ -423,7 +423,7 @@ def test_where_the_host_paces_the_step_full_recomputation_that_fits_ends_the_sea
     monkeypatch.setattr(swap.SmartSwap, "_whole_block_plan", lambda self: None)
     outcomes = []
     for paced in (False, True):
-        monkeypatch.setattr(swap, "host_paced", lambda scales, paced=paced: paced)
+        monkeypatch.setattr(swap.SmartSwap, "_host_paced", lambda self, paced=paced: paced)
         model = fresh()
         smart = swap.apply(model, target=target)
         train(model, FIRST_PLANNED)

@@ -11,9 +11,10 @@ that ran out of memory in a fresh process).
     python3 bench/swap_bench.py --plot swap.png --from-jsonl swap.jsonl   # plot only
 
 For each model the unconstrained run comes first: its peak reserved bytes P and step time are
-the reference. Then each method runs under caps of P times each --caps fraction (set with
-torch.cuda.set_per_process_memory_fraction; glake's SmartSwap gets the same bytes as its
-target). Per cap: tokens per second (median step, each step synchronised, warm-up left out,
+the reference (it runs again after the methods, and the table says how far its step moved:
+the machine's drift over the call). Then each method runs under caps of P times each --caps
+fraction (set with torch.cuda.set_per_process_memory_fraction; glake's SmartSwap gets the
+same bytes as its target). Per cap: tokens per second (median step, each step synchronised, warm-up left out,
 and SmartSwap's warm-up and search: it runs until it is stable), that relative to
 unconstrained, peak reserved and allocated bytes, and for SmartSwap the planner's predicted
 step time and peak beside the measured ones. An out-of-memory error is reported as OOM. The
@@ -400,14 +401,19 @@ def methods_of(rows):
 
 def markdown(rows):
     out = []
-    refs = {r["model"]: r for r in rows if r["method"] == "unconstrained" and "cap" in r}
+    refs = {r["model"]: r for r in rows if r["method"] == "unconstrained" and "cap" in r
+            and not r.get("again")}
     for name in dict.fromkeys(r["model"] for r in rows):
         ref = refs.get(name)
         if ref is None or ref.get("oom"):
             continue
+        again = next((r for r in rows if r["model"] == name and r.get("again") and "cap" in r
+                      and not r.get("oom")), None)
+        drift = (f"; run again after the methods: {again['step_ms']:.0f} ms "
+                 f"({again['step_ms'] / ref['step_ms'] - 1:+.0%})" if again else "")
         out.append(f"\n**{name}**: unconstrained {ref['tokens_per_s']:.0f} tokens/s, "
                    f"{ref['step_ms']:.0f} ms per step, peak reserved "
-                   f"{ref['peak_reserved'] / GIB:.1f} GiB\n")
+                   f"{ref['peak_reserved'] / GIB:.1f} GiB{drift}\n")
         out.append("| cap | method | tokens/s | vs unconstrained | peak reserved GiB | "
                    "peak allocated GiB | predicted ms / in search (measured median; steps) | "
                    "predicted peak GiB | new stitches / reuses |")
@@ -481,7 +487,7 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
         ref = next((r for r in rows if r["model"] == name and r["method"] == "unconstrained"
-                    and "cap" in r and not r.get("oom")), None)
+                    and "cap" in r and not r.get("oom") and not r.get("again")), None)
         if ref is None:
             continue
         for method in methods_of(rows):
@@ -541,6 +547,13 @@ def main():
                 if args.jsonl:  # after each method: a call cut short keeps what it measured
                     with open(args.jsonl, "w") as f:
                         f.writelines(json.dumps(r) + "\n" for r in rows)
+            # The reference again (no losses this time): how far the machine drifted.
+            no_losses = argparse.Namespace(**{**vars(args), "loss_steps": 0})
+            again = spawn("unconstrained", name, no_losses)
+            rows += [dict(r, again=True) for r in again]
+            if args.jsonl:
+                with open(args.jsonl, "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
     text = markdown(rows)
     print(text)
     if args.markdown:

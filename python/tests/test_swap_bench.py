@@ -63,3 +63,17 @@ def test_the_table_shows_the_prediction_and_the_search_measurement_beside_the_me
     # Without a planner (checkpointing), no prediction cell.
     checkpoint = next(line for line in table.splitlines() if "| checkpoint |" in line)
     assert "| 0.40 |" in checkpoint and "/" not in checkpoint.split("|")[7]
+
+
+def test_the_reference_run_again_after_the_methods_shows_the_drift_and_stays_out_of_ratios():
+    gib = 2**30
+    base = {"model": "moe", "oom": False, "peak_reserved": 8 * gib, "peak_allocated": 7 * gib,
+            "cap": None, "method": "unconstrained"}
+    rows = [dict(base, step_ms=100.0, tokens_per_s=1000.0),
+            dict(base, method="glake", cap=0.6, limit=9 * gib, step_ms=200.0,
+                 tokens_per_s=500.0),
+            dict(base, step_ms=120.0, tokens_per_s=833.0, again=True)]
+    table = swap_bench.markdown(rows)
+    assert "100 ms per step" in table and "run again after the methods: 120 ms (+20%)" in table
+    glake = next(line for line in table.splitlines() if "| glake |" in line)
+    assert "| 0.50 |" in glake  # against the first reference run, not the one after

@@ -14,10 +14,10 @@ For each model the unconstrained run comes first: its peak reserved bytes P and 
 the reference (it runs again after the methods, and the table says how far its step moved:
 the machine's drift over the call). Then each method runs under caps of P times each --caps
 fraction (set with torch.cuda.set_per_process_memory_fraction; glake's SmartSwap gets the
-same bytes as its target). Per cap: tokens per second (median step, each step synchronised, warm-up left out,
-and SmartSwap's warm-up and search: it runs until it is stable), that relative to
-unconstrained, peak reserved and allocated bytes, and for SmartSwap the planner's predicted
-step time and peak beside the measured ones. An out-of-memory error is reported as OOM. The
+same bytes as its target). Per cap: tokens per second (median step, each step synchronised,
+warm-up left out, and SmartSwap's warm-up and search: it runs until it is stable), that
+relative to unconstrained, peak reserved and allocated bytes, and for SmartSwap the planner's
+predicted step time and peak beside the measured ones. An out-of-memory error is reported as OOM. The
 glake process also checks the loss: with deterministic kernels (torch.use_deterministic_
 algorithms, math attention), 20 steps under SmartSwap capped at 60% of the unplanned peak
 against 20 unplanned steps from the same seed, bit for bit.

@@ -1212,17 +1212,17 @@ def test_the_profiled_backwards_waits_go_to_the_block_whose_backward_took_them()
 
 def test_carried_states_kept_are_weighed_first_needed_and_spread_over_the_backward():
     carried = list(range(7, -1, -1))  # blocks, the first needed in the backward first
-    assert swap._resident_choices(carried, 0) == [frozenset()]
-    assert swap._resident_choices(carried, 8) == [frozenset(carried)]
+    assert swap.trials._resident_choices(carried, 0) == [frozenset()]
+    assert swap.trials._resident_choices(carried, 8) == [frozenset(carried)]
     # Spread: one in the middle of each equal share of the backward.
-    first, spread = swap._resident_choices(carried, 2)
+    first, spread = swap.trials._resident_choices(carried, 2)
     assert first == {7, 6} and spread == {5, 1}
-    first, spread = swap._resident_choices(carried, 4)
+    first, spread = swap.trials._resident_choices(carried, 4)
     assert first == {7, 6, 5, 4} and spread == {6, 4, 2, 0}
     # One of two: the first needed, and the middle of the backward (the second).
-    assert swap._resident_choices([1, 0], 1) == [frozenset({1}), frozenset({0})]
+    assert swap.trials._resident_choices([1, 0], 1) == [frozenset({1}), frozenset({0})]
     # All of them: one set, weighed once.
-    assert swap._resident_choices([0], 1) == [frozenset({0})]
+    assert swap.trials._resident_choices([0], 1) == [frozenset({0})]
 
 
 def test_the_profile_is_scaled_to_warmups_pace_and_never_sped_up():

@@ -279,6 +279,7 @@ def child(args):
                            resident_state_blocks=report["resident_state_blocks"],
                            step_in_backward=report["step_in_backward"],
                            pace=report["pace"], saving_scale=report["saving_scale"],
+                           profiling_slowdown=report["profiling_slowdown"],
                            predicted_step_ms=plan.get("predicted_step_ms"),
                            searched_step_ms=plan.get("searched_step_ms"),
                            predicted_peak=plan.get("predicted_peak_bytes"))

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from . import planner
 from .executor import KEEP, SWAP, RecordingMode, ReplayMode, Swapper, TimedContext, Timer
 from .profiling import Marks, ProfilingMixin
-from .search import Trial, pace_factor, profile_disturbed, saving_scale
+from .search import Trial, pace_factor, profile_disturbed, profiling_slowdown, saving_scale
 from .states import OptimizerStatesMixin, StateSwapper, state_tensors
 from .trials import TrialsMixin
 
@@ -685,6 +685,8 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                 "resident_state_blocks": len(self.resident_states),
                 "pace": self.pace,
                 "saving_scale": saving_scale(self.trials, self.recompute_ms),
+                "profiling_slowdown": profiling_slowdown(self.forward_scales,
+                                                         self.profiled_fwd_ns),
                 "step_in_backward": self.backward_step,
                 "profile_ms": self._profile_totals(),
                 "warmup_forward_ms": (sum(self.warm_block_fwd_ms) if self.warm_block_fwd_ms
@@ -710,6 +712,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                 "recompute_ms": self.recompute_ms, "block_fwd_ms": self.block_fwd_ms,
                 "block_recompute_ms": self.block_recompute_ms,
                 "warmup_block_fwd_ms": self.warm_block_fwd_ms,
+                "profiled_fwd_ns": self.profiled_fwd_ns, "forward_scales": self.forward_scales,
                 "budget": self._budget() if self.target_bytes is not None else None,
                 "correction": self.correction, "whole_error": self.whole_error,
                 "resident_states": list(self.resident_states),

@@ -289,6 +289,9 @@ def test_a_profile_slower_than_warmups_forwards_is_brought_to_them():
         i = LAYERS + 1 + k
         assert taken.ops[i][1] == half.ops[i][1] == planner.BACKWARD
         assert DEVICE == "cpu" or half.ops[i][0] >= taken.ops[i][0] - taken.ops[b][0] // 2 - 2
+    # Every forward taken at twice warm-up's: twice in all, which is a step paced by the host.
+    assert smart.report()["profiling_slowdown"] == pytest.approx(2.0, rel=1e-3)
+    assert smart._host_paced()
     smart.remove()
 
 
@@ -629,6 +632,7 @@ def test_the_planning_record_is_plain_data_that_simulates_to_the_trials_predicti
     train(model, FIRST_PLANNED + 4)
     record = json.loads(json.dumps(smart.planning_record()))
     assert record["trials"] and len(record["meaning"]) == len(record["tensors"])
+    assert len(record["profiled_fwd_ns"]) == len(record["forward_scales"]) == LAYERS
     profile = planner.Profile([tuple(op) for op in record["ops"]],
                               [planner.Tensor(**t) for t in record["tensors"]],
                               record["base_bytes"])

@@ -17,10 +17,10 @@ fraction (set with torch.cuda.set_per_process_memory_fraction; glake's SmartSwap
 same bytes as its target). Per cap: tokens per second (median step, each step synchronised,
 warm-up left out, and SmartSwap's warm-up and search: it runs until it is stable), that
 relative to unconstrained, peak reserved and allocated bytes, and for SmartSwap the planner's
-predicted step time and peak beside the measured ones. An out-of-memory error is reported as OOM. The
-glake process also checks the loss: with deterministic kernels (torch.use_deterministic_
-algorithms, math attention), 20 steps under SmartSwap capped at 60% of the unplanned peak
-against 20 unplanned steps from the same seed, bit for bit.
+predicted step time and peak beside the measured ones. An out-of-memory error is reported as
+OOM. The glake process also checks the loss: with deterministic kernels
+(torch.use_deterministic_algorithms, math attention), 20 steps under SmartSwap capped at 60%
+of the unplanned peak against 20 unplanned steps from the same seed, bit for bit.
 """
 import argparse
 import json
@@ -370,6 +370,9 @@ def spawn(method, name, args, reference_peak=0):
     return rows
 
 
+_LOGS_STARTED = set()  # the method logs this run has written
+
+
 def spawn_once(method, name, args, reference_peak, caps):
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child-method", method,
            "--child-model", name, "--caps", caps, "--steps", str(args.steps),
@@ -385,15 +388,25 @@ def spawn_once(method, name, args, reference_peak, caps):
     if args.logs:
         pathlib.Path(args.logs).mkdir(parents=True, exist_ok=True)
         log = pathlib.Path(args.logs) / f"{name}-{method.replace('@', '-on-')}.log"
-        first = caps == args.caps  # a later process of the same method adds to its log
-        with open(log, "w" if first else "a") as f:
+        # A later process of the same method (the caps after an out-of-memory one, or the
+        # reference run again) adds to the log this run started.
+        with open(log, "a" if log in _LOGS_STARTED else "w") as f:
             f.write(proc.stderr)
+        _LOGS_STARTED.add(log)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0:
         print(f"{method} on {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}",
               file=sys.stderr)
     print(f"  {method}: {len(rows)} rows in {time.time() - started:.0f} s", file=sys.stderr)
     return rows
+
+
+def write_jsonl(path, rows):
+    """Every row so far to `path` (None: nowhere), after each method: a call cut short keeps
+    what it measured."""
+    if path:
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def methods_of(rows):
@@ -545,16 +558,11 @@ def main():
                 continue
             for method in args.methods.split(","):
                 rows += spawn(method, name, args, peak)
-                if args.jsonl:  # after each method: a call cut short keeps what it measured
-                    with open(args.jsonl, "w") as f:
-                        f.writelines(json.dumps(r) + "\n" for r in rows)
+                write_jsonl(args.jsonl, rows)
             # The reference again (no losses this time): how far the machine drifted.
             no_losses = argparse.Namespace(**{**vars(args), "loss_steps": 0})
-            again = spawn("unconstrained", name, no_losses)
-            rows += [dict(r, again=True) for r in again]
-            if args.jsonl:
-                with open(args.jsonl, "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in rows)
+            rows += [dict(r, again=True) for r in spawn("unconstrained", name, no_losses)]
+            write_jsonl(args.jsonl, rows)
     text = markdown(rows)
     print(text)
     if args.markdown:

@@ -1,5 +1,5 @@
-"""bench/swap_bench.py's process plan, without torch or a GPU: after a cap that ran out of
-memory, the method's remaining caps run in a fresh process."""
+"""bench/swap_bench.py without torch or a GPU: its process plan (after a cap that ran out of
+memory, the method's remaining caps run in a fresh process), its logs and its table."""
 import importlib.util
 import pathlib
 from types import SimpleNamespace
@@ -77,3 +77,18 @@ def test_the_reference_run_again_after_the_methods_shows_the_drift_and_stays_out
     assert "100 ms per step" in table and "run again after the methods: 120 ms (+20%)" in table
     glake = next(line for line in table.splitlines() if "| glake |" in line)
     assert "| 0.50 |" in glake  # against the first reference run, not the one after
+
+
+def test_a_later_process_of_the_same_method_adds_to_the_log_this_run_started(
+        monkeypatch, tmp_path):
+    said = iter(["first process\n", "second process\n"])
+    monkeypatch.setattr(swap_bench.subprocess, "run", lambda *a, **k: SimpleNamespace(
+        stdout="", stderr=next(said), returncode=0))
+    monkeypatch.setattr(swap_bench, "_LOGS_STARTED", set())
+    log = tmp_path / "moe-unconstrained.log"
+    log.write_text("from an earlier run\n")
+    args = SimpleNamespace(caps="0.6", steps=1, loss_steps=0, trace_dir=None, logs=tmp_path,
+                           alloc_trace_dir=None)
+    for _ in range(2):  # the reference, then the reference again after the methods
+        swap_bench.spawn_once("unconstrained", "moe", args, 0, args.caps)
+    assert log.read_text() == "first process\nsecond process\n"

@@ -159,7 +159,7 @@ class ProfilingMixin:
                      "of its blocks' times", total / 1e6)
         return out
 
-    def _profiling_slowdown(self, fwd_ns):
+    def _forward_scales(self, fwd_ns):
         """Per block, the factor its profiled forward and its ops' times are brought down by
         (search.forward_scales against warm-up's timed forwards; all 1 without them)."""
         if self.block_fwd_ms is None or len(self.block_fwd_ms) != len(fwd_ns):
@@ -188,7 +188,7 @@ class ProfilingMixin:
         ns = (lambda a, z: int(a.elapsed_time(z) * 1e6)) if self.cuda else (lambda a, z: 1000)
         fwd_ns = [ns(*m.fwd[b]) for b in range(n_blocks)]
         # The forwards as timed (slowed ones are brought down after pacing: _floor_forwards).
-        self.forward_scales = self._profiling_slowdown(fwd_ns)
+        self.forward_scales = self._forward_scales(fwd_ns)
         self.profiled_fwd_ns = fwd_ns
         timed_fwd_ns = [int(t * s) for t, s in zip(fwd_ns, self.forward_scales)]
         ops = [(t, planner.FORWARD) for t in fwd_ns]

@@ -96,8 +96,8 @@ class TrialsMixin:
             log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: a "
                      "measured step is as fast", deferred.prediction.step_ns / 1e6)
             return False
-        fitting = (within_budget(self.trials, self._budget())
-                   if self.target_bytes is not None else [])
+        # (A plan is deferred only under a target: _whole_blocks_first.)
+        fitting = within_budget(self.trials, self._budget())
         if fitting and self._host_paced():
             log.info("glake.swap: the planner's plan (predicted %.1f ms) is not tried: the step "
                      "is paced by the host (the profiled forwards took %.1f times warm-up's) "

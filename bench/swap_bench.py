@@ -32,8 +32,8 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-memory, glake-stepbwd,
-# -relay/-1link suffixes, method@allocator
+METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-performance, glake-memory,
+# glake-stepbwd, -relay/-1link suffixes, method@allocator
 MODELS = {
     # name: (width, layers, heads, ffn, experts, batch, sequence)
     "dense-1b": (2048, 22, 16, 5632, 0, 8, 2048),
@@ -142,10 +142,12 @@ def child(args):
             os.environ["GLAKE_SWAP_RELAY"] = relay
             method = method[: -len(suffix)]
     # "glake-stepbwd": the "memory" preference with each block's part of the optimizer step
-    # run in the backward (SmartSwap's step_in_backward setting).
-    preference = "memory" if method in ("glake-memory", "glake-stepbwd") else "performance"
+    # run in the backward (SmartSwap's step_in_backward setting). "glake-performance":
+    # activations only, whatever the target. "glake": SmartSwap's default, which picks one.
+    preference = {"glake-memory": "memory", "glake-stepbwd": "memory",
+                  "glake-performance": "performance"}.get(method)
     step_in_backward = method == "glake-stepbwd"
-    method = "glake" if method in ("glake-memory", "glake-stepbwd") else method
+    method = "glake" if method.startswith("glake-") else method
     if (allocator or ("glake" if method == "glake" else "native")) == "glake":
         import glake.torch
         glake.torch.enable()
@@ -253,6 +255,7 @@ def child(args):
                 smart = glake.swap.apply(model, optimizer=opt, target=limit,
                                          preference=preference,
                                          step_in_backward=step_in_backward)
+                row["preference"] = smart.settings.preference
             else:
                 use(method if method == "checkpoint" else None)
             label = f"{name}-{spec.replace('@', '-on-')}-{cap}"
@@ -439,8 +442,11 @@ def markdown(rows):
                           and x.get("cap") == cap), None)
                 if r is None:
                     continue
+                # SmartSwap's default names the preference it chose.
+                label = (f"glake ({r['preference']})" if method == "glake" and r.get("preference")
+                         else method)
                 if r["oom"]:
-                    out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {method} | OOM | | "
+                    out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {label} | OOM | | "
                                "| | | | |")
                     continue
                 # The measured steps' own spread beside their median: a host-paced step (the
@@ -460,7 +466,7 @@ def markdown(rows):
                                                           and "@" not in method)
                 stitches = (f"{counters['glake.stitches']} / {counters['glake.stitch_reuse_hits']}"
                             if on_glake and "glake.stitches" in counters else "")
-                out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {method} | "
+                out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {label} | "
                            f"{r['tokens_per_s']:.0f} | "
                            f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f} | "
                            f"{r['peak_reserved'] / GIB:.1f} | {r['peak_allocated'] / GIB:.1f} | "

@@ -65,6 +65,21 @@ def test_the_table_shows_the_prediction_and_the_search_measurement_beside_the_me
     assert "| 0.40 |" in checkpoint and "/" not in checkpoint.split("|")[7]
 
 
+def test_the_table_names_the_preference_smartswaps_default_chose():
+    gib = 2**30
+    base = {"model": "moe", "oom": False, "tokens_per_s": 1000.0, "peak_reserved": 8 * gib,
+            "peak_allocated": 7 * gib, "step_ms": 100.0}
+    rows = [dict(base, method="unconstrained", cap=None),
+            dict(base, method="glake", cap=0.8, limit=9 * gib, preference="performance"),
+            dict(base, method="glake", cap=0.5, limit=5 * gib, preference="memory", oom=True),
+            dict(base, method="glake-stepbwd", cap=0.5, limit=5 * gib, preference="memory")]
+    lines = swap_bench.markdown(rows).splitlines()
+    assert any("| 80% (9.0 GiB) | glake (performance) | 1000 |" in line for line in lines)
+    assert any("| 50% (5.0 GiB) | glake (memory) | OOM |" in line for line in lines)
+    # A method that sets the preference itself is named as given.
+    assert any("| 50% (5.0 GiB) | glake-stepbwd | 1000 |" in line for line in lines)
+
+
 def test_the_reference_run_again_after_the_methods_shows_the_drift_and_stays_out_of_ratios():
     gib = 2**30
     base = {"model": "moe", "oom": False, "peak_reserved": 8 * gib, "peak_allocated": 7 * gib,

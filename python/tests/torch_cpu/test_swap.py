@@ -661,6 +661,42 @@ def test_settings_come_from_keywords_and_environment(monkeypatch):
         swap.Settings.from_env(preference="fast")
 
 
+def test_the_default_preference_moves_states_only_where_activations_cannot_meet_the_target(
+        caplog):
+    """With no preference given: "performance", unless the parameters, their gradients and
+    AdamW's two states per parameter would take over 3/4 of the goal (target less margin);
+    then "memory" with the step in the backward, said in a log line (unless not even the
+    parameters fit). A preference given is kept whatever the target."""
+    model = fresh()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters())
+    resident = 4 * params  # parameters, gradients, two states each (none made yet)
+
+    def chosen(target, **settings):
+        smart = swap.apply(model, optimizer=opt, target=target, **settings)
+        try:
+            return smart.settings.preference, smart.settings.step_in_backward
+        finally:
+            smart.remove()
+
+    assert chosen(None) == ("performance", False)
+    roomy = int(resident / swap._RESIDENT_SHARE / 0.95) + 4096
+    assert chosen(roomy) == ("performance", False)
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        assert chosen(roomy - 8192) == ("memory", True)
+    assert "activations alone cannot meet it" in caplog.text
+    assert chosen(roomy - 8192, preference="performance") == ("performance", False)
+    assert chosen(params) == ("performance", False)  # not even the parameters fit
+    # Once AdamW has made its states, their own bytes count.
+    model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
+    opt.step()
+    assert chosen(roomy - 8192) == ("memory", True)
+    for group in opt.param_groups:  # no states: the parameters and gradients alone
+        for p in group["params"]:
+            opt.state[p] = {}
+    assert chosen(roomy - 8192) == ("memory", True)  # none made counts AdamW's two again
+
+
 def test_enable_auto_plans_the_first_trained_model():
     reference = train(fresh(), 4)
     swap.enable_auto(target=1)

@@ -58,9 +58,10 @@ _WARMUP_STEPS = 4  # before the profiled step: the first pays one-time costs (op
 _WARMUP_UNMEASURED = 1
 # Under the "performance" preference the parameters, their gradients and the optimizer's
 # states stay on the device. Where they alone take over this share of the goal, no plan of
-# activations leaves room for the step: on one H200 the MoE benchmark at a 50% cap (84%) and
-# dense-3b at 60% (84%) ran out of memory in warm-up, while MoE at 60% (70%) and dense-1b at
-# 40% (52%) trained (BENCHMARKS.md, 2026-11-25 and 2026-11-29).
+# activations leaves room for the step: on one H200 the MoE benchmark at a 50% cap (90%) and
+# dense-3b at 60% (90%) ran out of memory in warm-up, while dense-1b at 40% (about 52%)
+# trained. MoE at 60% (75.2%) trained either way, faster with the states moved (0.72 against
+# 0.64 in one call). BENCHMARKS.md, 2026-11-25 and 2026-11-29.
 _RESIDENT_SHARE = 0.75
 _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
         "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",

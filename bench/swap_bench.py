@@ -146,7 +146,7 @@ def child(args):
     # activations only, whatever the target. "glake": SmartSwap's default, which picks one.
     preference = {"glake-memory": "memory", "glake-stepbwd": "memory",
                   "glake-performance": "performance"}.get(method)
-    step_in_backward = method == "glake-stepbwd"
+    step_in_backward = {"glake-stepbwd": True, "glake-memory": False}.get(method)
     method = "glake" if method.startswith("glake-") else method
     if (allocator or ("glake" if method == "glake" else "native")) == "glake":
         import glake.torch

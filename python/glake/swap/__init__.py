@@ -76,7 +76,8 @@ class Settings:
     (nothing is moved). `preference`: "performance" (activations only) or "memory" (the planner
     may also move optimizer states and gradients); None (the default): "performance", unless
     the parameters, their gradients and the optimizer's states alone would take most of the
-    target (see _choose_preference), then "memory" with `step_in_backward`.
+    target (see _choose_preference), then "memory" with `step_in_backward` unless that is
+    set to False.
     `swap_bucket_size`: cheap outputs of a block are planned in buckets of at least this many
     bytes (0: one bucket per block). `prefetch`:
     blocks ahead that swap-ins start. `margin`: share of the target left for what the profile
@@ -86,7 +87,8 @@ class Settings:
     `states_in_step` (the "memory" preference): optimizer states
     come back only in the block-by-block optimizer step, never all at once (None: when the
     parameters, gradients and states would not fit the target together). `step_in_backward`
-    (the "memory" preference): each block's part of the optimizer step runs in the backward
+    (the "memory" preference; None: off, but where the default preference moves the states):
+    each block's part of the optimizer step runs in the backward
     as soon as the block's gradients are complete, its states brought back just for it and
     its gradients freed after it, so the states' copies overlap the backward and the model's
     gradients are never all on the device; it turns itself on after a first step showing that
@@ -99,7 +101,7 @@ class Settings:
     margin: float = 0.05
     search_steps: int = 3
     states_in_step: bool = None
-    step_in_backward: bool = False
+    step_in_backward: bool = None
 
     @classmethod
     def from_env(cls, **overrides):
@@ -268,7 +270,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         the gradients between backward and step), said in a log line."""
         s = self.settings
         if s.preference is not None:
-            return s
+            return dataclasses.replace(s, step_in_backward=bool(s.step_in_backward))
         target = self._resolve_target()
         params = ([p for g in optimizer.param_groups for p in g["params"]]
                   if optimizer is not None else
@@ -281,13 +283,17 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         goal = 0 if target is None else target * (1 - s.margin)
         # (Below the parameters themselves no preference meets the goal: none is switched to.)
         if goal <= param_bytes or resident <= _RESIDENT_SHARE * goal:
-            return dataclasses.replace(s, preference="performance")
+            return dataclasses.replace(s, preference="performance",
+                                       step_in_backward=bool(s.step_in_backward))
+        in_backward = s.step_in_backward is not False
         log.warning("glake.swap: parameters, gradients and optimizer states (%.2f GiB) would "
                     "take %.0f%% of the %.2f GiB goal, so activations alone cannot meet it: "
-                    "the optimizer states move too (preference \"memory\", the step in the "
-                    "backward; set preference to choose)", resident / 2**30,
-                    100 * resident / goal, goal / 2**30)
-        return dataclasses.replace(s, preference="memory", step_in_backward=True)
+                    "the optimizer states move too (preference \"memory\"%s; set preference "
+                    "to choose)", resident / 2**30, 100 * resident / goal, goal / 2**30,
+                    ", the step in the backward: gradients are None after it, so code that "
+                    "reads them before the step needs step_in_backward=False" if in_backward
+                    else "")
+        return dataclasses.replace(s, preference="memory", step_in_backward=in_backward)
 
     def _begin_iteration(self, args, kwargs):
         self._new_backward_step_iteration()

@@ -665,8 +665,9 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
         caplog):
     """With no preference given: "performance", unless the parameters, their gradients and
     AdamW's two states per parameter would take over 3/4 of the goal (target less margin);
-    then "memory" with the step in the backward, said in a log line (unless not even the
-    parameters fit). A preference given is kept whatever the target."""
+    then "memory" with the step in the backward unless that is set off, said in a log line
+    (unless not even the parameters fit). A preference given is kept whatever the target, with
+    the step in the backward only if asked for."""
     model = fresh()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters())
@@ -685,6 +686,10 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
     with caplog.at_level("WARNING", logger="glake.swap"):
         assert chosen(roomy - 8192) == ("memory", True)
     assert "activations alone cannot meet it" in caplog.text
+    assert "needs step_in_backward=False" in caplog.text
+    # Code that reads the gradients between backward and step keeps them so.
+    assert chosen(roomy - 8192, step_in_backward=False) == ("memory", False)
+    assert chosen(roomy - 8192, preference="memory") == ("memory", False)
     assert chosen(roomy - 8192, preference="performance") == ("performance", False)
     assert chosen(params) == ("performance", False)  # not even the parameters fit
     # Once AdamW has made its states, their own bytes count.

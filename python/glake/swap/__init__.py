@@ -56,13 +56,6 @@ _WARMUP_STEPS = 4  # before the profiled step: the first pays one-time costs (op
 # others are measured as full recomputation (their median: on the host-paced MoE benchmark
 # one such step read 238-455 ms where the steps after it ran 245-390)
 _WARMUP_UNMEASURED = 1
-# Under the "performance" preference the parameters, their gradients and the optimizer's
-# states stay on the device. Where they alone take over this share of the goal, no plan of
-# activations leaves room for the step: on one H200 the MoE benchmark at a 50% cap (90%) and
-# dense-3b at 60% (90%) ran out of memory in warm-up, while dense-1b at 40% (about 52%)
-# trained. MoE at 60% (75.2%) trained either way, faster with the states moved (0.72 against
-# 0.64 in one call). BENCHMARKS.md, 2026-11-25 and 2026-11-29.
-_RESIDENT_SHARE = 0.75
 _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
         "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",
         "margin": "GLAKE_SWAP_MARGIN", "states_in_step": "GLAKE_SWAP_STATES_IN_STEP",
@@ -76,7 +69,7 @@ class Settings:
     (nothing is moved). `preference`: "performance" (activations only) or "memory" (the planner
     may also move optimizer states and gradients); None (the default): "performance", unless
     the parameters, their gradients and the optimizer's states alone would take most of the
-    target (see _choose_preference), then "memory" with `step_in_backward` unless that is
+    target (see states.py, _choose_preference), then "memory" with `step_in_backward` unless that is
     set to False.
     `swap_bucket_size`: cheap outputs of a block are planned in buckets of at least this many
     bytes (0: one bucket per block). `prefetch`:
@@ -259,41 +252,6 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
             total = (torch.cuda.mem_get_info(self.device)[1] if self.cuda else 0)
             return int(t * total)
         return int(t)
-
-    def _choose_preference(self, optimizer):
-        """The settings with a preference: the one given, else "performance" unless the
-        parameters (the optimizer's, else the blocks'), as many bytes of gradients and the
-        optimizer's states (two per parameter, as AdamW makes, until it has made them) would
-        take over _RESIDENT_SHARE of the goal by themselves, and the parameters alone fit in
-        it; then "memory" with the optimizer
-        step in the backward (which turns itself off after a first step that shows code using
-        the gradients between backward and step), said in a log line."""
-        s = self.settings
-        if s.preference is not None:
-            return dataclasses.replace(s, step_in_backward=bool(s.step_in_backward))
-        target = self._resolve_target()
-        params = ([p for g in optimizer.param_groups for p in g["params"]]
-                  if optimizer is not None else
-                  [p for block in self.blocks for p in block.parameters()])
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        made = state_tensors(optimizer, params) if optimizer is not None else []
-        state_bytes = (sum(t.untyped_storage().nbytes() for t in made) if made
-                       else 2 * param_bytes)
-        resident = 2 * param_bytes + state_bytes
-        goal = 0 if target is None else target * (1 - s.margin)
-        # (Below the parameters themselves no preference meets the goal: none is switched to.)
-        if goal <= param_bytes or resident <= _RESIDENT_SHARE * goal:
-            return dataclasses.replace(s, preference="performance",
-                                       step_in_backward=bool(s.step_in_backward))
-        in_backward = s.step_in_backward is not False
-        log.warning("glake.swap: parameters, gradients and optimizer states (%.2f GiB) would "
-                    "take %.0f%% of the %.2f GiB goal, so activations alone cannot meet it: "
-                    "the optimizer states move too (preference \"memory\"%s; set preference "
-                    "to choose)", resident / 2**30, 100 * resident / goal, goal / 2**30,
-                    ", the step in the backward: gradients are None after it, so code that "
-                    "reads them before the step needs step_in_backward=False" if in_backward
-                    else "")
-        return dataclasses.replace(s, preference="memory", step_in_backward=in_backward)
 
     def _begin_iteration(self, args, kwargs):
         self._new_backward_step_iteration()

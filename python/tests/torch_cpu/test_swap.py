@@ -681,7 +681,7 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
             smart.remove()
 
     assert chosen(None) == ("performance", False)
-    roomy = int(resident / swap._RESIDENT_SHARE / 0.95) + 4096
+    roomy = int(resident / swap.states._RESIDENT_SHARE / 0.95) + 4096
     assert chosen(roomy) == ("performance", False)
     with caplog.at_level("WARNING", logger="glake.swap"):
         assert chosen(roomy - 8192) == ("memory", True)

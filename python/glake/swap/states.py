@@ -260,6 +260,15 @@ def _weakly(method, *first):
     return call
 
 
+def _states_per_parameter(optimizer):
+    """Tensors of a parameter's size that `optimizer` keeps per parameter once it has stepped:
+    none for plain SGD, one with momentum, else two (AdamW's, also assumed for an optimizer not
+    known yet)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if optimizer.defaults.get("momentum") else 0
+    return 2
+
+
 class OptimizerStatesMixin:
     """SmartSwap's side of the "memory" preference: whether the default preference moves the
     states, finding the optimizer, running its step block by block, and which states move in
@@ -269,11 +278,11 @@ class OptimizerStatesMixin:
     def _choose_preference(self, optimizer):
         """The settings with a preference: the one given, else "performance" unless the
         parameters (the optimizer's, else the blocks'), as many bytes of gradients and the
-        optimizer's states (two per parameter, as AdamW makes, until it has made them) would
-        take over _RESIDENT_SHARE of the goal by themselves, and the parameters alone fit in
-        it; then "memory" with the optimizer
-        step in the backward (which turns itself off after a first step that shows code using
-        the gradients between backward and step), said in a log line."""
+        optimizer's states (until it has made them: _states_per_parameter) would take over
+        _RESIDENT_SHARE of the goal by themselves, and the parameters alone fit in it; then
+        "memory" with the optimizer step in the backward (which turns itself off after a first
+        step that shows code changing the gradients between backward and step), said in a log
+        line."""
         s = self.settings
         if s.preference is not None:
             return dataclasses.replace(s, step_in_backward=bool(s.step_in_backward))
@@ -284,7 +293,7 @@ class OptimizerStatesMixin:
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         made = state_tensors(optimizer, params) if optimizer is not None else []
         state_bytes = (sum(t.untyped_storage().nbytes() for t in made) if made
-                       else 2 * param_bytes)
+                       else _states_per_parameter(optimizer) * param_bytes)
         resident = 2 * param_bytes + state_bytes
         goal = 0 if target is None else target * (1 - s.margin)
         # (Below the parameters themselves no preference meets the goal: none is switched to.)

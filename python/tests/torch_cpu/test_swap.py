@@ -664,7 +664,8 @@ def test_settings_come_from_keywords_and_environment(monkeypatch):
 def test_the_default_preference_moves_states_only_where_activations_cannot_meet_the_target(
         caplog):
     """With no preference given: "performance", unless the parameters, their gradients and
-    AdamW's two states per parameter would take over 3/4 of the goal (target less margin);
+    the optimizer's states (AdamW's two per parameter, plain SGD's none, until made) would take
+    over 3/4 of the goal (target less margin);
     then "memory" with the step in the backward unless that is set off, said in a log line
     (unless not even the parameters fit). A preference given is kept whatever the target, with
     the step in the backward only if asked for."""
@@ -700,6 +701,11 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
         for p in group["params"]:
             opt.state[p] = {}
     assert chosen(roomy - 8192) == ("memory", True)  # none made counts AdamW's two again
+    # Plain SGD keeps no state: the parameters and gradients alone stay under 3/4 here.
+    smart = swap.apply(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                       target=roomy - 8192)
+    assert smart.settings.preference == "performance"
+    smart.remove()
 
 
 def test_enable_auto_plans_the_first_trained_model():

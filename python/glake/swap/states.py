@@ -276,16 +276,35 @@ class OptimizerStatesMixin:
     instance's blocks, settings, phase and StateSwapper."""
 
     def _choose_preference(self, optimizer):
-        """The settings with a preference: the one given, else "performance" unless the
-        parameters (the optimizer's, else the blocks'), as many bytes of gradients and the
-        optimizer's states (until it has made them: _states_per_parameter) would take over
-        _RESIDENT_SHARE of the goal by themselves, and the parameters alone fit in it; then
-        "memory" with the optimizer step in the backward (which turns itself off after a first
-        step that shows code changing the gradients between backward and step), said in a log
-        line."""
+        """The settings with a preference: the one given, else "performance" unless
+        _activations_cannot_meet_the_goal; then "memory" with the optimizer step in the
+        backward (which turns itself off after a first step that shows code changing the
+        gradients between backward and step), said in a log line. A "performance" given where
+        activations cannot meet the goal is kept, with a warning."""
         s = self.settings
-        if s.preference is not None:
-            return dataclasses.replace(s, step_in_backward=bool(s.step_in_backward))
+        short = (s.preference in (None, "performance")
+                 and self._activations_cannot_meet_the_goal(optimizer))
+        if s.preference is not None or not short:
+            if short:
+                log.warning("glake.swap: %s, under the \"performance\" preference given: the "
+                            "step may run out of memory (preference \"memory\" moves them)",
+                            short)
+            return dataclasses.replace(s, preference=s.preference or "performance",
+                                       step_in_backward=bool(s.step_in_backward))
+        in_backward = s.step_in_backward is not False
+        log.warning("glake.swap: %s: the optimizer states move too (preference \"memory\"%s; "
+                    "set preference to choose)", short,
+                    ", the step in the backward: gradients are None after it, so code that "
+                    "reads them before the step needs step_in_backward=False" if in_backward
+                    else "")
+        return dataclasses.replace(s, preference="memory", step_in_backward=in_backward)
+
+    def _activations_cannot_meet_the_goal(self, optimizer):
+        """Why no plan of activations alone can meet the goal (target less margin), or None:
+        the parameters (the optimizer's, else the blocks'), as many bytes of gradients and the
+        optimizer's states (until it has made them: _states_per_parameter) would take over
+        _RESIDENT_SHARE of it by themselves. None too where not even the parameters fit (no
+        preference helps then) or there is no target."""
         target = self._resolve_target()
         params = ([p for g in optimizer.param_groups for p in g["params"]]
                   if optimizer is not None else
@@ -295,20 +314,12 @@ class OptimizerStatesMixin:
         state_bytes = (sum(t.untyped_storage().nbytes() for t in made) if made
                        else _states_per_parameter(optimizer) * param_bytes)
         resident = 2 * param_bytes + state_bytes
-        goal = 0 if target is None else target * (1 - s.margin)
-        # (Below the parameters themselves no preference meets the goal: none is switched to.)
+        goal = 0 if target is None else target * (1 - self.settings.margin)
         if goal <= param_bytes or resident <= _RESIDENT_SHARE * goal:
-            return dataclasses.replace(s, preference="performance",
-                                       step_in_backward=bool(s.step_in_backward))
-        in_backward = s.step_in_backward is not False
-        log.warning("glake.swap: parameters, gradients and optimizer states (%.2f GiB) would "
-                    "take %.0f%% of the %.2f GiB goal, so activations alone cannot meet it: "
-                    "the optimizer states move too (preference \"memory\"%s; set preference "
-                    "to choose)", resident / 2**30, 100 * resident / goal, goal / 2**30,
-                    ", the step in the backward: gradients are None after it, so code that "
-                    "reads them before the step needs step_in_backward=False" if in_backward
-                    else "")
-        return dataclasses.replace(s, preference="memory", step_in_backward=in_backward)
+            return None
+        return (f"parameters, gradients and optimizer states ({resident / 2**30:.2f} GiB) "
+                f"would take {100 * resident / goal:.0f}% of the {goal / 2**30:.2f} GiB goal, "
+                "so activations alone cannot meet it")
 
     def _hook_optimizers(self, optimizer):
         """Under the "memory" preference, watches every optimizer step (PyTorch's global

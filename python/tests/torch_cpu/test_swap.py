@@ -665,10 +665,10 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
         caplog):
     """With no preference given: "performance", unless the parameters, their gradients and
     the optimizer's states (AdamW's two per parameter, plain SGD's none, until made) would take
-    over 3/4 of the goal (target less margin);
-    then "memory" with the step in the backward unless that is set off, said in a log line
-    (unless not even the parameters fit). A preference given is kept whatever the target, with
-    the step in the backward only if asked for."""
+    over 3/4 of the goal (target less margin) while the parameters alone fit; then "memory"
+    with the step in the backward unless that is set off, said in a log line. A preference
+    given is kept whatever the target (with a warning where "performance" cannot meet it),
+    with the step in the backward only if asked for."""
     model = fresh()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters())
@@ -691,7 +691,14 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
     # Code that reads the gradients between backward and step keeps them so.
     assert chosen(roomy - 8192, step_in_backward=False) == ("memory", False)
     assert chosen(roomy - 8192, preference="memory") == ("memory", False)
-    assert chosen(roomy - 8192, preference="performance") == ("performance", False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        assert chosen(roomy - 8192, preference="performance") == ("performance", False)
+    assert "may run out of memory" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        assert chosen(roomy, preference="performance") == ("performance", False)
+    assert caplog.text == ""
     assert chosen(params) == ("performance", False)  # not even the parameters fit
     # Once AdamW has made its states, their own bytes count.
     model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()

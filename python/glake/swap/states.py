@@ -262,8 +262,7 @@ def _weakly(method, *first):
 
 def _states_per_parameter(optimizer):
     """Tensors of a parameter's size that `optimizer` keeps per parameter once it has stepped:
-    none for plain SGD, one with momentum, else two (AdamW's, also assumed for an optimizer not
-    known yet)."""
+    none for plain SGD, one with momentum, else two (AdamW's)."""
     if isinstance(optimizer, torch.optim.SGD):
         return 1 if optimizer.defaults.get("momentum") else 0
     return 2
@@ -301,20 +300,23 @@ class OptimizerStatesMixin:
 
     def _activations_cannot_meet_the_goal(self, optimizer):
         """Why no plan of activations alone can meet the goal (target less margin), or None:
-        the parameters (the optimizer's, else the blocks'), as many bytes of gradients and the
-        optimizer's states (until it has made them: _states_per_parameter) would take over
-        _RESIDENT_SHARE of it by themselves. None too where not even the parameters fit (no
-        preference helps then) or there is no target."""
+        the optimizer's parameters, as many bytes of gradients and its states (until it has
+        made them: _states_per_parameter) would take over _RESIDENT_SHARE of it by themselves.
+        None too where not even the parameters fit (no preference helps then), where there is
+        no target, and where the optimizer is not given: the share is meant for models whose
+        activations need a quarter of the goal or more, while a small model's may need little
+        (the tests' models, under targets just above their parameters and gradients), and
+        without the optimizer its states are not known."""
         target = self._resolve_target()
-        params = ([p for g in optimizer.param_groups for p in g["params"]]
-                  if optimizer is not None else
-                  [p for block in self.blocks for p in block.parameters()])
+        if optimizer is None or target is None:
+            return None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
         param_bytes = sum(p.numel() * p.element_size() for p in params)
-        made = state_tensors(optimizer, params) if optimizer is not None else []
+        made = state_tensors(optimizer, params)
         state_bytes = (sum(t.untyped_storage().nbytes() for t in made) if made
                        else _states_per_parameter(optimizer) * param_bytes)
         resident = 2 * param_bytes + state_bytes
-        goal = 0 if target is None else target * (1 - self.settings.margin)
+        goal = target * (1 - self.settings.margin)
         if goal <= param_bytes or resident <= _RESIDENT_SHARE * goal:
             return None
         return (f"parameters, gradients and optimizer states ({resident / 2**30:.2f} GiB) "

@@ -663,9 +663,10 @@ def test_settings_come_from_keywords_and_environment(monkeypatch):
 
 def test_the_default_preference_moves_states_only_where_activations_cannot_meet_the_target(
         caplog):
-    """With no preference given: "performance", unless the parameters, their gradients and
-    the optimizer's states (AdamW's two per parameter, plain SGD's none, until made) would take
-    over 3/4 of the goal (target less margin) while the parameters alone fit; then "memory"
+    """With no preference given: "performance", unless the optimizer is given and its
+    parameters, their gradients and its states (AdamW's two per parameter, plain SGD's none,
+    until made) would take over 3/4 of the goal (target less margin) while the parameters
+    alone fit; then "memory"
     with the step in the backward unless that is set off, said in a log line. A preference
     given is kept whatever the target (with a warning where "performance" cannot meet it),
     with the step in the backward only if asked for."""
@@ -700,6 +701,10 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
         assert chosen(roomy, preference="performance") == ("performance", False)
     assert caplog.text == ""
     assert chosen(params) == ("performance", False)  # not even the parameters fit
+    # Without the optimizer its states are unknown: nothing is assumed.
+    smart = swap.apply(model, target=roomy - 8192)
+    assert (smart.settings.preference, smart.settings.step_in_backward) == ("performance", False)
+    smart.remove()
     # Once AdamW has made its states, their own bytes count.
     model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
     opt.step()

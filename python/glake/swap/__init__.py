@@ -69,8 +69,8 @@ class Settings:
     (nothing is moved). `preference`: "performance" (activations only) or "memory" (the planner
     may also move optimizer states and gradients); None (the default): "performance", unless
     the parameters, their gradients and the optimizer's states alone would take most of the
-    target (see states.py, _choose_preference), then "memory" with `step_in_backward` unless that is
-    set to False.
+    target (states.py, _choose_preference; with no optimizer given, decided at its first
+    step), then "memory" with `step_in_backward` unless that is set to False.
     `swap_bucket_size`: cheap outputs of a block are planned in buckets of at least this many
     bytes (0: one bucket per block). `prefetch`:
     blocks ahead that swap-ins start. `margin`: share of the target left for what the profile
@@ -254,6 +254,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         return int(t)
 
     def _begin_iteration(self, args, kwargs):
+        self._settle_preference()
         self._new_backward_step_iteration()
         if self._restart_pending:
             self._restart_pending = False

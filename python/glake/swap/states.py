@@ -276,37 +276,76 @@ class OptimizerStatesMixin:
 
     def _choose_preference(self, optimizer):
         """The settings with a preference: the one given, else "performance" unless
-        _activations_cannot_meet_the_goal; then "memory" with the optimizer step in the
-        backward (which turns itself off after a first step that shows code changing the
-        gradients between backward and step), said in a log line. A "performance" given where
-        activations cannot meet the goal is kept, with a warning."""
+        _activations_cannot_meet_the_goal; then "memory" (_to_memory). A "performance" given
+        where activations cannot meet the goal is kept, with a warning. With no preference
+        given and no optimizer, "performance" until the first step of an optimizer of the
+        blocks shows its states (_decide_at_first_step)."""
         s = self.settings
+        self._preference_pending = (s.preference is None and optimizer is None
+                                    and self._resolve_target() is not None)
+        self._switch_to_memory = None  # the optimizer whose first step chose "memory"
         short = (s.preference in (None, "performance")
                  and self._activations_cannot_meet_the_goal(optimizer))
-        if s.preference is not None or not short:
-            if short:
-                log.warning("glake.swap: %s, under the \"performance\" preference given: the "
-                            "step may run out of memory (preference \"memory\" moves them)",
-                            short)
-            return dataclasses.replace(s, preference=s.preference or "performance",
-                                       step_in_backward=bool(s.step_in_backward))
+        if s.preference is None and short:
+            return self._to_memory(s, short)
+        if short:
+            log.warning("glake.swap: %s, under the \"performance\" preference given: the "
+                        "step may run out of memory (preference \"memory\" moves them)", short)
+        # (While the choice waits for the first step, the step in the backward stays unset.)
+        return dataclasses.replace(s, preference=s.preference or "performance",
+                                   step_in_backward=(s.step_in_backward
+                                                     if self._preference_pending
+                                                     else bool(s.step_in_backward)))
+
+    @staticmethod
+    def _to_memory(s, why):
+        """Settings `s` under the "memory" preference, with the optimizer step in the backward
+        unless set off (it turns itself off after a first step that shows code changing the
+        gradients between backward and step), said in a log line with `why`."""
         in_backward = s.step_in_backward is not False
         log.warning("glake.swap: %s: the optimizer states move too (preference \"memory\"%s; "
-                    "set preference to choose)", short,
+                    "set preference to choose)", why,
                     ", the step in the backward: gradients are None after it, so code that "
                     "reads them before the step needs step_in_backward=False" if in_backward
                     else "")
         return dataclasses.replace(s, preference="memory", step_in_backward=in_backward)
 
+    def _decide_at_first_step(self, optimizer, args, kwargs):
+        """The default preference's choice, at the first step of an optimizer stepping the
+        blocks' parameters (PyTorch's global pre-step hook): "memory" from the next iteration
+        on if its states make activations alone unable to meet the goal. Hooks cannot be
+        added or removed while PyTorch runs them, so _settle_preference does the rest."""
+        if not self._preference_pending or not self.enabled:
+            return
+        mine = {id(p) for block in self.blocks for p in block.parameters()}
+        if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            return
+        self._preference_pending = False
+        if self._activations_cannot_meet_the_goal(optimizer):
+            self._switch_to_memory = optimizer
+
+    def _settle_preference(self):
+        """At an iteration's start, once _decide_at_first_step has decided: its hook goes (under
+        "performance" no other is registered), and a switch to "memory" takes effect from a
+        fresh warm-up, the optimizer adopted and its states moving."""
+        if (self._preference_pending or self.settings.preference != "performance"
+                or not self._optimizer_hooks):
+            return
+        self._unhook_optimizers()
+        optimizer, self._switch_to_memory = self._switch_to_memory, None
+        if optimizer is not None:
+            why = self._activations_cannot_meet_the_goal(optimizer)
+            self.settings = self._to_memory(self.settings, why)
+            self._hook_optimizers(optimizer)
+            self._restart()
+
     def _activations_cannot_meet_the_goal(self, optimizer):
         """Why no plan of activations alone can meet the goal (target less margin), or None:
         the optimizer's parameters, as many bytes of gradients and its states (until it has
         made them: _states_per_parameter) would take over _RESIDENT_SHARE of it by themselves.
-        None too where not even the parameters fit (no preference helps then), where there is
-        no target, and where the optimizer is not given: the share is meant for models whose
-        activations need a quarter of the goal or more, while a small model's may need little
-        (the tests' models, under targets just above their parameters and gradients), and
-        without the optimizer its states are not known."""
+        None too where the optimizer keeps no states or not even the parameters fit (no
+        preference helps then), where there is no target, and where no optimizer is known yet
+        (its states are not)."""
         target = self._resolve_target()
         if optimizer is None or target is None:
             return None
@@ -317,7 +356,8 @@ class OptimizerStatesMixin:
                        else _states_per_parameter(optimizer) * param_bytes)
         resident = 2 * param_bytes + state_bytes
         goal = target * (1 - self.settings.margin)
-        if goal <= param_bytes or resident <= _RESIDENT_SHARE * goal:
+        # (No state to move, or not even the parameters fit: "memory" cannot help.)
+        if state_bytes == 0 or goal <= param_bytes or resident <= _RESIDENT_SHARE * goal:
             return None
         return (f"parameters, gradients and optimizer states ({resident / 2**30:.2f} GiB) "
                 f"would take {100 * resident / goal:.0f}% of the {goal / 2**30:.2f} GiB goal, "
@@ -334,6 +374,9 @@ class OptimizerStatesMixin:
         self._stepped_params = []  # per block: the parameters the optimizer steps
         self._watched_settings = None  # the optimizer's settings at the watched backward
         self._restart_pending = False  # the mode turned off while running: back to warm-up
+        if self._preference_pending:
+            self._optimizer_hooks = [
+                register_optimizer_step_pre_hook(_weakly(self._decide_at_first_step))]
         if self.settings.preference == "memory":
             self._optimizer_hooks = [
                 register_optimizer_step_pre_hook(_weakly(self._before_step)),

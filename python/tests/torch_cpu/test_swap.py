@@ -663,13 +663,13 @@ def test_settings_come_from_keywords_and_environment(monkeypatch):
 
 def test_the_default_preference_moves_states_only_where_activations_cannot_meet_the_target(
         caplog):
-    """With no preference given: "performance", unless the optimizer is given and its
-    parameters, their gradients and its states (AdamW's two per parameter, plain SGD's none,
-    until made) would take over 3/4 of the goal (target less margin) while the parameters
-    alone fit; then "memory"
-    with the step in the backward unless that is set off, said in a log line. A preference
-    given is kept whatever the target (with a warning where "performance" cannot meet it),
-    with the step in the backward only if asked for."""
+    """With no preference given: "performance", unless the optimizer (given, else seen at its
+    first step) keeps states and its parameters, their gradients and its states (AdamW's two
+    per parameter, plain SGD's none, until made) would take over 3/4 of the goal (target less
+    margin) while the parameters alone fit; then "memory" with the step in the backward
+    unless that is set off, said in a log line. A preference given is kept whatever the
+    target (with a warning where "performance" cannot meet it), with the step in the
+    backward only if asked for."""
     model = fresh()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters())
@@ -701,9 +701,10 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
         assert chosen(roomy, preference="performance") == ("performance", False)
     assert caplog.text == ""
     assert chosen(params) == ("performance", False)  # not even the parameters fit
-    # Without the optimizer its states are unknown: nothing is assumed.
+    # Without the optimizer its states are unknown: "performance" until its first step (the
+    # next test), the step in the backward not yet set.
     smart = swap.apply(model, target=roomy - 8192)
-    assert (smart.settings.preference, smart.settings.step_in_backward) == ("performance", False)
+    assert (smart.settings.preference, smart.settings.step_in_backward) == ("performance", None)
     smart.remove()
     # Once AdamW has made its states, their own bytes count.
     model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
@@ -718,6 +719,58 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
                        target=roomy - 8192)
     assert smart.settings.preference == "performance"
     smart.remove()
+
+
+def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_step(caplog):
+    """With no preference and no optimizer given, SmartSwap runs under "performance" until the
+    first step of an optimizer of the blocks: AdamW's states then move (from a fresh warm-up,
+    with the step in the backward), where plain SGD, which keeps none, leaves "performance" as
+    it was. Losses and parameters stay the unplanned run's, bit for bit."""
+    model = fresh()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    tight = int(4 * params / swap.states._RESIDENT_SHARE / 0.95) - 4096
+
+    def run(model, planned, make_opt):
+        torch.manual_seed(0)
+        opt = make_opt(model.parameters())
+        smart = swap.apply(model, target=tight) if planned else None
+        seen, losses = [], []
+        for _ in range(FIRST_PLANNED + 3):
+            if smart is not None:
+                seen.append((smart.settings.preference, smart.iteration))
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        hooks = list(smart._optimizer_hooks) if smart is not None else []
+        backward_step = smart.backward_step if smart is not None else None
+        if smart is not None:
+            smart.remove()
+        return (losses, [p.detach().clone() for p in model.parameters()]), seen, hooks, (
+            backward_step)
+
+    def adamw(p):
+        return torch.optim.AdamW(p, lr=1e-2)
+
+    reference, _, _, _ = run(fresh(), False, adamw)
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        got, seen, hooks, backward_step = run(fresh(), True, adamw)
+    assert "activations alone cannot meet it" in caplog.text
+    same(got, reference)
+    # Decided in the first step; the second begins (its first block's forward) under
+    # "memory" with a warm-up begun again. (`seen` is read before each step begins.)
+    assert seen[:3] == [("performance", 0), ("performance", 1), ("memory", 1)], seen
+    assert "the step in the backward" in caplog.text
+    assert len(hooks) == 2 and backward_step == "on"  # the "memory" preference's two hooks
+
+    def sgd(p):
+        return torch.optim.SGD(p, lr=0.1)
+
+    reference, _, _, _ = run(fresh(), False, sgd)
+    got, seen, hooks, _ = run(fresh(), True, sgd)
+    same(got, reference)
+    assert {preference for preference, _ in seen} == {"performance"} and hooks == []
 
 
 def test_enable_auto_plans_the_first_trained_model():

@@ -33,7 +33,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 METHODS = ("glake", "checkpoint", "save_on_cpu")  # and glake-performance, glake-memory,
-# glake-stepbwd, -relay/-1link suffixes, method@allocator
+# glake-stepbwd, glake-enable, -relay/-1link suffixes, method@allocator
 MODELS = {
     # name: (width, layers, heads, ffn, experts, batch, sequence)
     "dense-1b": (2048, 22, 16, 5632, 0, 8, 2048),
@@ -144,6 +144,9 @@ def child(args):
     # "glake-stepbwd": the "memory" preference with each block's part of the optimizer step
     # run in the backward (SmartSwap's step_in_backward setting). "glake-performance":
     # activations only, whatever the target. "glake": SmartSwap's default, which picks one.
+    # "glake-enable": the default as glake.torch.enable(swap=...) applies it, with no
+    # optimizer given (the choice waits for its first step).
+    given_optimizer = method != "glake-enable"
     preference = {"glake-memory": "memory", "glake-stepbwd": "memory",
                   "glake-performance": "performance"}.get(method)
     step_in_backward = {"glake-stepbwd": True, "glake-memory": False}.get(method)
@@ -252,10 +255,9 @@ def child(args):
         try:
             if method == "glake":
                 use(None)
-                smart = glake.swap.apply(model, optimizer=opt, target=limit,
-                                         preference=preference,
+                smart = glake.swap.apply(model, optimizer=opt if given_optimizer else None,
+                                         target=limit, preference=preference,
                                          step_in_backward=step_in_backward)
-                row["preference"] = smart.settings.preference
             else:
                 use(method if method == "checkpoint" else None)
             label = f"{name}-{spec.replace('@', '-on-')}-{cap}"
@@ -271,6 +273,7 @@ def child(args):
             if smart is not None:
                 report = smart.report()
                 plan = report["plan"] or {}
+                row["preference"] = smart.settings.preference
                 row.update(phase=report["phase"], plan=plan, trials=report["trials"],
                            recompute_ms=report["recompute_ms"],
                            warmup_recompute_ms=report["warmup_recompute_ms"],
@@ -291,6 +294,7 @@ def child(args):
             row.update(oom=True, error=str(e).splitlines()[0][:800])
             if smart is not None:  # where SmartSwap was when the step ran out
                 report = smart.report()
+                row["preference"] = smart.settings.preference
                 row.update(phase=report["phase"], iteration=report["iteration"],
                            plan=report["plan"], trials=report["trials"],
                            # still held by the failed step's frames (the exception's)
@@ -338,8 +342,8 @@ def child(args):
                 torch.cuda.set_per_process_memory_fraction(limit / total if limit else 1.0)
                 model = build(name, torch)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-                smart = (glake.swap.apply(model, optimizer=opt, target=limit,
-                                          preference=preference,
+                smart = (glake.swap.apply(model, optimizer=opt if given_optimizer else None,
+                                          target=limit, preference=preference,
                                           step_in_backward=step_in_backward)
                          if planned else None)
                 try:
@@ -443,7 +447,8 @@ def markdown(rows):
                 if r is None:
                     continue
                 # SmartSwap's default names the preference it chose.
-                label = (f"glake ({r['preference']})" if method == "glake" and r.get("preference")
+                label = (f"{method} ({r['preference']})"
+                         if method in ("glake", "glake-enable") and r.get("preference")
                          else method)
                 if r["oom"]:
                     out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {label} | OOM | | "

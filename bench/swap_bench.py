@@ -273,7 +273,7 @@ def child(args):
             if smart is not None:
                 report = smart.report()
                 plan = report["plan"] or {}
-                row["preference"] = smart.settings.preference
+                row["preference"] = report["preference"]
                 row.update(phase=report["phase"], plan=plan, trials=report["trials"],
                            recompute_ms=report["recompute_ms"],
                            warmup_recompute_ms=report["warmup_recompute_ms"],
@@ -294,7 +294,7 @@ def child(args):
             row.update(oom=True, error=str(e).splitlines()[0][:800])
             if smart is not None:  # where SmartSwap was when the step ran out
                 report = smart.report()
-                row["preference"] = smart.settings.preference
+                row["preference"] = report["preference"]
                 row.update(phase=report["phase"], iteration=report["iteration"],
                            plan=report["plan"], trials=report["trials"],
                            # still held by the failed step's frames (the exception's)
@@ -447,9 +447,9 @@ def markdown(rows):
                 if r is None:
                     continue
                 # SmartSwap's default names the preference it chose.
-                label = (f"{method} ({r['preference']})"
-                         if method in ("glake", "glake-enable") and r.get("preference")
-                         else method)
+                label = (f"{method} ({r['preference']})" if r.get("preference") and not any(
+                    named in method for named in ("-memory", "-stepbwd", "-performance"))
+                    else method)
                 if r["oom"]:
                     out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {label} | OOM | | "
                                "| | | | |")

@@ -112,8 +112,9 @@ class Settings:
             if key in values:
                 values[key] = int(values[key])
         for key in ("states_in_step", "step_in_backward"):
-            if values.get(key) is not None:
-                values[key] = bool(values[key])
+            value = values.get(key)
+            if value is not None:  # "0" as a keyword means off, as in the environment
+                values[key] = bool(float(value)) if isinstance(value, str) else bool(value)
         s = cls(**values)
         if s.preference is not None and s.preference not in planner.PREFERENCES:
             raise ValueError(f"preference must be one of {sorted(planner.PREFERENCES)}")
@@ -234,6 +235,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
             vars(block).pop("forward", None)
         self.states.restore()
         self._unhook_optimizers()
+        self._switch_to_memory = None
         self.enabled = False
 
     # -- phases ---------------------------------------------------------------------------
@@ -676,10 +678,13 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                                         for x in self.bandwidth)}
 
     def report(self):
-        """Where SmartSwap stands: phase, the plan in use and its predicted step, the plans
-        the search tried with what they measured, full recomputation's measured step, and the
-        stable steps measured since (search.Measurement fields)."""
+        """Where SmartSwap stands: phase, preference, the plan in use and its predicted step,
+        the plans the search tried with what they measured, full recomputation's measured
+        step, and the stable steps measured since (search.Measurement fields)."""
         return {"phase": self.phase, "iteration": self.iteration,
+                # (A switch the optimizer's first step decided on shows before it is made.)
+                "preference": ("memory" if self._switch_to_memory is not None
+                               else self.settings.preference),
                 "plan": self.history[-1] if self.history else None,
                 "trials": [t.describe() for t in self.trials],
                 "recompute_ms": self.recompute_ms,

@@ -264,7 +264,7 @@ def _states_per_parameter(optimizer):
     """Tensors of a parameter's size that `optimizer` keeps per parameter once it has stepped:
     none for plain SGD, one with momentum, else two (AdamW's)."""
     if isinstance(optimizer, torch.optim.SGD):
-        return 1 if optimizer.defaults.get("momentum") else 0
+        return 1 if any(g.get("momentum") for g in optimizer.param_groups) else 0
     return 2
 
 
@@ -321,8 +321,28 @@ class OptimizerStatesMixin:
         if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
             return
         self._preference_pending = False
-        if self._activations_cannot_meet_the_goal(optimizer):
-            self._switch_to_memory = optimizer
+        why = self._activations_cannot_meet_the_goal(optimizer)
+        if why:
+            self._switch_to_memory = (optimizer, why)
+            self._warn_if_first_step_exceeds_goal(optimizer)
+
+    def _warn_if_first_step_exceeds_goal(self, optimizer):
+        """An optimizer first seen at its first step runs that step whole: it makes every
+        state at once, beside every parameter and gradient (and a foreach step's temporaries),
+        before any plan can move them. Says so where that alone is over the goal (CUDA)."""
+        if not self.cuda:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        to_make = (_states_per_parameter(optimizer)
+                   * sum(p.numel() * p.element_size() for p in params if p.requires_grad))
+        held = torch.cuda.memory_allocated(self.device)
+        goal = self._resolve_target() * (1 - self.settings.margin)
+        if held + to_make > goal:
+            log.warning("glake.swap: the optimizer's first step makes its states (%.2f GiB) "
+                        "beside the %.2f GiB allocated, over the %.2f GiB goal, before they "
+                        "can move: pass the optimizer to glake.swap.apply(model, optimizer=...) "
+                        "so that its first step runs block by block", to_make / 2**30,
+                        held / 2**30, goal / 2**30)
 
     def _settle_preference(self):
         """At an iteration's start, once _decide_at_first_step has decided: its hook goes (under
@@ -332,9 +352,9 @@ class OptimizerStatesMixin:
                 or not self._optimizer_hooks):
             return
         self._unhook_optimizers()
-        optimizer, self._switch_to_memory = self._switch_to_memory, None
-        if optimizer is not None:
-            why = self._activations_cannot_meet_the_goal(optimizer)
+        switch, self._switch_to_memory = self._switch_to_memory, None
+        if switch is not None:
+            optimizer, why = switch
             self.settings = self._to_memory(self.settings, why)
             self._hook_optimizers(optimizer)
             self._restart()
@@ -351,10 +371,12 @@ class OptimizerStatesMixin:
             return None
         params = [p for g in optimizer.param_groups for p in g["params"]]
         param_bytes = sum(p.numel() * p.element_size() for p in params)
+        # Gradients and states are made for the parameters that learn.
+        learning_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         made = state_tensors(optimizer, params)
         state_bytes = (sum(t.untyped_storage().nbytes() for t in made) if made
-                       else _states_per_parameter(optimizer) * param_bytes)
-        resident = 2 * param_bytes + state_bytes
+                       else _states_per_parameter(optimizer) * learning_bytes)
+        resident = param_bytes + learning_bytes + state_bytes
         goal = target * (1 - self.settings.margin)
         # (No state to move, or not even the parameters fit: "memory" cannot help.)
         if state_bytes == 0 or goal <= param_bytes or resident <= _RESIDENT_SHARE * goal:
@@ -383,13 +405,14 @@ class OptimizerStatesMixin:
                 register_optimizer_step_post_hook(_weakly(self._after_step))]
             if optimizer is not None:
                 self._adopt_optimizer(optimizer)
-                if self.states.in_step:
-                    # States made before (an optimizer that has stepped already) leave now,
-                    # freed before the first block's forward: otherwise they would all stay
-                    # through the next forward and backward, the peak this mode avoids. (An
-                    # optimizer adopted by the hooks is about to step: its states go out
-                    # after that step.)
-                    self.states.after_step()
+                # States made before (an optimizer that has stepped already) leave now, as
+                # after a step (_after_step), freed before the first block's forward:
+                # otherwise they would all stay through the next forward and backward, the
+                # peak this mode avoids. (An optimizer adopted by the hooks is about to step:
+                # its states go out after that step.)
+                if not self.states.groups:
+                    self._stop_moving_states()
+                self.states.after_step()
 
     def _unhook_optimizers(self):
         for hook in self._optimizer_hooks + self._gradient_hooks:

@@ -659,6 +659,9 @@ def test_settings_come_from_keywords_and_environment(monkeypatch):
         swap.Settings.from_env(bogus=1)
     with pytest.raises(ValueError):
         swap.Settings.from_env(preference="fast")
+    # Switches given as text read as the environment's do.
+    assert swap.Settings.from_env(step_in_backward="0").step_in_backward is False
+    assert swap.Settings.from_env(step_in_backward="1").step_in_backward is True
 
 
 def test_the_default_preference_moves_states_only_where_activations_cannot_meet_the_target(
@@ -692,6 +695,7 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
     # Code that reads the gradients between backward and step keeps them so.
     assert chosen(roomy - 8192, step_in_backward=False) == ("memory", False)
     assert chosen(roomy - 8192, preference="memory") == ("memory", False)
+    assert chosen(roomy, preference="memory", step_in_backward=True) == ("memory", True)
     caplog.clear()
     with caplog.at_level("WARNING", logger="glake.swap"):
         assert chosen(roomy - 8192, preference="performance") == ("performance", False)
@@ -706,14 +710,21 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
     smart = swap.apply(model, target=roomy - 8192)
     assert (smart.settings.preference, smart.settings.step_in_backward) == ("performance", None)
     smart.remove()
-    # Once AdamW has made its states, their own bytes count.
+    # Once the optimizer has made its states, their own bytes count: RMSprop keeps one per
+    # parameter where two were assumed (4 parameters' bytes in all, then 3).
+    opt = torch.optim.RMSprop(model.parameters())
+    between = int(4.5 * params / 0.95)  # 3/4 of the goal is 3.4 parameters' bytes
+    assert chosen(between) == ("memory", True)
     model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
     opt.step()
-    assert chosen(roomy - 8192) == ("memory", True)
-    for group in opt.param_groups:  # no states: the parameters and gradients alone
-        for p in group["params"]:
-            opt.state[p] = {}
-    assert chosen(roomy - 8192) == ("memory", True)  # none made counts AdamW's two again
+    assert chosen(between) == ("performance", False)
+    # Parameters that do not learn get neither gradients nor states.
+    for p in model.layers.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters())
+    assert chosen(roomy - 8192) == ("performance", False)
+    for p in model.parameters():
+        p.requires_grad_(True)
     # Plain SGD keeps no state: the parameters and gradients alone stay under 3/4 here.
     smart = swap.apply(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                        target=roomy - 8192)
@@ -735,6 +746,14 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
         opt = make_opt(model.parameters())
         smart = swap.apply(model, target=tight) if planned else None
         seen, losses = [], []
+        if planned:
+            def forward_of_block_1(module, args):
+                # Once switched, the blocks holding states on the device at block 1's forward
+                # (its first call in a step; a recompute in the backward calls it again).
+                if smart.settings.preference == "memory" and smart.iteration not in states_seen:
+                    states_seen[smart.iteration] = (smart.phase,
+                                                    blocks_with_states_on_device(opt, model))
+            model.layers[1].register_forward_pre_hook(forward_of_block_1)
         for _ in range(FIRST_PLANNED + 3):
             if smart is not None:
                 seen.append((smart.settings.preference, smart.iteration))
@@ -753,9 +772,14 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
     def adamw(p):
         return torch.optim.AdamW(p, lr=1e-2)
 
+    states_seen = {}
     reference, _, _, _ = run(fresh(), False, adamw)
     with caplog.at_level("WARNING", logger="glake.swap"):
         got, seen, hooks, backward_step = run(fresh(), True, adamw)
+    # From the first step under "memory" on, the states made under "performance" are off the
+    # device in the forward, until a plan chooses which stay.
+    unplanned = [blocks for phase, blocks in states_seen.values() if phase in ("warmup", "profile")]
+    assert len(unplanned) > 3 and all(b == [] for b in unplanned), states_seen
     assert "activations alone cannot meet it" in caplog.text
     same(got, reference)
     # Decided in the first step; the second begins (its first block's forward) under
@@ -771,6 +795,36 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
     got, seen, hooks, _ = run(fresh(), True, sgd)
     same(got, reference)
     assert {preference for preference, _ in seen} == {"performance"} and hooks == []
+
+
+def test_states_of_an_optimizer_that_stepped_before_it_was_given_leave_at_once():
+    """An optimizer given to apply() under the "memory" preference after it has stepped: its
+    states leave before the first block's forward, in step mode or not, and the steps stay
+    the unplanned run's."""
+    for settings in ({}, {"target": 2, "step_in_backward": True}):
+        def run(planned):
+            model = fresh()
+            torch.manual_seed(0)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses, at_block_1 = [], []
+            for step in range(4):
+                if planned and step == 1:
+                    smart = swap.apply(model, optimizer=opt, preference="memory", **settings)
+                    model.layers[1].register_forward_pre_hook(
+                        lambda m, a: at_block_1.append(blocks_with_states_on_device(opt, model)))
+                loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            if planned:
+                smart.remove()
+            return (losses, [p.detach().clone() for p in model.parameters()]), at_block_1
+
+        reference, _ = run(False)
+        got, at_block_1 = run(True)
+        same(got, reference)
+        assert at_block_1[0] == [], (settings, at_block_1)
 
 
 def test_enable_auto_plans_the_first_trained_model():

@@ -797,36 +797,6 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
     assert {preference for preference, _ in seen} == {"performance"} and hooks == []
 
 
-def test_states_of_an_optimizer_that_stepped_before_it_was_given_leave_at_once():
-    """An optimizer given to apply() under the "memory" preference after it has stepped: its
-    states leave before the first block's forward, in step mode or not, and the steps stay
-    the unplanned run's."""
-    for settings in ({}, {"target": 2, "step_in_backward": True}):
-        def run(planned):
-            model = fresh()
-            torch.manual_seed(0)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses, at_block_1 = [], []
-            for step in range(4):
-                if planned and step == 1:
-                    smart = swap.apply(model, optimizer=opt, preference="memory", **settings)
-                    model.layers[1].register_forward_pre_hook(
-                        lambda m, a: at_block_1.append(blocks_with_states_on_device(opt, model)))
-                loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-            if planned:
-                smart.remove()
-            return (losses, [p.detach().clone() for p in model.parameters()]), at_block_1
-
-        reference, _ = run(False)
-        got, at_block_1 = run(True)
-        same(got, reference)
-        assert at_block_1[0] == [], (settings, at_block_1)
-
-
 def test_enable_auto_plans_the_first_trained_model():
     reference = train(fresh(), 4)
     swap.enable_auto(target=1)
@@ -1074,15 +1044,15 @@ def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stay
         for key, value in opt.state[p].items():
             assert torch.equal(value, ref_opt.state[q][key]), key
     # Adopted by an optimizer that has stepped before: its states leave before the next
-    # forward's first block is done, and the steps go on exactly.
-    def resumed(model, planned):
+    # forward's first block is done, and the steps go on exactly; in step mode or not.
+    def resumed(model, planned, in_step=True):
         torch.manual_seed(0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, seen = [], []
         for step in range(5):
             if planned and step == 2:
                 smart = swap.apply(model, optimizer=opt, preference="memory",
-                                   states_in_step=True)
+                                   states_in_step=in_step)
                 model.layers[1].register_forward_pre_hook(
                     lambda m, a: seen.append(blocks_with_states_on_device(opt, model)))
             loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
@@ -1095,9 +1065,10 @@ def test_states_in_step_stay_off_the_device_but_for_two_blocks_and_the_step_stay
         return losses, [p.detach().clone() for p in model.parameters()], seen
 
     ref = resumed(fresh(), False)
-    got = resumed(fresh(), True)
-    same(got[:2], ref[:2])
-    assert got[2] == [[]] * 3, got[2]
+    for in_step in (True, False):
+        got = resumed(fresh(), True, in_step)
+        same(got[:2], ref[:2])
+        assert got[2] == [[]] * 3, (in_step, got[2])
     # The automatic choice: a target the whole set fits in keeps the backward's prefetch.
     other = fresh()
     roomy = swap.apply(other, optimizer=torch.optim.AdamW(other.parameters()), target=2**40,

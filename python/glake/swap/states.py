@@ -271,8 +271,8 @@ def _states_per_parameter(optimizer):
 class OptimizerStatesMixin:
     """SmartSwap's side of the "memory" preference: whether the default preference moves the
     states, finding the optimizer, running its step block by block, and which states move in
-    warm-up. A mixin of SmartSwap: it uses the
-    instance's blocks, settings, phase and StateSwapper."""
+    warm-up. A mixin of SmartSwap: it uses the instance's blocks, settings, phase and
+    StateSwapper."""
 
     def _choose_preference(self, optimizer):
         """The settings with a preference: the one given, else "performance" unless

@@ -273,7 +273,8 @@ def child(args):
             if smart is not None:
                 report = smart.report()
                 plan = report["plan"] or {}
-                row["preference"] = report["preference"]
+                if preference is None:  # SmartSwap chose it
+                    row["preference"] = report["preference"]
                 row.update(phase=report["phase"], plan=plan, trials=report["trials"],
                            recompute_ms=report["recompute_ms"],
                            warmup_recompute_ms=report["warmup_recompute_ms"],
@@ -294,7 +295,8 @@ def child(args):
             row.update(oom=True, error=str(e).splitlines()[0][:800])
             if smart is not None:  # where SmartSwap was when the step ran out
                 report = smart.report()
-                row["preference"] = report["preference"]
+                if preference is None:  # SmartSwap chose it
+                    row["preference"] = report["preference"]
                 row.update(phase=report["phase"], iteration=report["iteration"],
                            plan=report["plan"], trials=report["trials"],
                            # still held by the failed step's frames (the exception's)
@@ -446,10 +448,8 @@ def markdown(rows):
                           and x.get("cap") == cap), None)
                 if r is None:
                     continue
-                # SmartSwap's default names the preference it chose.
-                label = (f"{method} ({r['preference']})" if r.get("preference") and not any(
-                    named in method for named in ("-memory", "-stepbwd", "-performance"))
-                    else method)
+                # A method that leaves the preference to SmartSwap names the one it chose.
+                label = f"{method} ({r['preference']})" if r.get("preference") else method
                 if r["oom"]:
                     out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {label} | OOM | | "
                                "| | | | |")

@@ -72,13 +72,13 @@ def test_the_table_names_the_preference_smartswaps_default_chose():
     rows = [dict(base, method="unconstrained", cap=None),
             dict(base, method="glake", cap=0.8, limit=9 * gib, preference="performance"),
             dict(base, method="glake", cap=0.5, limit=5 * gib, preference="memory", oom=True),
-            dict(base, method="glake-stepbwd", cap=0.5, limit=5 * gib, preference="memory"),
+            dict(base, method="glake-stepbwd", cap=0.5, limit=5 * gib),
             dict(base, method="glake-enable", cap=0.5, limit=5 * gib, preference="memory")]
     lines = swap_bench.markdown(rows).splitlines()
     assert any("| 80% (9.0 GiB) | glake (performance) | 1000 |" in line for line in lines)
     assert any("| 50% (5.0 GiB) | glake (memory) | OOM |" in line for line in lines)
     assert any("| 50% (5.0 GiB) | glake-enable (memory) | 1000 |" in line for line in lines)
-    # A method that sets the preference itself is named as given.
+    # A method that sets the preference itself (no preference in its row) is named as given.
     assert any("| 50% (5.0 GiB) | glake-stepbwd | 1000 |" in line for line in lines)
 
 

@@ -176,9 +176,9 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self.device = torch.device(device) if device else (p.device if p is not None
                                                            else torch.device("cuda"))
         self.cuda = self.device.type == "cuda"
-        self.settings = self._choose_preference(optimizer)
         self.swapper = Swapper(self.device)
         self.states = StateSwapper(self.swapper)
+        self.settings = self._choose_preference(optimizer)
         self.optimizer = None       # the optimizer stepping the blocks' parameters, once seen
         self.state_release = {}     # block -> block before whose forward its states are freed
         self._splitting = False     # inside the block-by-block optimizer step

@@ -24,6 +24,7 @@ step never comes turns it off while running, back to warm-up."""
 import dataclasses
 import logging
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -260,6 +261,14 @@ def _weakly(method, *first):
     return call
 
 
+class OptimizerBytes(NamedTuple):
+    """What an optimizer holds on the device (OptimizerStatesMixin._optimizer_bytes)."""
+    params: int    # its parameters
+    learning: int  # those that learn: as many bytes of gradients
+    states: int    # its states as made (a moved one by its host copy), else as it will make them
+    made: bool     # whether it has made any
+
+
 def _states_per_parameter(optimizer):
     """Tensors of a parameter's size that `optimizer` keeps per parameter once it has stepped:
     none for plain SGD, one with momentum, else two (AdamW's)."""
@@ -315,10 +324,7 @@ class OptimizerStatesMixin:
         blocks' parameters (PyTorch's global pre-step hook): "memory" from the next iteration
         on if its states make activations alone unable to meet the goal. Hooks cannot be
         added or removed while PyTorch runs them, so _settle_preference does the rest."""
-        if not self._preference_pending or not self.enabled:
-            return
-        mine = {id(p) for block in self.blocks for p in block.parameters()}
-        if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+        if not self._preference_pending or not self.enabled or not self._steps_blocks(optimizer):
             return
         self._preference_pending = False
         why = self._activations_cannot_meet_the_goal(optimizer)
@@ -330,11 +336,10 @@ class OptimizerStatesMixin:
         """An optimizer first seen at its first step runs that step whole: it makes every
         state at once, beside every parameter and gradient (and a foreach step's temporaries),
         before any plan can move them. Says so where that alone is over the goal (CUDA)."""
-        if not self.cuda:
+        holds = self._optimizer_bytes(optimizer)
+        if not self.cuda or holds.made:
             return
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        to_make = (_states_per_parameter(optimizer)
-                   * sum(p.numel() * p.element_size() for p in params if p.requires_grad))
+        to_make = holds.states
         held = torch.cuda.memory_allocated(self.device)
         goal = self._resolve_target() * (1 - self.settings.margin)
         if held + to_make > goal:
@@ -369,13 +374,7 @@ class OptimizerStatesMixin:
         target = self._resolve_target()
         if optimizer is None or target is None:
             return None
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        # Gradients and states are made for the parameters that learn.
-        learning_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        made = state_tensors(optimizer, params)
-        state_bytes = (sum(t.untyped_storage().nbytes() for t in made) if made
-                       else _states_per_parameter(optimizer) * learning_bytes)
+        param_bytes, learning_bytes, state_bytes, _ = self._optimizer_bytes(optimizer)
         resident = param_bytes + learning_bytes + state_bytes
         goal = target * (1 - self.settings.margin)
         # (No state to move, or not even the parameters fit: "memory" cannot help.)
@@ -441,13 +440,26 @@ class OptimizerStatesMixin:
         if target is None:
             self.states.in_step = False
             return
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        made = state_tensors(self.optimizer, params)
-        # Before the first step there are none yet: AdamW makes two per parameter.
-        state_bytes = self.states.full_bytes(made) if made else 2 * param_bytes
+        param_bytes, _, state_bytes, _ = self._optimizer_bytes(self.optimizer)
         self.states.in_step = (2 * param_bytes + state_bytes
                                > 0.9 * target * (1 - self.settings.margin))
+
+    def _optimizer_bytes(self, optimizer):
+        """What `optimizer` holds: its parameters, those that learn (as many bytes of
+        gradients), and its states, as made (a moved one counts its host copy), else as it will
+        make them (_states_per_parameter per learning parameter)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        learning = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        made = state_tensors(optimizer, params)
+        states = (self.states.full_bytes(made) if made
+                  else _states_per_parameter(optimizer) * learning)
+        return OptimizerBytes(param_bytes, learning, states, bool(made))
+
+    def _steps_blocks(self, optimizer):
+        """Whether `optimizer` steps any of the blocks' parameters."""
+        mine = {id(p) for block in self.blocks for p in block.parameters()}
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
     def _stop_moving_states(self):
         """Until the next plan: under the "memory" preference every block's optimizer states
@@ -715,10 +727,8 @@ class OptimizerStatesMixin:
     def _before_step(self, optimizer, args, kwargs, split=False):
         if self._splitting:
             return
-        if self.optimizer is None and self.enabled:
-            mine = {id(p) for block in self.blocks for p in block.parameters()}
-            if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-                self._adopt_optimizer(optimizer)  # block by block from its next step
+        if self.optimizer is None and self.enabled and self._steps_blocks(optimizer):
+            self._adopt_optimizer(optimizer)  # block by block from its next step
         if optimizer is self.optimizer:
             self.in_optimizer_step = True  # a closure may run the forward from here
             self.states.before_step(split)

@@ -732,7 +732,8 @@ def test_the_default_preference_moves_states_only_where_activations_cannot_meet_
     smart.remove()
 
 
-def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_step(caplog):
+def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_step(
+        caplog, monkeypatch):
     """With no preference and no optimizer given, SmartSwap runs under "performance" until the
     first step of an optimizer of the blocks: AdamW's states then move (from a fresh warm-up,
     with the step in the backward), where plain SGD, which keeps none, leaves "performance" as
@@ -787,6 +788,20 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
     assert seen[:3] == [("performance", 0), ("performance", 1), ("memory", 1)], seen
     assert "the step in the backward" in caplog.text
     assert len(hooks) == 2 and backward_step == "on"  # the "memory" preference's two hooks
+
+    # On CUDA, a first step whose states alone would go over the goal beside what is
+    # allocated is named, with the fix (AdamW makes 2 parameters' bytes; the goal is about 5.3).
+    model = fresh()
+    smart = swap.apply(model, target=tight)
+    smart.cuda = True
+    for allocated, warned in ((2 * params, False), (4 * params, True)):
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="glake.swap"):
+            smart._warn_if_first_step_exceeds_goal(adamw(model.parameters()))
+        assert ("pass the optimizer to glake.swap.apply" in caplog.text) == warned, allocated
+    smart.cuda = False
+    smart.remove()
 
     def sgd(p):
         return torch.optim.SGD(p, lr=0.1)

@@ -158,7 +158,7 @@ def child(args):
         import glake.swap
     if args.logs:
         import logging
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
     from torch.utils.checkpoint import checkpoint
     if args.alloc_trace_dir:
@@ -467,8 +467,8 @@ def markdown(rows):
                 peak = (f"{r['predicted_peak'] / GIB:.1f}" if r.get("predicted_peak") else "")
                 # Made in the measured steps: a stitch maps every handle of its pieces again.
                 counters = r.get("allocator_counters", {})
-                on_glake = method.endswith("@glake") or (method.startswith("glake")
-                                                          and "@" not in method)
+                on_glake = method.endswith("@glake") or (
+                    method.startswith("glake") and "@" not in method)
                 stitches = (f"{counters['glake.stitches']} / {counters['glake.stitch_reuse_hits']}"
                             if on_glake and "glake.stitches" in counters else "")
                 out.append(f"| {cap:.0%} ({r['limit'] / GIB:.1f} GiB) | {label} | "

@@ -27,8 +27,8 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                    register_optimizer_step_pre_hook)
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook, register_optimizer_step_pre_hook)
 
 
 log = logging.getLogger("glake.swap")
@@ -247,6 +247,12 @@ def _settings_of(optimizer):
              for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
+def _closure_of(args, kwargs):
+    """The closure given to an optimizer step, from the arguments PyTorch's step hooks get (the
+    optimizer first)."""
+    return args[1] if len(args) > 1 else kwargs.get("closure")
+
+
 def _weakly(method, *first):
     """A hook calling `method(*first, *args)` while its object lives: PyTorch's global
     optimizer hooks, and the gradient hooks on the model's parameters, would otherwise keep a
@@ -321,21 +327,52 @@ class OptimizerStatesMixin:
 
     def _decide_at_first_step(self, optimizer, args, kwargs):
         """The default preference's choice, at the first step of an optimizer stepping the
-        blocks' parameters (PyTorch's global pre-step hook): "memory" from the next iteration
-        on if its states make activations alone unable to meet the goal. Hooks cannot be
-        added or removed while PyTorch runs them, so _settle_preference does the rest."""
+        blocks' parameters (PyTorch's global pre-step hook): "memory" if its states make
+        activations alone unable to meet the goal, from this very step (_switch_in_first_step)
+        unless it was given a closure (then from the next iteration on). Hooks cannot be added
+        or removed while PyTorch runs them, so _settle_preference does the rest."""
         if not self._preference_pending or not self.enabled or not self._steps_blocks(optimizer):
             return
         self._preference_pending = False
         why = self._activations_cannot_meet_the_goal(optimizer)
-        if why:
+        if not why:
+            return
+        if _closure_of(args, kwargs) is not None:
             self._switch_to_memory = (optimizer, why)
             self._warn_if_first_step_exceeds_goal(optimizer)
+            return
+        self.settings = self._to_memory(self.settings, why)
+        self._switch_to_memory = (optimizer, None)  # the hooks change at the next iteration
+        self._take_over(optimizer)
+        self._run_this_step_by_blocks(optimizer)
+
+    def _run_this_step_by_blocks(self, optimizer):
+        """Inside PyTorch's pre-step hook of an optimizer just adopted: this step runs block by
+        block now (the adopted step), each block's states sent out as soon as its part has made
+        them (a whole first step makes every state at once beside every parameter and
+        gradient: on the MoE benchmark at a 50% cap that alone ran out of memory). The whole
+        step PyTorch runs after the hook then finds no gradient and skips every parameter; the
+        gradients come back after it (_give_held_grads_back)."""
+        optimizer.step()  # the adopted step
+        self._held_grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
+                            if p.grad is not None]
+        for p, _ in self._held_grads:
+            p.grad = None
+
+    def _give_held_grads_back(self, optimizer=None, args=None, kwargs=None):
+        """After the whole step that _run_this_step_by_blocks emptied (PyTorch's post-step
+        hook): the gradients it held back are the parameters' again, as after any step."""
+        if self._splitting or not self._held_grads:
+            return
+        for p, grad in self._held_grads:
+            p.grad = grad
+        self._held_grads = []
 
     def _warn_if_first_step_exceeds_goal(self, optimizer):
-        """An optimizer first seen at its first step runs that step whole: it makes every
-        state at once, beside every parameter and gradient (and a foreach step's temporaries),
-        before any plan can move them. Says so where that alone is over the goal (CUDA)."""
+        """An optimizer first seen at a first step given a closure runs that step whole: it
+        makes every state at once, beside every parameter and gradient (and a foreach step's
+        temporaries), before any plan can move them. Says so where that alone is over the goal
+        (CUDA)."""
         holds = self._optimizer_bytes(optimizer)
         if not self.cuda or holds.made:
             return
@@ -343,26 +380,33 @@ class OptimizerStatesMixin:
         held = torch.cuda.memory_allocated(self.device)
         goal = self._resolve_target() * (1 - self.settings.margin)
         if held + to_make > goal:
-            log.warning("glake.swap: the optimizer's first step makes its states (%.2f GiB) "
-                        "beside the %.2f GiB allocated, over the %.2f GiB goal, before they "
-                        "can move: pass the optimizer to glake.swap.apply(model, optimizer=...) "
-                        "so that its first step runs block by block", to_make / 2**30,
+            log.warning("glake.swap: the optimizer's first step, given a closure, runs whole "
+                        "and makes its states (%.2f GiB) beside the %.2f GiB allocated, over "
+                        "the %.2f GiB goal, before they can move: a step without a closure "
+                        "runs block by block", to_make / 2**30,
                         held / 2**30, goal / 2**30)
 
     def _settle_preference(self):
-        """At an iteration's start, once _decide_at_first_step has decided: its hook goes (under
-        "performance" no other is registered), and a switch to "memory" takes effect from a
-        fresh warm-up, the optimizer adopted and its states moving."""
-        if (self._preference_pending or self.settings.preference != "performance"
-                or not self._optimizer_hooks):
+        """At an iteration's start, once _decide_at_first_step has decided: its hooks go (under
+        "performance" no other is registered), and under a switch to "memory" the hooks of
+        that preference come, with a fresh warm-up, the optimizer adopted (in its first step
+        already, unless that step had a closure) and its states moving."""
+        if self._preference_pending or not self._deciding:
             return
-        self._unhook_optimizers()
+        self._deciding = False
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks = []
         switch, self._switch_to_memory = self._switch_to_memory, None
-        if switch is not None:
-            optimizer, why = switch
+        if switch is None:
+            return
+        optimizer, why = switch
+        if self.optimizer is optimizer:
+            self._optimizer_hooks = self._memory_hooks()
+        else:
             self.settings = self._to_memory(self.settings, why)
             self._hook_optimizers(optimizer)
-            self._restart()
+        self._restart()
 
     def _activations_cannot_meet_the_goal(self, optimizer):
         """Why no plan of activations alone can meet the goal (target less margin), or None:
@@ -395,23 +439,32 @@ class OptimizerStatesMixin:
         self._stepped_params = []  # per block: the parameters the optimizer steps
         self._watched_settings = None  # the optimizer's settings at the watched backward
         self._restart_pending = False  # the mode turned off while running: back to warm-up
+        self._held_grads = []  # (parameter, gradient) held back by _run_this_step_by_blocks
+        self._deciding = self._preference_pending  # the first step's hooks are registered
         if self._preference_pending:
             self._optimizer_hooks = [
-                register_optimizer_step_pre_hook(_weakly(self._decide_at_first_step))]
+                register_optimizer_step_pre_hook(_weakly(self._decide_at_first_step)),
+                register_optimizer_step_post_hook(_weakly(self._give_held_grads_back))]
         if self.settings.preference == "memory":
-            self._optimizer_hooks = [
-                register_optimizer_step_pre_hook(_weakly(self._before_step)),
-                register_optimizer_step_post_hook(_weakly(self._after_step))]
+            self._optimizer_hooks = self._memory_hooks()
             if optimizer is not None:
-                self._adopt_optimizer(optimizer)
-                # States made before (an optimizer that has stepped already) leave now, as
-                # after a step (_after_step), freed before the first block's forward:
-                # otherwise they would all stay through the next forward and backward, the
-                # peak this mode avoids. (An optimizer adopted by the hooks is about to step:
-                # its states go out after that step.)
-                if not self.states.groups:
-                    self._stop_moving_states()
-                self.states.after_step()
+                self._take_over(optimizer)
+
+    def _memory_hooks(self):
+        """The "memory" preference's global hooks: every optimizer step watched."""
+        return [register_optimizer_step_pre_hook(_weakly(self._before_step)),
+                register_optimizer_step_post_hook(_weakly(self._after_step))]
+
+    def _take_over(self, optimizer):
+        """Adopts `optimizer` under the "memory" preference. States made before (an optimizer
+        that has stepped already) leave now, as after a step (_after_step), freed before the
+        first block's forward: otherwise they would all stay through the next forward and
+        backward, the peak this mode avoids. (An optimizer adopted by the hooks is about to
+        step: its states go out after that step.)"""
+        self._adopt_optimizer(optimizer)
+        if not self.states.groups:
+            self._stop_moving_states()
+        self.states.after_step()
 
     def _unhook_optimizers(self):
         for hook in self._optimizer_hooks + self._gradient_hooks:
@@ -728,7 +781,10 @@ class OptimizerStatesMixin:
         if self._splitting:
             return
         if self.optimizer is None and self.enabled and self._steps_blocks(optimizer):
-            self._adopt_optimizer(optimizer)  # block by block from its next step
+            self._take_over(optimizer)
+            if _closure_of(args, kwargs) is None:
+                self._run_this_step_by_blocks(optimizer)
+                return
         if optimizer is self.optimizer:
             self.in_optimizer_step = True  # a closure may run the forward from here
             self.states.before_step(split)
@@ -736,6 +792,7 @@ class OptimizerStatesMixin:
     def _after_step(self, optimizer, args, kwargs):
         if self._splitting:
             return
+        self._give_held_grads_back()
         if optimizer is self.optimizer:
             self.in_optimizer_step = False
         if optimizer is self.optimizer and self.enabled:

@@ -249,6 +249,11 @@ def child(args):
     for n, cap in enumerate(caps, 1):
         row = {"model": name, "method": spec, "cap": cap, "tokens_per_step": batch * seq}
         smart = None
+        if not given_optimizer and n > 1:
+            # As in a process that starts with glake.torch.enable(swap=...): an optimizer not
+            # yet stepped (the last cap's states, back on the device, are unknown to SmartSwap
+            # until the first step; they went over the next cap before it).
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         torch.cuda.empty_cache()
         limit = int(cap * args.reference_peak) if cap else None
         torch.cuda.set_per_process_memory_fraction(limit / total if limit else 1.0)

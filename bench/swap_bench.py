@@ -481,23 +481,30 @@ def markdown(rows):
                            f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f} | "
                            f"{r['peak_reserved'] / GIB:.1f} | {r['peak_allocated'] / GIB:.1f} | "
                            f"{pred} | {peak} | {stitches} |")
-        losses = {r["method"]: r.get("losses") for r in rows
-                  if r["model"] == name and "losses" in r}
-        glake_row = next((r for r in rows if r["model"] == name and "losses_unplanned" in r),
-                         {})
-        unplanned = glake_row.get("losses_unplanned")
-        again = glake_row.get("losses_unplanned_again")
+        out += loss_lines([r for r in rows if r["model"] == name])
+    return "\n".join(out)
+
+
+def loss_lines(rows):
+    """The loss check of every SmartSwap method that ran one (its planned run against the
+    unplanned step on glake's allocator, and against unconstrained on PyTorch's), as lines of
+    the report."""
+    out = []
+    reference = next((r.get("losses") for r in rows
+                      if r["method"] == "unconstrained" and "losses" in r), None)
+    for row in (r for r in rows if "losses_unplanned" in r):
+        unplanned, again = row.get("losses_unplanned"), row.get("losses_unplanned_again")
+        method = row["method"]
         if unplanned and again:
-            out.append("\nThe unplanned step on glake's allocator, run twice: " +
-                       ("identical" if unplanned == again else "DIFFERENT (the model's own "
-                        "kernels do not repeat)"))
-        if glake_row.get("nondeterministic"):
+            out.append(f"\nThe unplanned step on glake's allocator ({method}'s process), run "
+                       "twice: " + ("identical" if unplanned == again else
+                                    "DIFFERENT (the model's own kernels do not repeat)"))
+        if row.get("nondeterministic"):
             out.append("\nOps without a deterministic kernel: " +
-                       "; ".join(glake_row["nondeterministic"]))
-        planned = losses.get("glake")
+                       "; ".join(row["nondeterministic"]))
+        planned = row.get("losses")
         for label, other in (("the unplanned step on glake's allocator", unplanned),
-                             ("unconstrained on PyTorch's allocator",
-                              losses.get("unconstrained"))):
+                             ("unconstrained on PyTorch's allocator", reference)):
             if planned and other:
                 first = next((i for i, (a, b) in enumerate(zip(planned, other)) if a != b),
                              None)
@@ -505,8 +512,8 @@ def markdown(rows):
                            f"DIFFERENT from step {first} ({planned[first]!r} against "
                            f"{other[first]!r})")
                 out.append(f"\nLosses over {len(planned)} steps (math attention) under "
-                           f"SmartSwap at 60% against {label}: {verdict}")
-    return "\n".join(out)
+                           f"{method} at 60% against {label}: {verdict}")
+    return out
 
 
 def plot(rows, path):

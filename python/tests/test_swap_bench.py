@@ -109,3 +109,18 @@ def test_a_later_process_of_the_same_method_adds_to_the_log_this_run_started(
     for _ in range(2):  # the reference, then the reference again after the methods
         swap_bench.spawn_once("unconstrained", "moe", args, 0, args.caps)
     assert log.read_text() == "first process\nsecond process\n"
+
+
+def test_every_smartswap_method_that_checked_its_losses_is_reported():
+    same, other = [1.0, 0.5], [1.0, 0.25]
+    rows = [{"model": "moe", "method": "unconstrained", "losses": same},
+            {"model": "moe", "method": "glake", "losses_unplanned": same,
+             "losses_unplanned_again": same, "losses": same},
+            {"model": "moe", "method": "glake-enable", "losses_unplanned": same,
+             "losses_unplanned_again": same, "losses": other}]
+    text = "\n".join(swap_bench.loss_lines(rows))
+    assert ("under glake at 60% against the unplanned step on glake's allocator: identical"
+            in text)
+    assert ("under glake-enable at 60% against unconstrained on PyTorch's allocator: "
+            "DIFFERENT from step 1 (0.25 against 0.5)") in text
+    assert text.count("run twice: identical") == 2

@@ -247,10 +247,11 @@ def _settings_of(optimizer):
              for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def _closure_of(args, kwargs):
-    """The closure given to an optimizer step, from the arguments PyTorch's step hooks get (the
-    optimizer first)."""
-    return args[1] if len(args) > 1 else kwargs.get("closure")
+def _plain_step(args, kwargs):
+    """Whether an optimizer step was called with no closure nor other argument, from the
+    arguments PyTorch's step hooks get (the optimizer first): only such a step is split into
+    blocks (the others' arguments are the whole step's)."""
+    return all(value is None for value in (*args[1:], *kwargs.values()))
 
 
 def _weakly(method, *first):
@@ -328,16 +329,17 @@ class OptimizerStatesMixin:
     def _decide_at_first_step(self, optimizer, args, kwargs):
         """The default preference's choice, at the first step of an optimizer stepping the
         blocks' parameters (PyTorch's global pre-step hook): "memory" if its states make
-        activations alone unable to meet the goal, from this very step (_switch_in_first_step)
-        unless it was given a closure (then from the next iteration on). Hooks cannot be added
-        or removed while PyTorch runs them, so _settle_preference does the rest."""
+        activations alone unable to meet the goal: from this very step, which then runs block
+        by block (_run_this_step_by_blocks), unless it was given a closure or other arguments
+        (then from the next iteration on). Hooks cannot be added or removed while PyTorch runs
+        them, so _settle_preference does the rest."""
         if not self._preference_pending or not self.enabled or not self._steps_blocks(optimizer):
             return
         self._preference_pending = False
         why = self._activations_cannot_meet_the_goal(optimizer)
         if not why:
             return
-        if _closure_of(args, kwargs) is not None:
+        if not _plain_step(args, kwargs):
             self._switch_to_memory = (optimizer, why)
             self._warn_if_first_step_exceeds_goal(optimizer)
             return
@@ -369,7 +371,7 @@ class OptimizerStatesMixin:
         self._held_grads = []
 
     def _warn_if_first_step_exceeds_goal(self, optimizer):
-        """An optimizer first seen at a first step given a closure runs that step whole: it
+        """An optimizer first seen at a first step given arguments runs that step whole: it
         makes every state at once, beside every parameter and gradient (and a foreach step's
         temporaries), before any plan can move them. Says so where that alone is over the goal
         (CUDA)."""
@@ -380,9 +382,9 @@ class OptimizerStatesMixin:
         held = torch.cuda.memory_allocated(self.device)
         goal = self._resolve_target() * (1 - self.settings.margin)
         if held + to_make > goal:
-            log.warning("glake.swap: the optimizer's first step, given a closure, runs whole "
+            log.warning("glake.swap: the optimizer's first step, given arguments, runs whole "
                         "and makes its states (%.2f GiB) beside the %.2f GiB allocated, over "
-                        "the %.2f GiB goal, before they can move: a step without a closure "
+                        "the %.2f GiB goal, before they can move: a step without arguments "
                         "runs block by block", to_make / 2**30,
                         held / 2**30, goal / 2**30)
 
@@ -390,7 +392,7 @@ class OptimizerStatesMixin:
         """At an iteration's start, once _decide_at_first_step has decided: its hooks go (under
         "performance" no other is registered), and under a switch to "memory" the hooks of
         that preference come, with a fresh warm-up, the optimizer adopted (in its first step
-        already, unless that step had a closure) and its states moving."""
+        already, unless that step had arguments) and its states moving."""
         if self._preference_pending or not self._deciding:
             return
         self._deciding = False
@@ -571,7 +573,7 @@ class OptimizerStatesMixin:
         """Makes `optimizer` the one whose states are planned, and runs its step block by
         block from now on: one call per block's parameters (and one for the rest), so the
         step's temporaries (a foreach AdamW makes several of its parameters' size) are one
-        block's, not the model's. A step given a closure runs whole. With the
+        block's, not the model's. A step given a closure (or any argument) runs whole. With the
         `step_in_backward` setting, a block's part runs in the backward instead, once the
         first step has shown that nothing touches the gradients between backward and step."""
         self.optimizer = optimizer
@@ -584,9 +586,9 @@ class OptimizerStatesMixin:
         whole_state_dict = optimizer.state_dict
         self._whole_step = whole
 
-        def step(closure=None):
-            if closure is not None or not self.enabled:
-                return whole(closure)
+        def step(closure=None, **kwargs):
+            if closure is not None or kwargs or not self.enabled:
+                return whole(closure, **kwargs)
             groups = optimizer.param_groups
             rest = {id(p) for g in groups for p in g["params"]} - in_blocks
             self._check_gradients_untouched()
@@ -782,7 +784,7 @@ class OptimizerStatesMixin:
             return
         if self.optimizer is None and self.enabled and self._steps_blocks(optimizer):
             self._take_over(optimizer)
-            if _closure_of(args, kwargs) is None:
+            if _plain_step(args, kwargs):
                 self._run_this_step_by_blocks(optimizer)
                 return
         if optimizer is self.optimizer:

@@ -829,7 +829,7 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
         caplog.clear()
         with caplog.at_level("WARNING", logger="glake.swap"):
             smart._warn_if_first_step_exceeds_goal(adamw(model.parameters()))
-        assert ("a step without a closure runs block by block" in caplog.text) == warned, (
+        assert ("a step without arguments runs block by block" in caplog.text) == warned, (
             allocated)
     smart.cuda = False
     smart.remove()
@@ -841,6 +841,16 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
     got, seen, hooks, _ = run(fresh(), True, sgd)
     same(got, reference)
     assert {preference for preference, _ in seen} == {"performance"} and hooks == []
+
+
+def test_only_a_step_called_without_arguments_is_split_into_blocks():
+    """PyTorch's step hooks get the optimizer first, then the step's arguments: a closure, or
+    a fused optimizer's grad_scaler, keeps the step whole."""
+    opt = object()
+    assert swap.states._plain_step((opt,), {})
+    assert swap.states._plain_step((opt, None), {"closure": None})
+    assert not swap.states._plain_step((opt, lambda: 0.0), {})
+    assert not swap.states._plain_step((opt,), {"grad_scaler": object()})
 
 
 def test_enable_auto_plans_the_first_trained_model():

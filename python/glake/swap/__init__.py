@@ -256,6 +256,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         return int(t)
 
     def _begin_iteration(self, args, kwargs):
+        self._find_optimizer()
         self._settle_preference()
         self._new_backward_step_iteration()
         if self._restart_pending:

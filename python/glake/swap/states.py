@@ -22,6 +22,7 @@ several backwards, changed before the step, or the optimizer's settings are; a b
 step never comes turns it off while running, back to warm-up."""
 
 import dataclasses
+import gc
 import logging
 import weakref
 from typing import NamedTuple
@@ -294,12 +295,13 @@ class OptimizerStatesMixin:
         """The settings with a preference: the one given, else "performance" unless
         _activations_cannot_meet_the_goal; then "memory" (_to_memory). A "performance" given
         where activations cannot meet the goal is kept, with a warning. With no preference
-        given and no optimizer, "performance" until the first step of an optimizer of the
-        blocks shows its states (_decide_at_first_step)."""
+        given and no optimizer, "performance" until the optimizer is found at the first
+        forward (_find_optimizer) or its first step shows its states (_decide_at_first_step)."""
         s = self.settings
         self._preference_pending = (s.preference is None and optimizer is None
                                     and self._resolve_target() is not None)
         self._switch_to_memory = None  # the optimizer whose first step chose "memory"
+        self._looking = optimizer is None  # for the optimizer, at the first forward
         short = (s.preference in (None, "performance")
                  and self._activations_cannot_meet_the_goal(optimizer))
         if s.preference is None and short:
@@ -325,6 +327,37 @@ class OptimizerStatesMixin:
                     "reads them before the step needs step_in_backward=False" if in_backward
                     else "")
         return dataclasses.replace(s, preference="memory", step_in_backward=in_backward)
+
+    def _find_optimizer(self):
+        """At the first forward, where no optimizer was given and the preference needs one (not
+        chosen yet, or "memory"): the one optimizer among the live objects that steps the
+        blocks' parameters is taken as if given to `apply`. So states it holds already (loaded
+        from a checkpoint) move from this step on, where they would stay on the device until
+        its first step, and the preference is chosen with no second warm-up. One pass over the
+        garbage collector's objects, once (about 50 ms per million objects). None found, or
+        several (an old one not collected yet): left to the step hooks."""
+        if not self._looking:
+            return
+        self._looking = False
+        if self.optimizer is not None or not (self._preference_pending
+                                              or self.settings.preference == "memory"):
+            return
+        # (type(), not isinstance: some lazy module attributes warn when asked their class.)
+        found = [o for o in gc.get_objects()
+                 if issubclass(type(o), torch.optim.Optimizer) and self._steps_blocks(o)]
+        if len(found) != 1:
+            return
+        optimizer = found[0]
+        if not self._preference_pending:
+            self._take_over(optimizer)  # "memory" given: its hooks are registered already
+            return
+        self._preference_pending = self._deciding = False
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        why = self._activations_cannot_meet_the_goal(optimizer)
+        self.settings = (self._to_memory(self.settings, why) if why else dataclasses.replace(
+            self.settings, step_in_backward=bool(self.settings.step_in_backward)))
+        self._hook_optimizers(optimizer)
 
     def _decide_at_first_step(self, optimizer, args, kwargs):
         """The default preference's choice, at the first step of an optimizer stepping the

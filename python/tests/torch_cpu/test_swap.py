@@ -746,7 +746,8 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
 
     def run(model, planned, make_opt, closure=False):
         torch.manual_seed(0)
-        opt = make_opt(model.parameters())
+        # Made after the first forward: one made before is found there (the next test).
+        opt = None
         smart = swap.apply(model, target=tight) if planned else None
         seen, losses = [], []
         if planned:
@@ -770,6 +771,7 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
             if smart is not None:
                 seen.append((smart.settings.preference, smart.iteration))
             loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            opt = opt or make_opt(model.parameters())
             loss.backward()
             if closure and not losses:
                 opt.step(lambda: loss)
@@ -841,6 +843,60 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
     got, seen, hooks, _ = run(fresh(), True, sgd)
     same(got, reference)
     assert {preference for preference, _ in seen} == {"performance"} and hooks == []
+
+
+def test_an_optimizer_made_before_the_first_forward_is_found_there(caplog):
+    """With no optimizer given, the one stepping the blocks is found among the live objects at
+    the first forward: states it holds already (as loaded from a checkpoint) leave the device
+    in that step, and the default preference is chosen there, with no second warm-up. Losses
+    and parameters stay the unplanned run's, bit for bit. Two optimizers of the blocks leave
+    the choice to the first step."""
+    model = fresh()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    tight = int(4 * params / swap.states._RESIDENT_SHARE / 0.95) - 4096
+
+    def run(model, planned, second_optimizer=False):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        # States made before SmartSwap, as a checkpoint's: one step.
+        model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        other = torch.optim.SGD(model.parameters(), lr=0.1) if second_optimizer else None
+        smart = swap.apply(model, target=tight) if planned else None
+        at_block_1 = {}  # iteration -> (preference, blocks with states on the device)
+        if planned:
+            def forward_of_block_1(module, args):
+                if smart.iteration not in at_block_1:  # (not its recompute in the backward)
+                    at_block_1[smart.iteration] = (smart.settings.preference,
+                                                   blocks_with_states_on_device(opt, model))
+            model.layers[1].register_forward_pre_hook(forward_of_block_1)
+        losses = []
+        for _ in range(FIRST_PLANNED + 2):
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        if smart is not None:
+            smart.remove()
+        del other
+        return (losses, [p.detach().clone() for p in model.parameters()]), at_block_1
+
+    reference, _ = run(fresh(), False)
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        got, at_block_1 = run(fresh(), True)
+    same(got, reference)
+    assert "activations alone cannot meet it" in caplog.text
+    iterations = sorted(at_block_1)
+    # Chosen at the first forward, the states out from its block 1 on; no warm-up begun again.
+    assert at_block_1[iterations[0]] == ("memory", []), at_block_1
+    assert iterations == list(range(iterations[0], iterations[0] + FIRST_PLANNED + 2))
+
+    got, at_block_1 = run(fresh(), True, second_optimizer=True)
+    same(got, reference)
+    first = at_block_1[min(at_block_1)]
+    assert first == ("performance", list(range(LAYERS))), at_block_1
 
 
 def test_only_a_step_called_without_arguments_is_split_into_blocks():

@@ -256,6 +256,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         return int(t)
 
     def _begin_iteration(self, args, kwargs):
+        self._held_grads = []  # an aborted step's: the gradients of a step already applied
         self._find_optimizer()
         self._settle_preference()
         self._new_backward_step_iteration()
@@ -752,9 +753,9 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
 def apply(model, blocks=None, optimizer=None, **settings):
     """Plans `model`'s repeated blocks (or the given `blocks`) for the target in `settings`
     (see Settings; unset ones come from GLAKE_SWAP_*). Returns the SmartSwap object. Under the
-    "memory" preference, `optimizer` (else the first optimizer seen stepping the blocks'
-    parameters, from its second step on) has its states planned and its step run block by
-    block."""
+    "memory" preference, `optimizer` (else the one found among live objects at the first
+    forward, or the first seen stepping the blocks' parameters, from that step on) has its
+    states planned and its step run block by block."""
     return SmartSwap(blocks if blocks is not None else find_blocks(model),
                      Settings.from_env(**settings), optimizer=optimizer)
 

@@ -24,6 +24,7 @@ step never comes turns it off while running, back to warm-up."""
 import dataclasses
 import gc
 import logging
+import types
 import weakref
 from typing import NamedTuple
 
@@ -255,6 +256,12 @@ def _plain_step(args, kwargs):
     return all(value is None for value in (*args[1:], *kwargs.values()))
 
 
+def _content_sum(grad):
+    """A dense gradient's sum, as a one-element tensor on its device (no wait for it), or None
+    for a sparse one."""
+    return None if grad.is_sparse else torch.sum(grad.detach(), dtype=torch.float32)
+
+
 def _weakly(method, *first):
     """A hook calling `method(*first, *args)` while its object lives: PyTorch's global
     optimizer hooks, and the gradient hooks on the model's parameters, would otherwise keep a
@@ -378,7 +385,8 @@ class OptimizerStatesMixin:
             return
         self.settings = self._to_memory(self.settings, why)
         self._switch_to_memory = (optimizer, None)  # the hooks change at the next iteration
-        self._take_over(optimizer)
+        # (States made before go out after this step, as every step's: not before it too.)
+        self._adopt_optimizer(optimizer)
         self._run_this_step_by_blocks(optimizer)
 
     def _run_this_step_by_blocks(self, optimizer):
@@ -400,7 +408,8 @@ class OptimizerStatesMixin:
         if self._splitting or not self._held_grads:
             return
         for p, grad in self._held_grads:
-            p.grad = grad
+            if p.grad is None:  # (never over a gradient made since)
+                p.grad = grad
         self._held_grads = []
 
     def _warn_if_first_step_exceeds_goal(self, optimizer):
@@ -468,7 +477,7 @@ class OptimizerStatesMixin:
         hooks) and adopts `optimizer` at once when given."""
         self._optimizer_hooks, self._gradient_hooks = [], []
         self.backward_step = "off"  # "watching" the first step, then "on" or "off"
-        self._watched = {}  # id(param) -> (param, grad pointer, grad version, backwards)
+        self._watched = {}  # id(param) -> (param, grad pointer, version, backwards, sum)
         self.stepped_in_backward = set()  # blocks whose part ran in this step's backward
         self._grads_wanted, self._grads_left = {}, {}
         self._stepped_params = []  # per block: the parameters the optimizer steps
@@ -491,11 +500,12 @@ class OptimizerStatesMixin:
                 register_optimizer_step_post_hook(_weakly(self._after_step))]
 
     def _take_over(self, optimizer):
-        """Adopts `optimizer` under the "memory" preference. States made before (an optimizer
-        that has stepped already) leave now, as after a step (_after_step), freed before the
-        first block's forward: otherwise they would all stay through the next forward and
-        backward, the peak this mode avoids. (An optimizer adopted by the hooks is about to
-        step: its states go out after that step.)"""
+        """Adopts `optimizer` under the "memory" preference between two steps (given to
+        `apply`, or found at the first forward). States made before (an optimizer that has
+        stepped already) leave now, as after a step (_after_step), freed before the first
+        block's forward: otherwise they would all stay through the next forward and backward,
+        the peak this mode avoids. (An optimizer adopted by the step hooks is about to step,
+        and is only adopted: its states go out after that step.)"""
         self._adopt_optimizer(optimizer)
         if not self.states.groups:
             self._stop_moving_states()
@@ -619,7 +629,7 @@ class OptimizerStatesMixin:
         whole_state_dict = optimizer.state_dict
         self._whole_step = whole
 
-        def step(closure=None, **kwargs):
+        def step(_optimizer, closure=None, **kwargs):
             if closure is not None or kwargs or not self.enabled:
                 return whole(closure, **kwargs)
             groups = optimizer.param_groups
@@ -660,14 +670,19 @@ class OptimizerStatesMixin:
 
         previous_state_dict = vars(optimizer).get("state_dict")
 
+        # A bound method, as PyTorch's own: a scheduler made later wraps it through __func__.
+        mine = types.MethodType(step, optimizer)
+
         def unwrap():
             for name, before in (("step", previous), ("state_dict", previous_state_dict)):
+                if name == "step" and vars(optimizer).get("step") is not mine:
+                    continue  # wrapped since (a scheduler made later): it runs whole now
                 if before is None:
                     vars(optimizer).pop(name, None)
                 else:
                     setattr(optimizer, name, before)
 
-        optimizer.step = step
+        optimizer.step = mine
         optimizer.state_dict = state_dict
         self._unwrap_optimizer = unwrap
         self._hook_gradients()
@@ -727,7 +742,7 @@ class OptimizerStatesMixin:
                 self._watched_settings = _settings_of(self.optimizer)
             seen = self._watched.get(id(p))
             self._watched[id(p)] = (p, p.grad.data_ptr(), p.grad._version,
-                                    1 + (seen[3] if seen else 0))
+                                    1 + (seen[3] if seen else 0), _content_sum(p.grad))
             return
         self._grads_left[b] -= 1
         if self._grads_left[b] == 0:
@@ -742,13 +757,21 @@ class OptimizerStatesMixin:
         if self.backward_step != "watching" or not self._watched:
             return
         why = None
-        for p, ptr, version, count in self._watched.values():
+        sums = []
+        for p, ptr, version, count, before in self._watched.values():
             if count > 1:
                 why = "a gradient was made by more than one backward before the step"
             elif p.grad is None or p.grad.data_ptr() != ptr or p.grad._version != version:
                 why = "a gradient was changed between the backward and the step"
             if why:
                 break
+            if before is not None:
+                sums.append((before, _content_sum(p.grad)))
+        # Some in-place ops leave a tensor's version as it was (GradScaler's unscaling): the
+        # gradients' sums, taken when the backward left them, must still be what they were.
+        if why is None and sums and not torch.equal(torch.stack([b for b, _ in sums]),
+                                                    torch.stack([a for _, a in sums])):
+            why = "a gradient's values were changed between the backward and the step"
         if why is None and self._watched_settings != _settings_of(self.optimizer):
             why = "a setting of the optimizer was changed between the backward and the step"
         self._watched = {}
@@ -816,7 +839,7 @@ class OptimizerStatesMixin:
         if self._splitting:
             return
         if self.optimizer is None and self.enabled and self._steps_blocks(optimizer):
-            self._take_over(optimizer)
+            self._adopt_optimizer(optimizer)  # (its states go out after this step)
             if _plain_step(args, kwargs):
                 self._run_this_step_by_blocks(optimizer)
                 return

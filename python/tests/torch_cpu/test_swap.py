@@ -899,6 +899,61 @@ def test_an_optimizer_made_before_the_first_forward_is_found_there(caplog):
     assert first == ("performance", list(range(LAYERS))), at_block_1
 
 
+def test_a_scheduler_made_after_the_optimizer_is_adopted_wraps_its_step():
+    """PyTorch's learning-rate schedulers wrap the step they find through its __func__: one
+    made after SmartSwap adopted the optimizer wraps the block-by-block step, and the run stays
+    the unplanned run's, bit for bit, through remove() too."""
+    def run(model, planned):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        smart = swap.apply(model, optimizer=opt, preference="memory") if planned else None
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9 ** step)
+        losses = []
+        for i in range(FIRST_PLANNED + 2):
+            if i == FIRST_PLANNED and smart is not None:
+                smart.remove()
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    same(run(fresh(), True), run(fresh(), False))
+
+
+def test_gradscalers_unscaling_keeps_the_step_after_the_backward(caplog):
+    """GradScaler unscales the gradients in place without changing their version, and checks
+    them before the step: the first step's watch sees their values changed and keeps the step
+    after the backward, so the run stays the unplanned run's, bit for bit."""
+    def run(model, planned):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**10)
+        smart = (swap.apply(model, optimizer=opt, preference="memory", step_in_backward=True)
+                 if planned else None)
+        losses = []
+        for _ in range(FIRST_PLANNED + 2):
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        mode = smart.backward_step if smart is not None else None
+        if smart is not None:
+            smart.remove()
+        return (losses, [p.detach().clone() for p in model.parameters()]), mode
+
+    reference, _ = run(fresh(), False)
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        got, mode = run(fresh(), True)
+    same(got, reference)
+    assert mode == "off"
+    assert "values were changed between the backward and the step" in caplog.text
+
+
 def test_only_a_step_called_without_arguments_is_split_into_blocks():
     """PyTorch's step hooks get the optimizer first, then the step's arguments: a closure, or
     a fused optimizer's grad_scaler, keeps the step whole."""

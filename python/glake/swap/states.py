@@ -555,9 +555,11 @@ class OptimizerStatesMixin:
         return OptimizerBytes(param_bytes, learning, states, bool(made))
 
     def _steps_blocks(self, optimizer):
-        """Whether `optimizer` steps any of the blocks' parameters."""
+        """Whether `optimizer` steps any of the blocks' parameters (one found among live
+        objects may not be whole yet: one without groups steps none)."""
         mine = {id(p) for block in self.blocks for p in block.parameters()}
-        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+        return any(id(p) in mine for group in getattr(optimizer, "param_groups", ())
+                   for p in group.get("params", ()))
 
     def _stop_moving_states(self):
         """Until the next plan: under the "memory" preference every block's optimizer states

@@ -863,6 +863,7 @@ def test_an_optimizer_made_before_the_first_forward_is_found_there(caplog):
         opt.step()
         opt.zero_grad(set_to_none=True)
         other = torch.optim.SGD(model.parameters(), lr=0.1) if second_optimizer else None
+        unfinished = torch.optim.AdamW.__new__(torch.optim.AdamW)  # no groups yet: ignored
         smart = swap.apply(model, target=tight) if planned else None
         at_block_1 = {}  # iteration -> (preference, blocks with states on the device)
         if planned:
@@ -880,7 +881,7 @@ def test_an_optimizer_made_before_the_first_forward_is_found_there(caplog):
             losses.append(loss.item())
         if smart is not None:
             smart.remove()
-        del other
+        del other, unfinished
         return (losses, [p.detach().clone() for p in model.parameters()]), at_block_1
 
     reference, _ = run(fresh(), False)

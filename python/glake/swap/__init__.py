@@ -237,6 +237,10 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self._unhook_optimizers()
         self._switch_to_memory = None
         self.enabled = False
+        # The pinned buffers, as large as what was moved, go now (not with this object).
+        self.states.host.clear()
+        self.swapper.free_buffers.clear()
+        self.swapper.pinned_bytes = 0
 
     # -- phases ---------------------------------------------------------------------------
 

@@ -257,9 +257,23 @@ def _plain_step(args, kwargs):
 
 
 def _content_sum(grad):
-    """A dense gradient's sum, as a one-element tensor on its device (no wait for it), or None
-    for a sparse one."""
-    return None if grad.is_sparse else torch.sum(grad.detach(), dtype=torch.float32)
+    """A real dense gradient's sum, as a one-element tensor on its device (no wait for it), or
+    None for a sparse, complex or meta one (left to the version check)."""
+    if grad.is_sparse or grad.is_complex() or grad.device.type == "meta":
+        return None
+    return torch.sum(grad.detach(), dtype=torch.float32)
+
+
+def _sums_unchanged(pairs):
+    """Whether every (before, after) pair of _content_sum values is equal, NaN to NaN, with
+    one wait per device."""
+    by_device = {}
+    for before, after in pairs:
+        by_device.setdefault(before.device, []).append((before, after))
+    return all(bool(torch.isclose(torch.stack([b for b, _ in same]),
+                                  torch.stack([a for _, a in same]),
+                                  rtol=0, atol=0, equal_nan=True).all())
+               for same in by_device.values())
 
 
 def _weakly(method, *first):
@@ -309,6 +323,7 @@ class OptimizerStatesMixin:
                                     and self._resolve_target() is not None)
         self._switch_to_memory = None  # the optimizer whose first step chose "memory"
         self._looking = optimizer is None  # for the optimizer, at the first forward
+        self._found = None  # the optimizer _find_optimizer took, until another is seen
         short = (s.preference in (None, "performance")
                  and self._activations_cannot_meet_the_goal(optimizer))
         if s.preference is None and short:
@@ -337,12 +352,14 @@ class OptimizerStatesMixin:
 
     def _find_optimizer(self):
         """At the first forward, where no optimizer was given and the preference needs one (not
-        chosen yet, or "memory"): the one optimizer among the live objects that steps the
-        blocks' parameters is taken as if given to `apply`. So states it holds already (loaded
-        from a checkpoint) move from this step on, where they would stay on the device until
-        its first step, and the preference is chosen with no second warm-up. One pass over the
-        garbage collector's objects, once (about 50 ms per million objects). None found, or
-        several (an old one not collected yet): left to the step hooks."""
+        chosen yet, or "memory"): the one optimizer among the live objects that holds states
+        of the blocks' parameters is taken as if given to `apply`. So states it holds already
+        (loaded from a checkpoint) move from this step on, where they would stay on the device
+        until its first step, and the preference is chosen with no second warm-up. One pass
+        over the garbage collector's objects, once (about 50 ms per million objects). None
+        found (an optimizer without states: its first step makes them block by block), or
+        several: left to the step hooks. One found that is not the one stepping the blocks is
+        named at the first step of the other (_before_step)."""
         if not self._looking:
             return
         self._looking = False
@@ -351,10 +368,11 @@ class OptimizerStatesMixin:
             return
         # (type(), not isinstance: some lazy module attributes warn when asked their class.)
         found = [o for o in gc.get_objects()
-                 if issubclass(type(o), torch.optim.Optimizer) and self._steps_blocks(o)]
+                 if issubclass(type(o), torch.optim.Optimizer) and self._steps_blocks(o)
+                 and any(state_tensors(o, block.parameters()) for block in self.blocks)]
         if len(found) != 1:
             return
-        optimizer = found[0]
+        optimizer = self._found = found[0]
         if not self._preference_pending:
             self._take_over(optimizer)  # "memory" given: its hooks are registered already
             return
@@ -631,37 +649,22 @@ class OptimizerStatesMixin:
         whole_state_dict = optimizer.state_dict
         self._whole_step = whole
 
+        # The replacements hold SmartSwap weakly: a scheduler made later keeps the step it
+        # wraps after remove(), and would otherwise keep SmartSwap and its pinned buffers.
+        me = weakref.ref(self)
+
         def step(_optimizer, closure=None, **kwargs):
-            if closure is not None or kwargs or not self.enabled:
+            smart = me()
+            if smart is None or closure is not None or kwargs or not smart.enabled:
                 return whole(closure, **kwargs)
-            groups = optimizer.param_groups
-            rest = {id(p) for g in groups for p in g["params"]} - in_blocks
-            self._check_gradients_untouched()
-            self._before_step(optimizer, (), {}, split=True)
-            self._splitting = True
-            try:
-                self._optimizer_part(rest)
-                for b, ids in enumerate(self._block_params):
-                    if b in self.stepped_in_backward:
-                        continue  # its part ran in the backward
-                    if not self.states.in_step or b in self.resident_states:
-                        self._optimizer_part(ids)
-                        continue
-                    block = self.blocks[b]
-                    self.states.step_block(
-                        b, lambda ids=ids: self._optimizer_part(ids),
-                        lambda block=block: state_tensors(optimizer, block.parameters()),
-                        b + 1 if b + 1 < len(self._block_params) else None)
-            finally:
-                self._splitting = False
-                self.stepped_in_backward = set()
-            self._after_step(optimizer, (), {})
+            smart._split_step(optimizer, in_blocks)
             return None
 
         def state_dict():
             # A checkpoint taken between steps reads every state: step mode brings them back.
-            if self.enabled and self.states.in_step and self.states.out:
-                self._states_back_until_next_forward()
+            smart = me()
+            if smart is not None and smart.enabled and smart.states.in_step and smart.states.out:
+                smart._states_back_until_next_forward()
             return whole_state_dict()
 
         # A learning-rate scheduler made before checks that the step it wrapped is still
@@ -688,6 +691,33 @@ class OptimizerStatesMixin:
         optimizer.state_dict = state_dict
         self._unwrap_optimizer = unwrap
         self._hook_gradients()
+
+    def _split_step(self, optimizer, in_blocks):
+        """The adopted optimizer's step, block by block: the parameters outside the blocks
+        (`in_blocks`: the ids of those inside) first, then each block's not stepped in the
+        backward already, with its states brought back for it in step mode."""
+        groups = optimizer.param_groups
+        rest = {id(p) for g in groups for p in g["params"]} - in_blocks
+        self._check_gradients_untouched()
+        self._before_step(optimizer, (), {}, split=True)
+        self._splitting = True
+        try:
+            self._optimizer_part(rest)
+            for b, ids in enumerate(self._block_params):
+                if b in self.stepped_in_backward:
+                    continue  # its part ran in the backward
+                if not self.states.in_step or b in self.resident_states:
+                    self._optimizer_part(ids)
+                    continue
+                block = self.blocks[b]
+                self.states.step_block(
+                    b, lambda ids=ids: self._optimizer_part(ids),
+                    lambda block=block: state_tensors(optimizer, block.parameters()),
+                    b + 1 if b + 1 < len(self._block_params) else None)
+        finally:
+            self._splitting = False
+            self.stepped_in_backward = set()
+        self._after_step(optimizer, (), {})
 
     def _optimizer_part(self, ids):
         """Runs the optimizer's own step on the parameters whose ids are in `ids` alone (its
@@ -771,8 +801,7 @@ class OptimizerStatesMixin:
                 sums.append((before, _content_sum(p.grad)))
         # Some in-place ops leave a tensor's version as it was (GradScaler's unscaling): the
         # gradients' sums, taken when the backward left them, must still be what they were.
-        if why is None and sums and not torch.equal(torch.stack([b for b, _ in sums]),
-                                                    torch.stack([a for _, a in sums])):
+        if why is None and not _sums_unchanged(sums):
             why = "a gradient's values were changed between the backward and the step"
         if why is None and self._watched_settings != _settings_of(self.optimizer):
             why = "a setting of the optimizer was changed between the backward and the step"
@@ -840,6 +869,12 @@ class OptimizerStatesMixin:
     def _before_step(self, optimizer, args, kwargs, split=False):
         if self._splitting:
             return
+        if (self._found is not None and optimizer is not self._found and self.enabled
+                and self._steps_blocks(optimizer)):
+            self._found = None
+            log.warning("glake.swap: the optimizer found at the first forward, whose states "
+                        "move, is not the one stepping the blocks, whose states stay on the "
+                        "device: pass it to glake.swap.apply(model, optimizer=...)")
         if self.optimizer is None and self.enabled and self._steps_blocks(optimizer):
             self._adopt_optimizer(optimizer)  # (its states go out after this step)
             if _plain_step(args, kwargs):

@@ -846,11 +846,11 @@ def test_without_the_optimizer_the_default_preference_is_chosen_at_its_first_ste
 
 
 def test_an_optimizer_made_before_the_first_forward_is_found_there(caplog):
-    """With no optimizer given, the one stepping the blocks is found among the live objects at
-    the first forward: states it holds already (as loaded from a checkpoint) leave the device
+    """With no optimizer given, the one holding states of the blocks is found among the live
+    objects at the first forward: those states (as loaded from a checkpoint) leave the device
     in that step, and the default preference is chosen there, with no second warm-up. Losses
-    and parameters stay the unplanned run's, bit for bit. Two optimizers of the blocks leave
-    the choice to the first step."""
+    and parameters stay the unplanned run's, bit for bit. Two such optimizers leave the choice
+    to the first step; one found that is not the one stepping the blocks is named then."""
     model = fresh()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     tight = int(4 * params / swap.states._RESIDENT_SHARE / 0.95) - 4096
@@ -862,7 +862,10 @@ def test_an_optimizer_made_before_the_first_forward_is_found_there(caplog):
         model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        other = torch.optim.SGD(model.parameters(), lr=0.1) if second_optimizer else None
+        other = None
+        if second_optimizer:  # states too (a copy of the first's)
+            other = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            other.load_state_dict(opt.state_dict())
         unfinished = torch.optim.AdamW.__new__(torch.optim.AdamW)  # no groups yet: ignored
         smart = swap.apply(model, target=tight) if planned else None
         at_block_1 = {}  # iteration -> (preference, blocks with states on the device)
@@ -899,6 +902,20 @@ def test_an_optimizer_made_before_the_first_forward_is_found_there(caplog):
     first = at_block_1[min(at_block_1)]
     assert first == ("performance", list(range(LAYERS))), at_block_1
 
+    # An old optimizer holding states is found; the one that trains is made after.
+    model = fresh()
+    old = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
+    old.step()
+    smart = swap.apply(model, preference="memory")
+    model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE)).backward()
+    assert smart.optimizer is old
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    assert "is not the one stepping the blocks" in caplog.text
+    smart.remove()
+
 
 def test_a_scheduler_made_after_the_optimizer_is_adopted_wraps_its_step():
     """PyTorch's learning-rate schedulers wrap the step they find through its __func__: one
@@ -922,6 +939,24 @@ def test_a_scheduler_made_after_the_optimizer_is_adopted_wraps_its_step():
         return losses, [p.detach().clone() for p in model.parameters()]
 
     same(run(fresh(), True), run(fresh(), False))
+    # The scheduler keeps the step it wrapped, not SmartSwap (nor its pinned buffers).
+    model = fresh()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    smart = swap.apply(model, optimizer=opt, preference="memory")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    smart.remove()
+    gone = weakref.ref(smart)
+    del smart
+    gc.collect()
+    assert gone() is None and sched.optimizer is opt
+
+
+def test_the_watch_compares_gradient_sums_nan_to_nan():
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+    assert swap.states._sums_unchanged([(nan, nan.clone()), (one, one.clone())])
+    assert not swap.states._sums_unchanged([(one, one / 2)])
+    assert swap.states._sums_unchanged([])
+    assert swap.states._content_sum(torch.ones(2, dtype=torch.complex64)) is None
 
 
 def test_gradscalers_unscaling_keeps_the_step_after_the_backward(caplog):

@@ -145,7 +145,7 @@ def child(args):
     # run in the backward (SmartSwap's step_in_backward setting). "glake-performance":
     # activations only, whatever the target. "glake": SmartSwap's default, which picks one.
     # "glake-enable": the default as glake.torch.enable(swap=...) applies it, with no
-    # optimizer given (SmartSwap finds it at the first forward).
+    # optimizer given (a fresh one at each cap: the choice is made in its first step).
     given_optimizer = method != "glake-enable"
     preference = {"glake-memory": "memory", "glake-stepbwd": "memory",
                   "glake-performance": "performance"}.get(method)
@@ -251,8 +251,8 @@ def child(args):
         smart = None
         if not given_optimizer and n > 1:
             # As in a process that starts with glake.torch.enable(swap=...): an optimizer not
-            # yet stepped. (Before SmartSwap looked for the optimizer at the first forward, the
-            # last cap's states, back on the device, went over the next cap.)
+            # yet stepped. (The last cap's, holding states, would be found at the first
+            # forward; before SmartSwap looked there, its states went over the next cap.)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         torch.cuda.empty_cache()
         limit = int(cap * args.reference_peak) if cap else None

@@ -356,9 +356,9 @@ class OptimizerStatesMixin:
         of the blocks' parameters is taken as if given to `apply`. So states it holds already
         (loaded from a checkpoint) move from this step on, where they would stay on the device
         until its first step, and the preference is chosen with no second warm-up. One pass
-        over the garbage collector's objects, once (about 50 ms per million objects). None
-        found (an optimizer without states: its first step makes them block by block), or
-        several: left to the step hooks. One found that is not the one stepping the blocks is
+        over the garbage collector's objects, once (0.34 s for 2.3 million objects on a 2-core
+        host). None found (an optimizer without states: its first step makes them block by
+        block), or several: left to the step hooks. One found that is not the one stepping the blocks is
         named at the first step of the other (_before_step)."""
         if not self._looking:
             return

@@ -358,8 +358,8 @@ class OptimizerStatesMixin:
         until its first step, and the preference is chosen with no second warm-up. One pass
         over the garbage collector's objects, once (0.34 s for 2.3 million objects on a 2-core
         host). None found (an optimizer without states: its first step makes them block by
-        block), or several: left to the step hooks. One found that is not the one stepping the blocks is
-        named at the first step of the other (_before_step)."""
+        block), or several: left to the step hooks. One found that is not the one stepping
+        the blocks is named at the first step of the other (_before_step)."""
         if not self._looking:
             return
         self._looking = False

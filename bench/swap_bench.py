@@ -278,8 +278,6 @@ def child(args):
             if smart is not None:
                 report = smart.report()
                 plan = report["plan"] or {}
-                if preference is None:  # SmartSwap chose it
-                    row["preference"] = report["preference"]
                 row.update(phase=report["phase"], plan=plan, trials=report["trials"],
                            recompute_ms=report["recompute_ms"],
                            warmup_recompute_ms=report["warmup_recompute_ms"],
@@ -300,8 +298,6 @@ def child(args):
             row.update(oom=True, error=str(e).splitlines()[0][:800])
             if smart is not None:  # where SmartSwap was when the step ran out
                 report = smart.report()
-                if preference is None:  # SmartSwap chose it
-                    row["preference"] = report["preference"]
                 row.update(phase=report["phase"], iteration=report["iteration"],
                            plan=report["plan"], trials=report["trials"],
                            # still held by the failed step's frames (the exception's)
@@ -314,6 +310,8 @@ def child(args):
             opt.zero_grad(set_to_none=True)
         finally:
             if smart is not None:
+                if preference is None:  # SmartSwap chose it
+                    row["preference"] = smart.report()["preference"]
                 smart.remove()
         row["limit"] = limit
         print(json.dumps(row), flush=True)

@@ -171,6 +171,9 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
 
     def __init__(self, blocks, settings=None, device=None, optimizer=None):
         self.blocks = list(blocks)
+        # Per block the ids of its parameters, and all of them: the optimizer's steps split by.
+        self._block_params = [{id(p) for p in block.parameters()} for block in self.blocks]
+        self._block_param_ids = frozenset().union(*self._block_params)
         self.settings = settings or Settings.from_env()
         p = next(self.blocks[0].parameters(), None)
         self.device = torch.device(device) if device else (p.device if p is not None
@@ -178,7 +181,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self.cuda = self.device.type == "cuda"
         self.swapper = Swapper(self.device)
         self.states = StateSwapper(self.swapper)
-        self.settings = self._choose_preference(optimizer)
+        self.settings = self._choose_preference(optimizer, self.settings)
         self.optimizer = None       # the optimizer stepping the blocks' parameters, once seen
         self.state_release = {}     # block -> block before whose forward its states are freed
         self._splitting = False     # inside the block-by-block optimizer step

@@ -312,13 +312,12 @@ class OptimizerStatesMixin:
     warm-up. A mixin of SmartSwap: it uses the instance's blocks, settings, phase and
     StateSwapper."""
 
-    def _choose_preference(self, optimizer):
-        """The settings with a preference: the one given, else "performance" unless
+    def _choose_preference(self, optimizer, s):
+        """Settings `s` with a preference: the one given, else "performance" unless
         _activations_cannot_meet_the_goal; then "memory" (_to_memory). A "performance" given
         where activations cannot meet the goal is kept, with a warning. With no preference
         given and no optimizer, "performance" until the optimizer is found at the first
         forward (_find_optimizer) or its first step shows its states (_decide_at_first_step)."""
-        s = self.settings
         self._preference_pending = (s.preference is None and optimizer is None
                                     and self._resolve_target() is not None)
         self._switch_to_memory = None  # the optimizer whose first step chose "memory"
@@ -372,17 +371,16 @@ class OptimizerStatesMixin:
                  and any(state_tensors(o, block.parameters()) for block in self.blocks)]
         if len(found) != 1:
             return
-        optimizer = self._found = found[0]
-        if not self._preference_pending:
+        optimizer = found[0]
+        if self._preference_pending:
+            # Chosen now as if the optimizer had been given (the preference was left unset).
+            self._drop_first_step_hooks()
+            self.settings = self._choose_preference(
+                optimizer, dataclasses.replace(self.settings, preference=None))
+            self._hook_optimizers(optimizer)
+        else:
             self._take_over(optimizer)  # "memory" given: its hooks are registered already
-            return
-        self._preference_pending = self._deciding = False
-        for hook in self._optimizer_hooks:
-            hook.remove()
-        why = self._activations_cannot_meet_the_goal(optimizer)
-        self.settings = (self._to_memory(self.settings, why) if why else dataclasses.replace(
-            self.settings, step_in_backward=bool(self.settings.step_in_backward)))
-        self._hook_optimizers(optimizer)
+        self._found = optimizer
 
     def _decide_at_first_step(self, optimizer, args, kwargs):
         """The default preference's choice, at the first step of an optimizer stepping the
@@ -455,10 +453,7 @@ class OptimizerStatesMixin:
         already, unless that step had arguments) and its states moving."""
         if self._preference_pending or not self._deciding:
             return
-        self._deciding = False
-        for hook in self._optimizer_hooks:
-            hook.remove()
-        self._optimizer_hooks = []
+        self._drop_first_step_hooks()
         switch, self._switch_to_memory = self._switch_to_memory, None
         if switch is None:
             return
@@ -469,6 +464,13 @@ class OptimizerStatesMixin:
             self.settings = self._to_memory(self.settings, why)
             self._hook_optimizers(optimizer)
         self._restart()
+
+    def _drop_first_step_hooks(self):
+        """The hooks that waited for the first step (_hook_optimizers) go."""
+        self._deciding = False
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks = []
 
     def _activations_cannot_meet_the_goal(self, optimizer):
         """Why no plan of activations alone can meet the goal (target less margin), or None:
@@ -575,8 +577,8 @@ class OptimizerStatesMixin:
     def _steps_blocks(self, optimizer):
         """Whether `optimizer` steps any of the blocks' parameters (one found among live
         objects may not be whole yet: one without groups steps none)."""
-        mine = {id(p) for block in self.blocks for p in block.parameters()}
-        return any(id(p) in mine for group in getattr(optimizer, "param_groups", ())
+        return any(id(p) in self._block_param_ids
+                   for group in getattr(optimizer, "param_groups", ())
                    for p in group.get("params", ()))
 
     def _stop_moving_states(self):
@@ -643,8 +645,6 @@ class OptimizerStatesMixin:
         self._decide_states_in_step()
         if self.states.in_step and not self.states.groups:
             self._stop_moving_states()  # states made before (it has stepped already) move
-        self._block_params = [{id(p) for p in block.parameters()} for block in self.blocks]
-        in_blocks = set().union(*self._block_params)
         whole = optimizer.step
         whole_state_dict = optimizer.state_dict
         self._whole_step = whole
@@ -657,7 +657,7 @@ class OptimizerStatesMixin:
             smart = me()
             if smart is None or closure is not None or kwargs or not smart.enabled:
                 return whole(closure, **kwargs)
-            smart._split_step(optimizer, in_blocks)
+            smart._split_step(optimizer)
             return None
 
         def state_dict():
@@ -692,12 +692,12 @@ class OptimizerStatesMixin:
         self._unwrap_optimizer = unwrap
         self._hook_gradients()
 
-    def _split_step(self, optimizer, in_blocks):
+    def _split_step(self, optimizer):
         """The adopted optimizer's step, block by block: the parameters outside the blocks
-        (`in_blocks`: the ids of those inside) first, then each block's not stepped in the
-        backward already, with its states brought back for it in step mode."""
+        first, then each block's not stepped in the backward already, with its states brought
+        back for it in step mode."""
         groups = optimizer.param_groups
-        rest = {id(p) for g in groups for p in g["params"]} - in_blocks
+        rest = {id(p) for g in groups for p in g["params"]} - self._block_param_ids
         self._check_gradients_untouched()
         self._before_step(optimizer, (), {}, split=True)
         self._splitting = True

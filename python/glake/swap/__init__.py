@@ -372,7 +372,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
             if b == 0:
                 self._begin_iteration(args, kwargs)
             return self._run_block(b, original, args, kwargs)
-        return forward
+        return _outside_the_compiler(forward)
 
     def _run_block(self, b, original, args, kwargs):
         profiling = self.phase == "profile" and self.marks is not None
@@ -767,6 +767,16 @@ def apply(model, blocks=None, optimizer=None, **settings):
                      Settings.from_env(**settings), optimizer=optimizer)
 
 
+def _outside_the_compiler(fn):
+    """`fn`, run by torch.compile's code as a call it does not trace (a graph break): the
+    block's plan (its checkpoint with glake's dispatch modes, the timers, the copies) and the
+    phase bookkeeping are Python that the compiler cannot capture. The blocks of a compiled
+    model then run eagerly under their plan; the code around them stays compiled."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    return fn if disable is None else disable(fn)
+
+
 _auto = {"hook": None, "settings": None, "applied": None}
 
 
@@ -790,7 +800,8 @@ def enable_auto(**settings):
         _auto["hook"] = None
         log.info("glake.swap: planning %d blocks of %s", len(blocks), type(module).__name__)
 
-    _auto["hook"] = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    _auto["hook"] = torch.nn.modules.module.register_module_forward_pre_hook(
+        _outside_the_compiler(pre_hook))
 
 
 def active():

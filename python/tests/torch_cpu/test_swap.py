@@ -136,6 +136,26 @@ def test_planned_run_is_bit_identical_and_moves_bytes():
         assert smart.swapper.bytes_out == plan["swapped_bytes"] * (9 - FIRST_PLANNED), report
 
 
+@pytest.mark.parametrize("entry", ["apply", "enable_auto"])
+def test_a_compiled_model_trains_under_its_plan_exactly(entry):
+    """torch.compile cannot trace a planned block (its checkpoint with dispatch modes and the
+    phases' Python): the blocks run eagerly under their plan and the code around them stays
+    compiled. aot_eager compiles with eager's numerics, so the losses stay bit-identical."""
+    reference = train(fresh(), 8)
+    target = halfway_target()
+    model = fresh()
+    applied = swap.apply(model, target=target, margin=0) if entry == "apply" else None
+    if entry == "enable_auto":
+        swap.enable_auto(target=target, margin=0)
+    torch._dynamo.reset()
+    same(train(torch.compile(model, backend="aot_eager"), 8), reference)
+    smart = applied or swap.active()
+    assert smart is not None and smart.history, smart
+    plan = smart.history[0]
+    assert plan["swapped_bytes"] + plan["recomputed_bytes"] > 0, smart.report()
+    smart.remove()
+
+
 def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exactly():
     reference = train(fresh(), 8)
     target = halfway_target()

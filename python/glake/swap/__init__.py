@@ -229,6 +229,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self.step_cpu = None
         self.history = []
         self.enabled = True
+        self._told_checkpointed = False
         for b, block in enumerate(self.blocks):
             block.forward = self._wrap(b, block.forward)
 
@@ -369,10 +370,21 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         def forward(*args, **kwargs):
             if not (self.enabled and torch.is_grad_enabled()):
                 return original(*args, **kwargs)
+            if _inside_another_checkpoint():
+                self._tell_checkpointed_by_the_model(b)
+                return original(*args, **kwargs)
             if b == 0:
                 self._begin_iteration(args, kwargs)
             return self._run_block(b, original, args, kwargs)
         return _outside_the_compiler(forward)
+
+    def _tell_checkpointed_by_the_model(self, b):
+        if not self._told_checkpointed:
+            self._told_checkpointed = True
+            log.warning("glake.swap: block %d runs inside a checkpoint or saved-tensor hooks "
+                        "of the model's own (gradient checkpointing on, or save_on_cpu): "
+                        "SmartSwap leaves such blocks to them; turn the model's checkpointing "
+                        "off to let SmartSwap plan the blocks", b)
 
     def _run_block(self, b, original, args, kwargs):
         profiling = self.phase == "profile" and self.marks is not None
@@ -765,6 +777,20 @@ def apply(model, blocks=None, optimizer=None, **settings):
     states planned and its step run block by block."""
     return SmartSwap(blocks if blocks is not None else find_blocks(model),
                      Settings.from_env(**settings), optimizer=optimizer)
+
+
+def _inside_another_checkpoint():
+    """Whether a block called now runs under someone else's checkpoint: in the forward of a
+    non-reentrant one (its saved-tensor hooks are set; so are save_on_cpu's), or in the
+    recomputation of any in the backward (SmartSwap's own recompute calls the block's
+    original forward, not the wrapped one). A reentrant checkpoint's forward runs without
+    gradients, where the wrapped forward steps aside already."""
+    autograd = torch._C._autograd
+    hooks = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    if hooks is not None and hooks(True) is not None:
+        return True
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _outside_the_compiler(fn):

@@ -156,6 +156,35 @@ def test_a_compiled_model_trains_under_its_plan_exactly(entry):
     smart.remove()
 
 
+class CheckpointingModel(Model):
+    """A model that checkpoints its blocks itself (gradient checkpointing turned on)."""
+
+    reentrant = False
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.reentrant)
+        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_blocks_the_model_checkpoints_itself_are_left_to_its_checkpoint(reentrant, caplog):
+    """Planned again inside the model's own checkpoint, a block's recomputation met other
+    decisions than its forward (PyTorch raised CheckpointError): such blocks run as written."""
+    CheckpointingModel.reentrant = reentrant
+
+    def model():
+        torch.manual_seed(1)
+        return CheckpointingModel().to(DEVICE)
+    reference = train(model(), FIRST_PLANNED + 2)
+    planned = model()
+    smart = swap.apply(planned, target=1, margin=0)
+    same(train(planned, FIRST_PLANNED + 2), reference)
+    assert not smart.history and smart.phase == "warmup", smart.report()
+    assert "of the model's own" in caplog.text
+
+
 def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exactly():
     reference = train(fresh(), 8)
     target = halfway_target()

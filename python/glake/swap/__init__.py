@@ -56,6 +56,7 @@ _WARMUP_STEPS = 4  # before the profiled step: the first pays one-time costs (op
 # others are measured as full recomputation (their median: on the host-paced MoE benchmark
 # one such step read 238-455 ms where the steps after it ran 245-390)
 _WARMUP_UNMEASURED = 1
+_SHAPE_CHANGES_TOLD = 3  # shape changes with no plan made that are logged as warnings
 _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
         "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",
         "margin": "GLAKE_SWAP_MARGIN", "states_in_step": "GLAKE_SWAP_STATES_IN_STEP",
@@ -230,6 +231,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self.history = []
         self.enabled = True
         self._told_checkpointed = False
+        self.shape_changes = 0      # input shape changes since the last plan was made
         for b, block in enumerate(self.blocks):
             block.forward = self._wrap(b, block.forward)
 
@@ -275,8 +277,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
             self._restart()
         sig = _shapes(args, kwargs)
         if self.signature is not None and sig != self.signature:
-            log.warning("glake.swap: block input shapes changed from %s to %s: back to warm-up",
-                        self.signature, sig)
+            self._tell_shapes_changed(sig)
             self._restart()
         self.signature = sig
         now = self._event()
@@ -304,6 +305,24 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self.swapper.waits = [] if (measured and self.cuda) else None
         if self.cuda and self.phase in ("search", "stable", "profile"):
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _tell_shapes_changed(self, sig):
+        """Logs a change of the blocks' input shapes. Where they change step after step
+        (inputs padded to each batch's longest) no plan is ever made: that is said once,
+        and the changes after it go to the debug log."""
+        self.shape_changes += 1
+        if self.shape_changes <= _SHAPE_CHANGES_TOLD:
+            log.warning("glake.swap: block input shapes changed from %s to %s: back to warm-up",
+                        self.signature, sig)
+        else:
+            log.debug("glake.swap: block input shapes changed from %s to %s: back to warm-up",
+                      self.signature, sig)
+        if self.shape_changes == _SHAPE_CHANGES_TOLD:
+            log.warning("glake.swap: the blocks' input shapes changed %d times with no plan "
+                        "made: SmartSwap plans one shape, after %d steps of it, and until then "
+                        "recomputes every block (as full checkpointing does); pad the inputs "
+                        "to one length to let it plan. Further changes are logged at debug "
+                        "level", self.shape_changes, _WARMUP_STEPS + 1)
 
     def _times_blocks(self):
         """Whether this step times each block's forward and recompute: warm-up's measured
@@ -472,6 +491,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
     # -- profile -> plan ----------------------------------------------------------------------
 
     def _plan(self):
+        self.shape_changes = 0
         self.expected = {b: [r.func for r in recs] for b, recs in self.marks.records.items()}
         if self.bandwidth is None:
             self.bandwidth = self._measure_bandwidth()

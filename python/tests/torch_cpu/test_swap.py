@@ -656,6 +656,24 @@ def test_new_shapes_go_back_to_warmup_and_stay_exact(caplog):
         assert (smart.bandwidth_scale, smart.whole_error, smart.overshot) == (1.0, 0, [])
 
 
+def test_shapes_changing_every_step_are_told_once_and_a_plan_counts_them_again(caplog):
+    """Inputs padded to each batch's longest change shape at every step: after a few warnings
+    one line says why no plan comes, and the rest go to the debug log; once a shape has held
+    long enough to be planned, the count starts over."""
+    told = swap._SHAPE_CHANGES_TOLD
+    changing = tuple((2, 8 + i % 5) for i in range(3 * told))
+    shapes = changing + ((2, 16),) * FIRST_PLANNED + ((2, 12), (2, 16))
+    reference = train(fresh(), len(shapes), shapes=shapes)
+    model = fresh()
+    smart = swap.apply(model, target=1)
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        same(train(model, len(shapes), shapes=shapes), reference)
+    changes = [r.getMessage() for r in caplog.records if "back to warm-up" in r.getMessage()]
+    assert len(changes) == told + 2, changes  # the last two come after a plan was made
+    assert sum("with no plan made" in r.getMessage() for r in caplog.records) == 1
+    assert smart.shape_changes == 2 and smart.phase == "warmup"
+
+
 def test_planner_from_python_meets_its_target():
     ops = [(1000, planner.FORWARD), (1000, planner.FORWARD), (2000, planner.BACKWARD),
            (2000, planner.BACKWARD)]

@@ -21,7 +21,8 @@ recomputation if it was faster, is kept; where a plan of whole blocks kept or re
 exists, full recomputation is timed again first and that plan goes next; full recomputation
 that warm-up found faster is measured again as a trial before it is kept), stable (every 20th
 step is measured; one that waits for copies longer than its plan's trial did plans again at
-the bandwidth it showed and searches from there). New input shapes send it back to warm-up,
+the bandwidth it showed and searches from there). The largest block input shapes seen are
+planned: smaller ones run under that plan, unmeasured; a larger one sends it back to warm-up,
 with a log line saying so.
 
 The blocks are the entries of the model's largest ModuleList of one class (the transformer
@@ -57,6 +58,7 @@ _WARMUP_STEPS = 4  # before the profiled step: the first pays one-time costs (op
 # one such step read 238-455 ms where the steps after it ran 245-390)
 _WARMUP_UNMEASURED = 1
 _SHAPE_CHANGES_TOLD = 3  # shape changes with no plan made that are logged as warnings
+_OFF_SHAPE_STALL = 20  # steps in a row of smaller shapes, no plan made: said why once
 _ENV = {"target": "GLAKE_SWAP_TARGET", "preference": "GLAKE_SWAP_PREFERENCE",
         "swap_bucket_size": "GLAKE_SWAP_BUCKET_SIZE", "prefetch": "GLAKE_SWAP_PREFETCH",
         "margin": "GLAKE_SWAP_MARGIN", "states_in_step": "GLAKE_SWAP_STATES_IN_STEP",
@@ -165,6 +167,15 @@ def _shapes(args, kwargs):
     return tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))
 
 
+def _within(shapes, planned):
+    """Whether block inputs of `shapes` are no larger than `planned` in any dimension (a
+    shorter sequence, a smaller last batch): the plan made for `planned` then keeps or swaps
+    only smaller outputs of the same ops, so its peak holds for them."""
+    return len(shapes) == len(planned) and all(
+        len(a) == len(b) and all(x <= y for x, y in zip(a, b))
+        for a, b in zip(shapes, planned))
+
+
 class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
     """Plans and runs the blocks of one model; see the module's documentation. Profiling lives
     in profiling.py, the search's trials and the measured steps in trials.py, the optimizer's
@@ -232,6 +243,9 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self.enabled = True
         self._told_checkpointed = False
         self.shape_changes = 0      # input shape changes since the last plan was made
+        self.off_shape = False      # this step's inputs are smaller than the planned shapes
+        self.off_shape_run = 0      # such steps in a row
+        self._told_within = self._told_stalled = False
         for b, block in enumerate(self.blocks):
             block.forward = self._wrap(b, block.forward)
 
@@ -276,12 +290,19 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                         "in the backward")
             self._restart()
         sig = _shapes(args, kwargs)
+        ended_off_shape, self.off_shape = self.off_shape, False
         if self.signature is not None and sig != self.signature:
-            self._tell_shapes_changed(sig)
-            self._restart()
-        self.signature = sig
+            if _within(sig, self.signature):
+                self.off_shape = True
+            else:
+                self._tell_shapes_changed(sig)
+                self._restart()
+                self.signature = sig
+        elif self.signature is None:
+            self.signature = sig
+        self._count_off_shape(sig)
         now = self._event()
-        if self.step_start is not None and (
+        if self.step_start is not None and not ended_off_shape and (
                 self.phase == "search"
                 or (self.phase == "warmup" and self._warm_measured(self.iteration))
                 or (self.phase == "stable" and self.iteration % _STABLE_EVERY == 0)):
@@ -290,6 +311,8 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
             self.marks.next_start = now
             self.marks.tail_peak = self._memory()[1]  # since the backward's end
             self._plan()
+        elif self.off_shape:
+            pass  # runs under what is there (warm-up: every block recomputed), counts for none
         elif self.phase == "warmup" and self.iteration >= _WARMUP_STEPS:
             self.phase = "profile"
             self.marks = Marks()
@@ -297,11 +320,11 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                 self.warm_peak = torch.cuda.max_memory_allocated(self.device)
         elif self.phase == "warmup" and self.iteration == 0 and self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # warm-up's own peak, for states
-        self.iteration += 1
+        self.iteration += 0 if self.off_shape else 1
         self.step_start, self.step_cpu = now, time.perf_counter()
         # (The profiled step times its waits too: each block's are taken out of its backward.)
-        measured = self.phase in ("search", "profile") or (
-            self.phase == "stable" and self.iteration % _STABLE_EVERY == 0)
+        measured = not self.off_shape and (self.phase in ("search", "profile") or (
+            self.phase == "stable" and self.iteration % _STABLE_EVERY == 0))
         self.swapper.waits = [] if (measured and self.cuda) else None
         if self.cuda and self.phase in ("search", "stable", "profile"):
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -324,10 +347,33 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                         "to one length to let it plan. Further changes are logged at debug "
                         "level", self.shape_changes, _WARMUP_STEPS + 1)
 
+    def _count_off_shape(self, sig):
+        """Counts the steps of smaller shapes than the planned one in a row; where no plan is
+        made yet and they go on, says once why none comes."""
+        if not self.off_shape:
+            self.off_shape_run = 0
+            return
+        self.off_shape_run += 1
+        if not self._told_within:
+            self._told_within = True
+            log.info("glake.swap: block input shapes %s fit within the planned %s: such steps "
+                     "run under its plan, unmeasured (the largest shape seen is planned)",
+                     sig, self.signature)
+        if (self.off_shape_run == _OFF_SHAPE_STALL and self.decisions is None
+                and not self._told_stalled):
+            self._told_stalled = True
+            log.warning("glake.swap: none of the last %d steps had the planned input shapes "
+                        "%s (the largest seen); only steps of them advance warm-up, and until "
+                        "a plan is made every block is recomputed (as full checkpointing "
+                        "does). Pad the inputs to one length (or a few) to let SmartSwap plan",
+                        self.off_shape_run, self.signature)
+
     def _times_blocks(self):
         """Whether this step times each block's forward and recompute: warm-up's measured
         steps, and the steps of the search's opening trial of full recomputation (see
-        _whole_blocks_first)."""
+        _whole_blocks_first); never a step of a smaller shape than the planned one."""
+        if self.off_shape:
+            return False
         if self.phase == "warmup":
             return self._warm_measured(self.iteration)
         return (self.phase == "search" and self.opening_recompute and bool(self.trials)

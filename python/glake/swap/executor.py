@@ -201,11 +201,15 @@ class Swapper:
     def host_buffer(self, nbytes):
         """A pinned buffer of at least `nbytes`, rounded to a size class (an eighth of a power
         of two) so that outputs whose size changes from step to step (expert loads) still reuse
-        buffers. One given back by `swap_in` is free for the next copy out: that copy is
-        ordered after the copy in (the main stream waited for it before the copy out's stream
-        waits for the main stream)."""
+        buffers; without a free one of its class, a free one of up to twice the size serves
+        (a step of shorter inputs than the planned ones pins no more). One given back by
+        `swap_in` is free for the next copy out: that copy is ordered after the copy in (the
+        main stream waited for it before the copy out's stream waits for the main stream)."""
         size = _size_class(nbytes)
         free = self.free_buffers.get(size)
+        if not free:
+            larger = [c for c, bufs in self.free_buffers.items() if bufs and size < c <= 2 * size]
+            free = self.free_buffers[min(larger)] if larger else None
         if free:
             return free.pop()
         self.pinned_bytes += size

@@ -656,22 +656,68 @@ def test_new_shapes_go_back_to_warmup_and_stay_exact(caplog):
         assert (smart.bandwidth_scale, smart.whole_error, smart.overshot) == (1.0, 0, [])
 
 
-def test_shapes_changing_every_step_are_told_once_and_a_plan_counts_them_again(caplog):
-    """Inputs padded to each batch's longest change shape at every step: after a few warnings
+def test_shapes_growing_every_step_are_told_once_and_a_plan_counts_them_again(caplog):
+    """Inputs that grow at every step (each larger shape is planned anew): after a few warnings
     one line says why no plan comes, and the rest go to the debug log; once a shape has held
     long enough to be planned, the count starts over."""
     told = swap._SHAPE_CHANGES_TOLD
-    changing = tuple((2, 8 + i % 5) for i in range(3 * told))
-    shapes = changing + ((2, 16),) * FIRST_PLANNED + ((2, 12), (2, 16))
+    growing = tuple((2, 4 + i) for i in range(3 * told))
+    shapes = growing + ((2, 16),) * FIRST_PLANNED + ((2, 20),)
     reference = train(fresh(), len(shapes), shapes=shapes)
     model = fresh()
     smart = swap.apply(model, target=1)
     with caplog.at_level("WARNING", logger="glake.swap"):
         same(train(model, len(shapes), shapes=shapes), reference)
     changes = [r.getMessage() for r in caplog.records if "back to warm-up" in r.getMessage()]
-    assert len(changes) == told + 2, changes  # the last two come after a plan was made
+    assert len(changes) == told + 1, changes  # the last comes after a plan was made
     assert sum("with no plan made" in r.getMessage() for r in caplog.records) == 1
-    assert smart.shape_changes == 2 and smart.phase == "warmup"
+    assert smart.shape_changes == 1 and smart.phase == "warmup"
+
+
+def test_smaller_inputs_run_under_the_plan_of_the_largest_and_count_for_none(caplog):
+    """A shorter sequence or a smaller last batch than the planned inputs runs under the plan
+    (its outputs are smaller), unmeasured and not counted: no restart, and the planned shape's
+    steps alone take SmartSwap through its phases."""
+    cycle = ((2, 16), (2, 12), (1, 16), (2, 8))
+    shapes = cycle * (FIRST_PLANNED + 2)
+    reference = train(fresh(), len(shapes), shapes=shapes)
+    target = halfway_target()
+    model = fresh()
+    smart = swap.apply(model, target=target, margin=0)
+    with caplog.at_level("INFO", logger="glake.swap"):
+        same(train(model, len(shapes), shapes=shapes), reference)
+    assert "back to warm-up" not in caplog.text
+    assert "fit within the planned ((2, 16, 64),)" in caplog.text
+    assert smart.iteration == FIRST_PLANNED + 2 and smart.history, smart.report()
+    plan = smart.history[0]
+    assert plan["swapped_bytes"] + plan["recomputed_bytes"] > 0, smart.report()
+    if DEVICE == "cpu":  # no measured feedback on the CPU: the first plan runs to the end
+        # Its three (2, 16) steps swapped what it planned, and the smaller steps after
+        # them swapped too.
+        assert plan["swapped_bytes"] > 0, smart.report()
+        assert smart.swapper.bytes_out > 3 * plan["swapped_bytes"], smart.report()
+
+
+def test_a_smaller_output_takes_a_free_host_buffer_of_up_to_twice_its_size():
+    swapper = swap.executor.Swapper(DEVICE)
+    big = swapper.host_buffer(3 << 20)
+    swapper.free_buffers.setdefault(big.numel(), []).append(big)
+    pinned = swapper.pinned_bytes
+    assert swapper.host_buffer(2 << 20) is big and swapper.pinned_bytes == pinned
+    swapper.free_buffers.setdefault(big.numel(), []).append(big)
+    assert swapper.host_buffer(1 << 20) is not big  # under half its size: a buffer of its own
+    assert swapper.pinned_bytes > pinned
+
+
+def test_steps_that_never_meet_the_planned_shape_say_why_no_plan_comes(caplog):
+    shapes = ((2, 16),) + tuple((2, 8 + i % 8) for i in range(swap._OFF_SHAPE_STALL + 2))
+    reference = train(fresh(), len(shapes), shapes=shapes)
+    model = fresh()
+    smart = swap.apply(model, target=1)
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        same(train(model, len(shapes), shapes=shapes), reference)
+    stalled = [r for r in caplog.records if "none of the last" in r.getMessage()]
+    assert len(stalled) == 1 and smart.iteration == 1 and smart.phase == "warmup"
 
 
 def test_planner_from_python_meets_its_target():

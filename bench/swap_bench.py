@@ -118,6 +118,18 @@ def build(name, torch):
     return model
 
 
+def sequence_lengths(seq, fractions):
+    """The sequence lengths that take turns step by step: `fractions` (comma separated) of the
+    model's `seq`, each at least 16 tokens."""
+    try:
+        shares = [float(f) for f in fractions.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or any(not 0 < f <= 1 for f in shares):
+        raise SystemExit(f"--lengths takes fractions in (0, 1], not {fractions!r}")
+    return [max(16, int(seq * f)) for f in shares]
+
+
 def write_planning_record(logs, label, smart):
     """The planner's inputs and trials (SmartSwap.planning_record) under `logs`, to simulate
     away from the GPU machine; nothing without `logs` or before the profiled step."""
@@ -170,8 +182,10 @@ def child(args):
     model = build(name, torch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, VOCAB, (batch, seq), device="cuda", generator=gen)
-               for _ in range(4)]
+    lengths = sequence_lengths(seq, args.lengths)
+    # Four batches of each length, the lengths taking turns step by step.
+    batches = [torch.randint(0, VOCAB, (batch, length), device="cuda", generator=gen)
+               for _ in range(4) for length in lengths]
     originals = [layer.forward for layer in model.layers]
 
     def use(kind):
@@ -204,14 +218,16 @@ def child(args):
         path less its suffix), one more step's profile: a timeline (.json) and two tables by
         device and by host time (.txt); with `alloc_trace` (a path), every allocation event
         of the run in glake-replay's format, each measured step marked."""
-        times, losses, marks = [], [], []
+        times, losses, marks, tokens = [], [], [], []
         torch.cuda.synchronize()
         if alloc_trace:
             record_trace.start()
         finished = False
         try:
             i = 0
-            while i < warm or (smart is not None and smart.phase != "stable" and i < 80):
+            # (SmartSwap's phases advance on steps of the longest length alone.)
+            most = 80 * len(lengths)
+            while i < warm or (smart is not None and smart.phase != "stable" and i < most):
                 losses.append(step(i).item())
                 i += 1
             torch.cuda.reset_peak_memory_stats()
@@ -223,6 +239,7 @@ def child(args):
                 losses.append(step(i + j).item())
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
+                tokens.append(batches[(i + j) % len(batches)].numel())
             finished = True
         finally:  # a run that ran out of memory keeps its trace, marked so
             if alloc_trace:
@@ -243,11 +260,14 @@ def child(args):
                 f.write(table.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
         after = torch.cuda.memory_stats()
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in counters}
-        return times, losses, delta, peaks
+        return times, losses, delta, peaks, tokens
 
     caps = [None] if method == "unconstrained" else [float(c) for c in args.caps.split(",")]
     for n, cap in enumerate(caps, 1):
-        row = {"model": name, "method": spec, "cap": cap, "tokens_per_step": batch * seq}
+        row = {"model": name, "method": spec, "cap": cap,
+               "tokens_per_step": batch * sum(lengths) / len(lengths)}
+        if len(lengths) > 1:
+            row["lengths"] = lengths
         smart = None
         if not given_optimizer and n > 1:
             # As in a process that starts with glake.torch.enable(swap=...): an optimizer not
@@ -269,9 +289,12 @@ def child(args):
             trace = os.path.join(args.trace_dir, label) if args.trace_dir and cap else None
             alloc_trace = (os.path.join(args.alloc_trace_dir, label + ".txt.gz")
                            if args.alloc_trace_dir and cap else None)
-            times, _, delta, peaks = run(args.steps, 2, smart, trace, alloc_trace)
+            times, _, delta, peaks, tokens = run(args.steps, 2, smart, trace, alloc_trace)
             step_s = statistics.median(times)
-            row.update(step_ms=step_s * 1e3, tokens_per_s=batch * seq / step_s,
+            # Lengths taking turns: every measured step's tokens over their time.
+            tokens_per_s = (batch * seq / step_s if len(lengths) == 1 else
+                            sum(tokens) / sum(times))
+            row.update(step_ms=step_s * 1e3, tokens_per_s=tokens_per_s,
                        step_times_ms=[round(t * 1e3, 2) for t in times],
                        peak_reserved=peaks[0], peak_allocated=peaks[1], oom=False,
                        allocator_counters=delta)
@@ -388,7 +411,8 @@ _LOGS_STARTED = set()  # the method logs this run has written
 def spawn_once(method, name, args, reference_peak, caps):
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child-method", method,
            "--child-model", name, "--caps", caps, "--steps", str(args.steps),
-           "--reference-peak", str(reference_peak), "--loss-steps", str(args.loss_steps)]
+           "--reference-peak", str(reference_peak), "--loss-steps", str(args.loss_steps),
+           "--lengths", args.lengths]
     if args.trace_dir:
         cmd += ["--trace-dir", args.trace_dir]
     if args.logs:
@@ -437,7 +461,9 @@ def markdown(rows):
                       and not r.get("oom")), None)
         drift = (f"; run again after the methods: {again['step_ms']:.0f} ms "
                  f"({again['step_ms'] / ref['step_ms'] - 1:+.0%})" if again else "")
-        out.append(f"\n**{name}**: unconstrained {ref['tokens_per_s']:.0f} tokens/s, "
+        turns = (f" (sequence lengths {', '.join(map(str, ref['lengths']))} taking turns; "
+                 "tokens/s over all measured steps)" if ref.get("lengths") else "")
+        out.append(f"\n**{name}**{turns}: unconstrained {ref['tokens_per_s']:.0f} tokens/s, "
                    f"{ref['step_ms']:.0f} ms per step, peak reserved "
                    f"{ref['peak_reserved'] / GIB:.1f} GiB{drift}\n")
         out.append("| cap | method | tokens/s | vs unconstrained | peak reserved GiB | "
@@ -548,6 +574,9 @@ def main():
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--caps", default="0.8,0.7,0.6,0.5,0.4")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--lengths", default="1", help="fractions of each model's sequence length "
+                   "that take turns step by step (as inputs padded to each batch's longest "
+                   "do); throughput is then the measured steps' tokens over their time")
     p.add_argument("--loss-steps", type=int, default=20)
     p.add_argument("--markdown")
     p.add_argument("--jsonl")

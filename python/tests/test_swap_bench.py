@@ -105,7 +105,7 @@ def test_a_later_process_of_the_same_method_adds_to_the_log_this_run_started(
     log = tmp_path / "moe-unconstrained.log"
     log.write_text("from an earlier run\n")
     args = SimpleNamespace(caps="0.6", steps=1, loss_steps=0, trace_dir=None, logs=tmp_path,
-                           alloc_trace_dir=None)
+                           alloc_trace_dir=None, lengths="1")
     for _ in range(2):  # the reference, then the reference again after the methods
         swap_bench.spawn_once("unconstrained", "moe", args, 0, args.caps)
     assert log.read_text() == "first process\nsecond process\n"
@@ -124,3 +124,24 @@ def test_every_smartswap_method_that_checked_its_losses_is_reported():
     assert ("under glake-enable at 60% against unconstrained on PyTorch's allocator: "
             "DIFFERENT from step 1 (0.25 against 0.5)") in text
     assert text.count("run twice: identical") == 2
+
+
+def test_sequence_lengths_take_turns_as_fractions_of_the_models_and_bad_ones_are_refused():
+    assert swap_bench.sequence_lengths(2048, "1") == [2048]
+    assert swap_bench.sequence_lengths(2048, "1,0.75,0.5") == [2048, 1536, 1024]
+    assert swap_bench.sequence_lengths(64, "0.01") == [16]
+    for bad in ("0", "1.5", "a", ""):
+        try:
+            swap_bench.sequence_lengths(2048, bad)
+        except SystemExit as e:
+            assert "--lengths" in str(e)
+        else:
+            raise AssertionError(bad)
+
+
+def test_the_table_says_when_sequence_lengths_take_turns():
+    gib = 2**30
+    ref = {"model": "moe", "oom": False, "peak_reserved": 8 * gib, "peak_allocated": 7 * gib,
+           "cap": None, "method": "unconstrained", "step_ms": 90.0, "tokens_per_s": 1000.0,
+           "lengths": [1024, 512]}
+    assert "(sequence lengths 1024, 512 taking turns" in swap_bench.markdown([ref])

@@ -330,9 +330,9 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _tell_shapes_changed(self, sig):
-        """Logs a change of the blocks' input shapes. Where they change step after step
-        (inputs padded to each batch's longest) no plan is ever made: that is said once,
-        and the changes after it go to the debug log."""
+        """Logs a change to larger input shapes than the planned ones. Where they grow step
+        after step no plan is made: that is said once, and the changes after it go to the
+        debug log."""
         self.shape_changes += 1
         if self.shape_changes <= _SHAPE_CHANGES_TOLD:
             log.warning("glake.swap: block input shapes changed from %s to %s: back to warm-up",
@@ -341,11 +341,11 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
             log.debug("glake.swap: block input shapes changed from %s to %s: back to warm-up",
                       self.signature, sig)
         if self.shape_changes == _SHAPE_CHANGES_TOLD:
-            log.warning("glake.swap: the blocks' input shapes changed %d times with no plan "
-                        "made: SmartSwap plans one shape, after %d steps of it, and until then "
-                        "recomputes every block (as full checkpointing does); pad the inputs "
-                        "to one length to let it plan. Further changes are logged at debug "
-                        "level", self.shape_changes, _WARMUP_STEPS + 1)
+            log.warning("glake.swap: the blocks' input shapes grew %d times with no plan "
+                        "made: SmartSwap plans the largest shapes seen, after %d steps of "
+                        "them, and until then recomputes every block (as full checkpointing "
+                        "does); pad the inputs to one length to let it plan. Further changes "
+                        "are logged at debug level", self.shape_changes, _WARMUP_STEPS + 1)
 
     def _count_off_shape(self, sig):
         """Counts the steps of smaller shapes than the planned one in a row; where no plan is
@@ -356,9 +356,9 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self.off_shape_run += 1
         if not self._told_within:
             self._told_within = True
-            log.info("glake.swap: block input shapes %s fit within the planned %s: such steps "
-                     "run under its plan, unmeasured (the largest shape seen is planned)",
-                     sig, self.signature)
+            log.info("glake.swap: block input shapes %s fit within the planned %s (the "
+                     "largest seen): such steps run as its steps do (under its plan once made), "
+                     "unmeasured", sig, self.signature)
         if (self.off_shape_run == _OFF_SHAPE_STALL and self.decisions is None
                 and not self._told_stalled):
             self._told_stalled = True

@@ -197,6 +197,58 @@ def test_a_model_compiled_by_inductor_trains_under_its_plan_on_cuda(mode):
     smart.remove()
 
 
+def test_a_planned_run_under_autocast_is_exact():
+    """The blocks' ops run in bf16 under autocast; the plan keeps, swaps and recomputes those
+    outputs like any others."""
+    def run(model):
+        kind = "cuda" if DEVICE == "cuda" else "cpu"
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            return train(model, 8)
+    reference = run(fresh())
+    target = halfway_target()
+    model = fresh()
+    smart = swap.apply(model, target=target, margin=0)
+    same(run(model), reference)
+    assert smart.history and smart.history[0]["swapped_bytes"] + smart.history[0][
+        "recomputed_bytes"] > 0, smart.report()
+
+
+def test_under_ddp_the_step_stays_after_the_backward_and_the_run_is_exact(tmp_path, caplog):
+    """DDP writes the all-reduced gradients into its buckets after the backward: the first
+    step's watch sees them change and keeps the optimizer step where it is (one process,
+    gloo: the same bucket views as on more)."""
+    if DEVICE != "cpu":
+        pytest.skip("gloo on the CPU")
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        def run(planned):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(fresh())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            smart = (swap.apply(model, optimizer=opt, target=2, preference="memory",
+                                step_in_backward=True) if planned else None)
+            losses = []
+            for _ in range(FIRST_PLANNED + 2):
+                loss = model(torch.randint(0, VOCAB, (2, 16)))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            return losses, [p.detach().clone() for p in model.parameters()], smart
+        reference = run(False)
+        with caplog.at_level("WARNING", logger="glake.swap"):
+            planned = run(True)
+        same(planned[:2], reference[:2])
+        assert planned[2].report()["step_in_backward"] == "off"
+        assert "a gradient was changed between the backward and the step" in caplog.text
+        planned[2].remove()
+    finally:
+        dist.destroy_process_group()
+
+
 class CheckpointingModel(Model):
     """A model that checkpoints its blocks itself (gradient checkpointing turned on)."""
 

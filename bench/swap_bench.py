@@ -289,7 +289,9 @@ def child(args):
             trace = os.path.join(args.trace_dir, label) if args.trace_dir and cap else None
             alloc_trace = (os.path.join(args.alloc_trace_dir, label + ".txt.gz")
                            if args.alloc_trace_dir and cap else None)
-            times, _, delta, peaks, tokens = run(args.steps, 2, smart, trace, alloc_trace)
+            # Every length measured as often (the methods start measuring at other steps).
+            steps = -(-args.steps // len(lengths)) * len(lengths)
+            times, _, delta, peaks, tokens = run(steps, 2, smart, trace, alloc_trace)
             step_s = statistics.median(times)
             # Lengths taking turns: every measured step's tokens over their time.
             tokens_per_s = (batch * seq / step_s if len(lengths) == 1 else
@@ -576,7 +578,8 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--lengths", default="1", help="fractions of each model's sequence length "
                    "that take turns step by step (as inputs padded to each batch's longest "
-                   "do); throughput is then the measured steps' tokens over their time")
+                   "do); throughput is then the measured steps' tokens over their time, and "
+                   "--steps is rounded up to a multiple of the lengths")
     p.add_argument("--loss-steps", type=int, default=20)
     p.add_argument("--markdown")
     p.add_argument("--jsonl")

@@ -241,7 +241,6 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self.step_cpu = None
         self.history = []
         self.enabled = True
-        self._told_checkpointed = False
         self.shape_changes = 0      # input shape changes since the last plan was made
         self.off_shape = False      # this step's inputs are smaller than the planned shapes
         self.off_shape_run = 0      # such steps in a row
@@ -290,23 +289,25 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                         "in the backward")
             self._restart()
         sig = _shapes(args, kwargs)
-        ended_off_shape, self.off_shape = self.off_shape, False
+        off_shape = False
         if self.signature is not None and sig != self.signature:
             if _within(sig, self.signature):
-                self.off_shape = True
+                off_shape = True
             else:
                 self._tell_shapes_changed(sig)
                 self._restart()
                 self.signature = sig
         elif self.signature is None:
             self.signature = sig
-        self._count_off_shape(sig)
         now = self._event()
-        if self.step_start is not None and not ended_off_shape and (
+        # (The step that ended is measured as what it was: `off_shape` is still its own.)
+        if self.step_start is not None and not self.off_shape and (
                 self.phase == "search"
                 or (self.phase == "warmup" and self._warm_measured(self.iteration))
                 or (self.phase == "stable" and self.iteration % _STABLE_EVERY == 0)):
             self._measure(now)
+        self.off_shape = off_shape
+        self._count_off_shape(sig)
         if self.phase == "profile" and self.marks is not None:
             self.marks.next_start = now
             self.marks.tail_peak = self._memory()[1]  # since the backward's end
@@ -436,20 +437,24 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
             if not (self.enabled and torch.is_grad_enabled()):
                 return original(*args, **kwargs)
             if _inside_another_checkpoint():
-                self._tell_checkpointed_by_the_model(b)
+                self._leave_to_the_models_checkpoint(b)
                 return original(*args, **kwargs)
             if b == 0:
                 self._begin_iteration(args, kwargs)
             return self._run_block(b, original, args, kwargs)
         return _outside_the_compiler(forward)
 
-    def _tell_checkpointed_by_the_model(self, b):
-        if not self._told_checkpointed:
-            self._told_checkpointed = True
-            log.warning("glake.swap: block %d runs inside a checkpoint or saved-tensor hooks "
-                        "of the model's own (gradient checkpointing on, or save_on_cpu): "
-                        "SmartSwap leaves such blocks to them; turn the model's checkpointing "
-                        "off to let SmartSwap plan the blocks", b)
+    def _leave_to_the_models_checkpoint(self, b):
+        """A block runs under the model's own checkpoint or saved-tensor hooks: planned inside
+        them, its recomputation would meet other decisions than its forward, and stepping
+        aside for some blocks would leave the per-step bookkeeping (the optimizer step in the
+        backward above all) without the forward it counts on. So SmartSwap removes itself from
+        the model (the blocks of this step it already ran finish under their checkpoints)."""
+        log.warning("glake.swap: block %d runs under saved-tensor hooks of the model's own "
+                    "(its own gradient checkpointing, or save_on_cpu): SmartSwap removes "
+                    "itself and leaves the model to them; turn the model's checkpointing off "
+                    "to let SmartSwap plan the blocks", b)
+        self.remove()
 
     def _run_block(self, b, original, args, kwargs):
         profiling = self.phase == "profile" and self.marks is not None
@@ -869,6 +874,11 @@ def _outside_the_compiler(fn):
     return fn if disable is None else disable(fn)
 
 
+def _compiling():
+    compiler = getattr(torch, "compiler", None)
+    return bool(getattr(compiler, "is_compiling", lambda: False)())
+
+
 _auto = {"hook": None, "settings": None, "applied": None}
 
 
@@ -881,7 +891,10 @@ def enable_auto(**settings):
         return
 
     def pre_hook(module, args):
-        if _auto["applied"] is not None or not torch.is_grad_enabled() or not module.training:
+        # (Inside a compiled region it returns at once: torch.compile calls the global hooks of
+        # the compiled module itself before its code, outside the compiler.)
+        if (_auto["applied"] is not None or _compiling() or not torch.is_grad_enabled()
+                or not module.training):
             return
         try:
             blocks = find_blocks(module)
@@ -892,8 +905,7 @@ def enable_auto(**settings):
         _auto["hook"] = None
         log.info("glake.swap: planning %d blocks of %s", len(blocks), type(module).__name__)
 
-    _auto["hook"] = torch.nn.modules.module.register_module_forward_pre_hook(
-        _outside_the_compiler(pre_hook))
+    _auto["hook"] = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
 
 
 def active():

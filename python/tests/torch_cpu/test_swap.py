@@ -165,6 +165,28 @@ def test_a_compiled_model_trains_under_its_plan_exactly(entry):
     smart.remove()
 
 
+def test_the_auto_hook_breaks_no_compiled_graph_of_a_model_it_does_not_plan():
+    """glake.torch.enable(swap=...)'s hook waits for a model with repeated blocks; a compiled
+    model without any (or one run before it) keeps one graph, with no break at its modules."""
+    from torch._dynamo.utils import counters
+    swap.enable_auto(target=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 8)).to(DEVICE)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(3):
+            compiled(torch.randn(4, 8, device=DEVICE)).sum().backward()
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == 1
+        assert swap.active() is None
+    finally:
+        if swap._auto["hook"] is not None:
+            swap._auto["hook"].remove()
+            swap._auto["hook"] = None
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_a_model_compiled_by_inductor_trains_under_its_plan_on_cuda(mode):
     """Inductor's own kernels (and, under "reduce-overhead", CUDA graphs of the code around the
@@ -249,33 +271,77 @@ def test_under_ddp_the_step_stays_after_the_backward_and_the_run_is_exact(tmp_pa
         dist.destroy_process_group()
 
 
+class ExpertBlock(Block):
+    """A block with an expert that tokens are routed to on some steps only (`routed`)."""
+
+    routed = True
+
+    def __init__(self):
+        super().__init__()
+        self.expert = torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y + self.expert(x) if ExpertBlock.routed else y
+
+
 class CheckpointingModel(Model):
-    """A model that checkpoints its blocks itself (gradient checkpointing turned on)."""
+    """A model that checkpoints its blocks itself (gradient checkpointing turned on): all of
+    them, or those in `checkpointed`."""
 
     reentrant = False
+    checkpointed = None
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(ExpertBlock() for _ in range(LAYERS))
 
     def forward(self, ids):
         x = self.emb(ids)
-        for layer in self.layers:
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.reentrant)
+        for b, layer in enumerate(self.layers):
+            if self.checkpointed is None or b in self.checkpointed:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.reentrant)
+            else:
+                x = layer(x)
         return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_blocks_the_model_checkpoints_itself_are_left_to_its_checkpoint(reentrant, caplog):
+@pytest.mark.parametrize("checkpointed", [None, (1, 3), (0,)])
+@pytest.mark.parametrize("preference", ["performance", "memory"])
+def test_a_model_that_checkpoints_its_blocks_itself_is_left_to_its_checkpoint(
+        reentrant, checkpointed, preference, caplog):
     """Planned again inside the model's own checkpoint, a block's recomputation met other
-    decisions than its forward (PyTorch raised CheckpointError): such blocks run as written."""
+    decisions than its forward (PyTorch raised CheckpointError); a block stepping aside alone
+    left the optimizer step in the backward without the forward it counts on (wrong updates
+    once an expert got no gradient), and a profile without it failed. SmartSwap removes
+    itself instead: every block (all, or the `checkpointed` ones) runs as the model has it."""
     CheckpointingModel.reentrant = reentrant
+    CheckpointingModel.checkpointed = checkpointed
 
-    def model():
+    def run(planned):
         torch.manual_seed(1)
-        return CheckpointingModel().to(DEVICE)
-    reference = train(model(), FIRST_PLANNED + 2)
-    planned = model()
-    smart = swap.apply(planned, target=1, margin=0)
-    same(train(planned, FIRST_PLANNED + 2), reference)
-    assert not smart.history and smart.phase == "warmup", smart.report()
-    assert "of the model's own" in caplog.text
+        model = CheckpointingModel().to(DEVICE)
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        smart = (swap.apply(model, optimizer=opt, target=1, margin=0, preference=preference,
+                            step_in_backward=preference == "memory") if planned else None)
+        losses = []
+        for step in range(FIRST_PLANNED + 2):
+            ExpertBlock.routed = step % 3 != 2
+            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()], smart
+    reference = run(False)
+    planned = run(True)
+    same(planned[:2], reference[:2])
+    smart = planned[2]
+    assert not smart.enabled and not smart.history, smart.report()
+    assert not any("forward" in vars(block) for block in smart.blocks)
+    assert "SmartSwap removes itself" in caplog.text
 
 
 def test_a_whole_block_plan_keeps_blocks_as_written_and_the_rest_recomputed_exactly():
@@ -768,7 +834,8 @@ def test_shapes_growing_every_step_are_told_once_and_a_plan_counts_them_again(ca
     assert smart.shape_changes == 1 and smart.phase == "warmup"
 
 
-def test_smaller_inputs_run_under_the_plan_of_the_largest_and_count_for_none(caplog):
+def test_smaller_inputs_run_under_the_plan_of_the_largest_and_count_for_none(
+        caplog, monkeypatch):
     """A shorter sequence or a smaller last batch than the planned inputs runs under the plan
     (its outputs are smaller), unmeasured and not counted: no restart, and the planned shape's
     steps alone take SmartSwap through its phases."""
@@ -778,17 +845,18 @@ def test_smaller_inputs_run_under_the_plan_of_the_largest_and_count_for_none(cap
     target = halfway_target()
     model = fresh()
     smart = swap.apply(model, target=target, margin=0)
-    run_block, under_plan = smart._run_block, []
+    under_plan = []
 
-    def watched(b, *args):
-        if smart.off_shape and smart.phase in ("search", "stable"):
-            under_plan.append((smart.decisions or {}).get(b))
-        return run_block(b, *args)
-    smart._run_block = watched
+    class Watched(swap.RecordingMode):
+        def __init__(self, block, decisions, *args, **kwargs):
+            if smart.off_shape:
+                under_plan.append(dict(decisions))
+            super().__init__(block, decisions, *args, **kwargs)
+    monkeypatch.setattr(swap, "RecordingMode", Watched)
     with caplog.at_level("INFO", logger="glake.swap"):
         same(train(model, len(shapes), shapes=shapes), reference)
-    # The smaller steps after the plan ran its decisions (recomputed blocks: an empty dict).
-    assert under_plan and any(d is not None for d in under_plan), under_plan
+    # The smaller steps after the plan recorded their blocks' forwards with its decisions.
+    assert any(under_plan), under_plan
     assert "back to warm-up" not in caplog.text
     assert "fit within the planned ((2, 16, 64),)" in caplog.text
     assert smart.iteration == FIRST_PLANNED + 2 and smart.history, smart.report()

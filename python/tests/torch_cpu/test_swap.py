@@ -5,6 +5,7 @@ checkpoint restores the RNG state), and the planner's choices reach the executor
 
 import gc
 import math
+import time
 import weakref
 
 import pytest
@@ -877,6 +878,45 @@ def test_a_smaller_output_takes_a_free_host_buffer_of_up_to_twice_its_size():
     swapper.free_buffers.setdefault(big.numel(), []).append(big)
     assert swapper.host_buffer(1 << 20) is not big  # under half its size: a buffer of its own
     assert swapper.pinned_bytes > pinned
+
+
+def test_a_smaller_step_after_a_trials_first_step_leaves_its_timings_out(monkeypatch):
+    """The opening trial's first step is not one of its measured steps, nor are its blocks'
+    timings; a smaller step right after it must not keep them. Measured on the CPU as on
+    CUDA: events read the host clock, the memory peaks read 0."""
+    if DEVICE != "cpu":
+        pytest.skip("the host clock stands in for CUDA events")
+
+    class HostEvent:
+        def __init__(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+    target = halfway_target()
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(swap.SmartSwap, "_event", lambda self: HostEvent())
+
+    def timed_steps(shapes):
+        model = fresh()
+        smart = swap.apply(model, target=target, margin=0)
+        taken, take = [], smart._take_block_timings
+
+        def counting():
+            taken.append(sorted({len(v) for v in smart._block_timers.values()}))
+            take()
+        smart._take_block_timings = counting
+        train(model, len(shapes), shapes=shapes)
+        smart.remove()
+        return taken
+    big, small = (2, 16), (2, 8)
+    alone = timed_steps((big,) * 14)
+    assert len(alone) >= 2, alone  # warm-up's timings, then the opening trial's
+    assert timed_steps((big,) * 6 + (small,) + (big,) * 8)[:2] == alone[:2]
 
 
 def test_steps_that_never_meet_the_planned_shape_say_why_no_plan_comes(caplog):

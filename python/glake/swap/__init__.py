@@ -243,6 +243,7 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
         self.enabled = True
         self.shape_changes = 0      # input shape changes since the last plan was made
         self.off_shape = False      # this step's inputs are smaller than the planned shapes
+        self.plan_smaller = True    # such steps run under the plan (_check_smaller_peak)
         self.off_shape_run = 0      # such steps in a row
         self._told_within = self._told_stalled = False
         for b, block in enumerate(self.blocks):
@@ -289,9 +290,11 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                         "in the backward")
             self._restart()
         sig = _shapes(args, kwargs)
+        if self.off_shape:
+            self._check_smaller_peak()
         off_shape = False
         if self.signature is not None and sig != self.signature:
-            if _within(sig, self.signature):
+            if self.plan_smaller and _within(sig, self.signature):
                 off_shape = True
             else:
                 self._tell_shapes_changed(sig)
@@ -347,6 +350,25 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                         "them, and until then recomputes every block (as full checkpointing "
                         "does); pad the inputs to one length to let it plan. Further changes "
                         "are logged at debug level", self.shape_changes, _WARMUP_STEPS + 1)
+
+    def _check_smaller_peak(self):
+        """A step of smaller inputs than the planned ones ran under their plan: its kept and
+        swapped outputs only shrink with the inputs, unless the block's ops allocate otherwise
+        for other shapes. One that peaked over the target turns the rule off: from then on
+        every new shape is planned from warm-up."""
+        peak = self._step_peak() if self.phase in ("search", "stable") else None
+        if peak is None or self.target_bytes is None or peak <= self.target_bytes:
+            return
+        log.warning("glake.swap: a step of smaller inputs than the planned %s peaked at %.2f "
+                    "GiB allocated under its plan, over the %.2f GiB target: from now on every "
+                    "new input shape is planned from warm-up", self.signature, peak / 2**30,
+                    self.target_bytes / 2**30)
+        self.plan_smaller = False
+
+    def _step_peak(self):
+        """Peak allocated bytes of the step that ended (their count starts over at each step
+        of the search and stable phases); None without CUDA."""
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
 
     def _count_off_shape(self, sig):
         """Counts the steps of smaller shapes than the planned one in a row; where no plan is

@@ -902,21 +902,44 @@ def test_a_smaller_step_after_a_trials_first_step_leaves_its_timings_out(monkeyp
     monkeypatch.setattr(swap.SmartSwap, "_event", lambda self: HostEvent())
 
     def timed_steps(shapes):
+        """Per taking of the blocks' timings: how many each block has, and the steps the
+        opening trial of full recomputation has seen (None in warm-up)."""
         model = fresh()
         smart = swap.apply(model, target=target, margin=0)
         taken, take = [], smart._take_block_timings
 
         def counting():
-            taken.append(sorted({len(v) for v in smart._block_timers.values()}))
+            trial = smart.trials[-1] if smart.trials else None
+            taken.append((sorted({len(v) for v in smart._block_timers.values()}),
+                          trial.seen if trial is not None and trial.recompute else None))
             take()
         smart._take_block_timings = counting
         train(model, len(shapes), shapes=shapes)
         smart.remove()
         return taken
     big, small = (2, 16), (2, 8)
-    alone = timed_steps((big,) * 14)
-    assert len(alone) >= 2, alone  # warm-up's timings, then the opening trial's
-    assert timed_steps((big,) * 6 + (small,) + (big,) * 8)[:2] == alone[:2]
+    taken = timed_steps((big,) * 6 + (small,) + (big,) * 8)
+    assert len(taken) >= 2 and taken[1][1], taken  # warm-up's timings, then the trial's
+    # Every step the trial saw but its first (how many depends on how soon its median
+    # settles), and not the smaller step.
+    assert taken[1][0] == [taken[1][1] - 1], taken
+
+
+def test_a_smaller_step_over_the_target_turns_planning_by_the_largest_off(caplog):
+    """A step of smaller inputs that peaks over the target under the larger's plan (its ops
+    allocate otherwise for its shape): from then on each new shape is planned anew."""
+    cycle = ((2, 16), (2, 12))
+    shapes = cycle * (FIRST_PLANNED + 1) + ((2, 12),)
+    reference = train(fresh(), len(shapes), shapes=shapes)
+    target = halfway_target()
+    model = fresh()
+    smart = swap.apply(model, target=target, margin=0)
+    smart._step_peak = lambda: 2 * target  # as CUDA would read it
+    with caplog.at_level("WARNING", logger="glake.swap"):
+        same(train(model, len(shapes), shapes=shapes), reference)
+    assert not smart.plan_smaller
+    assert "over the" in caplog.text and "back to warm-up" in caplog.text
+    assert smart.signature == ((2, 12, 64),) and smart.phase == "warmup"
 
 
 def test_steps_that_never_meet_the_planned_shape_say_why_no_plan_comes(caplog):

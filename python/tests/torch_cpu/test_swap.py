@@ -98,6 +98,21 @@ def same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(ga, gb))
 
 
+def steps_of(model, opt, steps, before=None):
+    """Losses and final parameters of `steps` steps of `opt` on random tokens (the caller
+    seeds); `before(step)` runs ahead of each."""
+    losses = []
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
 def halfway_target(make=None, prepare=None):
     """A target halfway between the peak of recomputing every block and the unplanned peak, from
     a probe run with no target: a plan must move outputs to meet it, and one can (below the
@@ -253,14 +268,7 @@ def test_under_ddp_the_step_stays_after_the_backward_and_the_run_is_exact(tmp_pa
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             smart = (swap.apply(model, optimizer=opt, target=2, preference="memory",
                                 step_in_backward=True) if planned else None)
-            losses = []
-            for _ in range(FIRST_PLANNED + 2):
-                loss = model(torch.randint(0, VOCAB, (2, 16)))
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-            return losses, [p.detach().clone() for p in model.parameters()], smart
+            return (*steps_of(model, opt, FIRST_PLANNED + 2), smart)
         reference = run(False)
         with caplog.at_level("WARNING", logger="glake.swap"):
             planned = run(True)
@@ -327,15 +335,10 @@ def test_a_model_that_checkpoints_its_blocks_itself_is_left_to_its_checkpoint(
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         smart = (swap.apply(model, optimizer=opt, target=1, margin=0, preference=preference,
                             step_in_backward=preference == "memory") if planned else None)
-        losses = []
-        for step in range(FIRST_PLANNED + 2):
+
+        def routed(step):
             ExpertBlock.routed = step % 3 != 2
-            loss = model(torch.randint(0, VOCAB, (2, 16)).to(DEVICE))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses, [p.detach().clone() for p in model.parameters()], smart
+        return (*steps_of(model, opt, FIRST_PLANNED + 2, before=routed), smart)
     reference = run(False)
     planned = run(True)
     same(planned[:2], reference[:2])
@@ -918,7 +921,7 @@ def test_a_smaller_step_after_a_trials_first_step_leaves_its_timings_out(monkeyp
         smart.remove()
         return taken
     big, small = (2, 16), (2, 8)
-    taken = timed_steps((big,) * 6 + (small,) + (big,) * 8)
+    taken = timed_steps((big,) * 6 + (small,) + (big,) * 14)
     assert len(taken) >= 2 and taken[1][1], taken  # warm-up's timings, then the trial's
     # Every step the trial saw but its first (how many depends on how soon its median
     # settles), and not the smaller step.

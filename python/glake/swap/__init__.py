@@ -324,7 +324,8 @@ class SmartSwap(ProfilingMixin, TrialsMixin, OptimizerStatesMixin):
                 self.warm_peak = torch.cuda.max_memory_allocated(self.device)
         elif self.phase == "warmup" and self.iteration == 0 and self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)  # warm-up's own peak, for states
-        self.iteration += 0 if self.off_shape else 1
+        if not self.off_shape:
+            self.iteration += 1
         self.step_start, self.step_cpu = now, time.perf_counter()
         # (The profiled step times its waits too: each block's are taken out of its backward.)
         measured = not self.off_shape and (self.phase in ("search", "profile") or (
@@ -872,6 +873,9 @@ def apply(model, blocks=None, optimizer=None, **settings):
                      Settings.from_env(**settings), optimizer=optimizer)
 
 
+_COMPILER = getattr(torch, "compiler", None)  # torch.compile's public module (torch >= 2.1)
+
+
 def _inside_another_checkpoint():
     """Whether a block called now runs under someone else's checkpoint: in the forward of a
     non-reentrant one (its saved-tensor hooks are set; so are save_on_cpu's), or in the
@@ -891,14 +895,12 @@ def _outside_the_compiler(fn):
     block's plan (its checkpoint with glake's dispatch modes, the timers, the copies) and the
     phase bookkeeping are Python that the compiler cannot capture. The blocks of a compiled
     model then run eagerly under their plan; the code around them stays compiled."""
-    compiler = getattr(torch, "compiler", None)
-    disable = getattr(compiler, "disable", None)
+    disable = getattr(_COMPILER, "disable", None)
     return fn if disable is None else disable(fn)
 
 
 def _compiling():
-    compiler = getattr(torch, "compiler", None)
-    return bool(getattr(compiler, "is_compiling", lambda: False)())
+    return bool(getattr(_COMPILER, "is_compiling", lambda: False)())
 
 
 _auto = {"hook": None, "settings": None, "applied": None}

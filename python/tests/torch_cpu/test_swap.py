@@ -113,6 +113,15 @@ def steps_of(model, opt, steps, before=None):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+def compiler(**options):
+    """A function that compiles a model with torch.compile(**options), compiler caches
+    cleared first (each test's models are new to it)."""
+    def compiled(model):
+        torch._dynamo.reset()
+        return torch.compile(model, **options)
+    return compiled
+
+
 def halfway_target(make=None, prepare=None):
     """A target halfway between the peak of recomputing every block and the unplanned peak, from
     a probe run with no target: a plan must move outputs to meet it, and one can (below the
@@ -164,9 +173,7 @@ def test_a_compiled_model_trains_under_its_plan_exactly(entry):
     """torch.compile cannot trace a planned block (its checkpoint with dispatch modes and the
     phases' Python): the blocks run eagerly under their plan and the code around them stays
     compiled. aot_eager compiles with eager's numerics, so the losses stay bit-identical."""
-    def compiled(m):
-        torch._dynamo.reset()
-        return torch.compile(m, backend="aot_eager")
+    compiled = compiler(backend="aot_eager")
     reference = train(fresh(), 8)
     target = halfway_target(fresh, compiled)
     model = fresh()
@@ -217,10 +224,7 @@ def test_a_model_compiled_by_inductor_trains_under_its_plan_on_cuda(mode):
         m = fresh()
         m.eval()  # no dropout: inductor draws its random numbers its own way
         return m
-
-    def compiled(m):
-        torch._dynamo.reset()
-        return torch.compile(m, mode=None if mode == "default" else mode)
+    compiled = compiler(mode=None if mode == "default" else mode)
     reference = train(model(), 8)[0]
     target = halfway_target(model, compiled)
     planned = model()
